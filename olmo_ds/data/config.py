@@ -1,0 +1,32 @@
+"""Data configuration for training: which shard directories, in what mixture, in what order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SourceConfig:
+    """One source of a mixture: a shard directory written by scripts/prepare_data.py."""
+
+    path: str
+    weight: float = 1.0  # relative target share of tokens
+    max_epochs: float | None = None  # cap on repetition of this source (None = no cap)
+    name: str | None = None  # defaults to the directory name
+
+
+@dataclass
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=list)
+    seed: int = 0
+    document_masking: bool = False  # attend only within each document (needs doc boundaries)
+    prefetch: int = 2  # global batches prepared ahead in a background thread
+    val_sources: list[SourceConfig] = field(default_factory=list)  # fixed, unshuffled validation streams
+    allow_data_change: bool = False  # resume even if the data fingerprint differs (explicit opt-in)
+
+    def __post_init__(self) -> None:
+        self.sources = [s if isinstance(s, SourceConfig) else SourceConfig(**s) for s in self.sources]
+        self.val_sources = [s if isinstance(s, SourceConfig) else SourceConfig(**s) for s in self.val_sources]
+        for s in self.sources + self.val_sources:
+            if s.weight <= 0:
+                raise ValueError(f"data source {s.path}: weight must be > 0, got {s.weight}")

@@ -1,0 +1,186 @@
+"""The on-disk token shard format: the contract between data preparation, validation and loading.
+
+A shard directory holds, for i = 0, 1, ...:
+- `shard-NNNNN.bin`: the token ids, raw little-endian, uint16 when every id fits (vocab <= 65536)
+  else uint32. Documents are concatenated, each followed by EOS; a document never spans shards.
+- `shard-NNNNN.offsets.npy`: int64 array of num_docs + 1 token offsets (0, end of doc 0, ..., num_tokens),
+  so document boundaries never need a scan for EOS.
+- `shard-NNNNN.json`: metadata (see `ShardMeta`), including a sha256 of the `.bin`.
+and, written last, `manifest.json` with the totals, the tokenizer fingerprint and the arguments.
+
+Every file appears under its final name only when complete (written to a temporary name, fsynced,
+then renamed), so a crash never leaves a half-written shard that looks whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_PREFIX = "shard-"
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits in it, else uint32 (OLMo 2/3's 100,278 ids need uint32)."""
+    return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
+
+
+def shard_stem(index: int) -> str:
+    return f"{SHARD_PREFIX}{index:05d}"
+
+
+def bin_path(directory: Path, index: int) -> Path:
+    return Path(directory) / f"{shard_stem(index)}.bin"
+
+
+def offsets_path(directory: Path, index: int) -> Path:
+    return Path(directory) / f"{shard_stem(index)}.offsets.npy"
+
+
+def meta_path(directory: Path, index: int) -> Path:
+    return Path(directory) / f"{shard_stem(index)}.json"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+@dataclass
+class ShardMeta:
+    num_tokens: int
+    num_docs: int
+    avg_doc_len: float
+    dtype: str  # "uint16" | "uint32"
+    vocab_size: int
+    max_token_id: int
+    eos_id: int
+    checksum: str  # "sha256:<hex>" of the .bin
+    bin: str  # file names, relative to the shard directory
+    offsets: str
+    format_version: int = FORMAT_VERSION
+
+    @classmethod
+    def load(cls, path: Path) -> "ShardMeta":
+        with open(path) as f:
+            d = json.load(f)
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = names - set(d) - {"format_version"}
+        if missing:
+            raise ValueError(f"{path}: shard metadata lacks keys {sorted(missing)}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that `path` is either absent/old or complete, never partial."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_shard(directory: Path, index: int, tokens: np.ndarray, doc_offsets: np.ndarray, *, vocab_size: int, eos_id: int) -> ShardMeta:
+    """Write one complete shard (bin, offsets, metadata), each file atomically, metadata last.
+
+    `tokens` must already have the shard dtype; `doc_offsets` starts at 0 and ends at len(tokens).
+    """
+    directory = Path(directory)
+    dtype = dtype_for_vocab(vocab_size)
+    tokens = np.ascontiguousarray(tokens, dtype=dtype)
+    doc_offsets = np.asarray(doc_offsets, dtype=np.int64)
+    assert doc_offsets[0] == 0 and doc_offsets[-1] == len(tokens), "offsets must span the shard"
+    raw = tokens.tobytes()
+    atomic_write_bytes(bin_path(directory, index), raw)
+    off_tmp = offsets_path(directory, index).with_suffix(".tmp.npy")
+    with open(off_tmp, "wb") as f:
+        np.save(f, doc_offsets)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(off_tmp, offsets_path(directory, index))
+    num_docs = len(doc_offsets) - 1
+    meta = ShardMeta(
+        num_tokens=int(len(tokens)),
+        num_docs=int(num_docs),
+        avg_doc_len=float(len(tokens) / num_docs) if num_docs else 0.0,
+        dtype=dtype.name,
+        vocab_size=int(vocab_size),
+        max_token_id=int(tokens.max()) if len(tokens) else -1,
+        eos_id=int(eos_id),
+        checksum="sha256:" + hashlib.sha256(raw).hexdigest(),
+        bin=bin_path(directory, index).name,
+        offsets=offsets_path(directory, index).name,
+    )
+    atomic_write_json(meta_path(directory, index), dataclasses.asdict(meta))
+    return meta
+
+
+def list_shards(directory: Path) -> list[Path]:
+    """The `.bin` files of a shard directory, in name order (= data order)."""
+    return sorted(Path(directory).glob(f"{SHARD_PREFIX}[0-9]*.bin"))
+
+
+def open_tokens(path: Path, meta: ShardMeta) -> np.memmap:
+    """Memory-map a shard's ids (zero-copy). Raises if the file size disagrees with the metadata."""
+    path = Path(path)
+    dtype = np.dtype(meta.dtype).newbyteorder("<")
+    expected = meta.num_tokens * dtype.itemsize
+    size = path.stat().st_size
+    if size != expected:
+        raise ValueError(f"{path}: size {size} bytes != num_tokens {meta.num_tokens} x {dtype.itemsize} bytes (truncated or corrupt shard)")
+    if meta.num_tokens == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def load_offsets(path: Path) -> np.ndarray:
+    return np.load(path, mmap_mode="r")
+
+
+@dataclass
+class Manifest:
+    num_tokens: int
+    num_docs: int
+    shards: list[str]
+    dtype: str
+    vocab_size: int
+    eos_id: int
+    tokenizer_fingerprint: str
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)  # arguments, inputs, skipped counts, versions...
+
+    @classmethod
+    def load(cls, directory: Path) -> "Manifest":
+        path = Path(directory) / MANIFEST
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no manifest; is {directory} a shard directory written by scripts/prepare_data.py?")
+        with open(path) as f:
+            d = json.load(f)
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+        missing = [n for n in names if n not in d and n != "format_version"]
+        if missing:
+            raise ValueError(f"{path}: manifest lacks keys {missing}")
+        core = {k: d.pop(k) for k in names if k in d}
+        return cls(**core, extra=d)
+
+    def save(self, directory: Path) -> None:
+        d = dataclasses.asdict(self)
+        extra = d.pop("extra")
+        atomic_write_json(Path(directory) / MANIFEST, {**extra, **d})

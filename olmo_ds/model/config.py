@@ -1,0 +1,134 @@
+"""Model configuration and the named presets.
+
+Presets are code, not YAML, so a typo is an import error and a test can check every preset's
+parameter count against the published size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+VOCAB_MULTIPLE = 128  # embedding rows are padded to a multiple of this (tensor-core friendly)
+
+
+@dataclass
+class YarnConfig:
+    """YaRN RoPE scaling (OLMo 3, full-attention layers only)."""
+
+    factor: float = 8.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    original_max_position_embeddings: int = 8192
+    # Attention logits are scaled by 0.1 * ln(factor) + 1 (the "mscale").
+
+
+@dataclass
+class ModelConfig:
+    """An OLMo-2 / OLMo-3 decoder.
+
+    `vocab_size` is the number of ids the tokenizer can produce; the embedding and the output head
+    have `padded_vocab_size` rows (rounded up to a multiple of 128).
+    """
+
+    d_model: int = 2048
+    n_layers: int = 16
+    n_heads: int = 16
+    n_kv_heads: int | None = None  # None = n_heads (no GQA)
+    mlp_hidden: int = 8192
+    vocab_size: int = 100278
+    max_seq_len: int = 4096
+    rope_theta: float = 500_000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    # OLMo 3 sliding-window attention: window size in tokens and the per-layer pattern.
+    # `sliding_window_pattern` is a list of booleans repeated over the layers (True = sliding);
+    # the last layer is always full attention.
+    sliding_window: int | None = None
+    sliding_window_pattern: list[bool] = field(default_factory=list)
+    yarn: YarnConfig | None = None
+    attention_backend: str = "auto"  # auto | sdpa | flash_attn | flash_attn3 | flex | eager
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if isinstance(self.yarn, dict):
+            self.yarn = YarnConfig(**self.yarn)
+        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "vocab_size", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model {self.d_model} is not divisible by model.n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads {self.n_heads} is not divisible by model.n_kv_heads {self.n_kv_heads}")
+        if self.sliding_window_pattern and not self.sliding_window:
+            raise ValueError("model.sliding_window_pattern is set but model.sliding_window is not")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+    def layer_is_sliding(self, layer: int) -> bool:
+        """Whether `layer` uses sliding-window attention (the last layer never does)."""
+        if not self.sliding_window or not self.sliding_window_pattern or layer == self.n_layers - 1:
+            return False
+        return self.sliding_window_pattern[layer % len(self.sliding_window_pattern)]
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Exact parameter count of the model this config builds."""
+        d, hd = self.d_model, self.head_dim
+        q, kv = self.n_heads * hd, self.n_kv_heads * hd
+        attn = d * q + 2 * d * kv + q * d + q + kv  # projections + QK-norm weights
+        mlp = 3 * d * self.mlp_hidden
+        block = attn + mlp + 2 * d  # two post-norms
+        body = self.n_layers * block + d  # final norm
+        if not include_embedding:
+            return body
+        emb = self.padded_vocab_size * d
+        return body + emb + (0 if self.tie_embeddings else emb)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 * N_non-embedding + 12 * L * d * T (the PaLM/OLMo formula)."""
+        return 6 * self.num_params(include_embedding=False) + 12 * self.n_layers * self.d_model * seq_len
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        return cls(**d)
+
+
+def _olmo3_pattern() -> list[bool]:
+    return [True, True, True, False]
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Tiny: tests and the demo. Vocab is set from the tokenizer by the train config.
+    "tiny": ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=192, vocab_size=4096, max_seq_len=256),
+    "olmo2-1b": ModelConfig(d_model=2048, n_layers=16, n_heads=16, mlp_hidden=8192, vocab_size=100278, max_seq_len=4096),
+    "olmo2-7b": ModelConfig(d_model=4096, n_layers=32, n_heads=32, mlp_hidden=11008, vocab_size=100278, max_seq_len=4096),
+    "olmo2-13b": ModelConfig(d_model=5120, n_layers=40, n_heads=40, mlp_hidden=13824, vocab_size=100278, max_seq_len=4096),
+    "olmo3-7b": ModelConfig(
+        d_model=4096, n_layers=32, n_heads=32, mlp_hidden=11008, vocab_size=100278, max_seq_len=8192,
+        sliding_window=4096, sliding_window_pattern=_olmo3_pattern(),
+    ),
+    "olmo3-32b": ModelConfig(
+        d_model=5120, n_layers=64, n_heads=40, n_kv_heads=8, mlp_hidden=27648, vocab_size=100278, max_seq_len=8192,
+        sliding_window=4096, sliding_window_pattern=_olmo3_pattern(),
+    ),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A fresh copy of a named preset with field overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
