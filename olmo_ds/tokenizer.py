@@ -1,0 +1,181 @@
+"""One tokenizer interface over HF `tokenizers` (`tokenizer.json`) and sentencepiece (`.model`).
+
+Data preparation, training and evaluation must agree on the ids, the EOS id and the vocabulary size,
+and must be able to prove that two runs used the same tokenizer: hence `fingerprint`, a sha256 of
+the tokenizer's canonical content (not of the file bytes, so reformatting the JSON does not change
+it). `encode` never adds special tokens: data preparation appends EOS itself, so it is explicit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+# Names under which tokenizers in the wild spell their end-of-document and padding tokens, in the
+# order we prefer them when no tokenizer_config.json names them.
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
+PAD_CANDIDATES = ("<|pad|>", "<|padding|>", "<pad>", "[PAD]")
+
+
+class Tokenizer(ABC):
+    """The interface every backend implements (see docs/architecture.md, "Tokenizer")."""
+
+    path: Path
+    vocab_size: int  # number of ids = max id + 1 (ids are dense in [0, vocab_size))
+    eos_id: int
+    pad_id: int | None
+    fingerprint: str  # "sha256:<hex>" of the canonical content
+    kind: str  # "hf" | "sentencepiece"
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    @abstractmethod
+    def decode(self, ids) -> str: ...
+
+    @abstractmethod
+    def token_to_id(self, token: str) -> int | None: ...
+
+    @abstractmethod
+    def configured_token(self, key: str) -> str | None: ...
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id}, pad_id={self.pad_id})"
+
+
+class HFTokenizer(Tokenizer):
+    """A `tokenizers` `tokenizer.json`. Batch encoding uses `encode_batch_fast` (no offsets)."""
+
+    kind = "hf"
+
+    def __init__(self, path: Path):
+        import tokenizers
+
+        self.path = Path(path)
+        raw = self.path.read_bytes()
+        try:
+            content = json.loads(raw)
+            self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:  # the library's own message names the part it could not parse
+            raise ValueError(f"{self.path}: not a valid HF tokenizer.json: {e}") from e
+        canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        self.fingerprint = "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        self._config = _read_tokenizer_config(self.path.parent)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def configured_token(self, key: str) -> str | None:
+        """`eos_token`/`pad_token` from a tokenizer_config.json beside the tokenizer.json, if any."""
+        value = self._config.get(key)
+        if isinstance(value, dict):  # transformers serializes AddedToken as {"content": ...}
+            value = value.get("content")
+        return value if isinstance(value, str) else None
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece `.model`; its EOS/PAD ids come from the model's own trainer settings."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, path: Path):
+        import sentencepiece as spm
+
+        self.path = Path(path)
+        raw = self.path.read_bytes()
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=raw)
+        except Exception as e:
+            raise ValueError(f"{self.path}: not a valid sentencepiece model: {e}") from e
+        # The serialized ModelProto is the canonical content.
+        self.fingerprint = "sha256:" + hashlib.sha256(self._sp.serialized_model_proto()).hexdigest()
+        self.vocab_size = self._sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(list(texts))
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def token_to_id(self, token: str) -> int | None:
+        i = self._sp.piece_to_id(token)
+        return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
+
+    def configured_token(self, key: str) -> str | None:
+        i = {"eos_token": self._sp.eos_id(), "pad_token": self._sp.pad_id()}.get(key, -1)
+        return self._sp.id_to_piece(i) if i >= 0 else None
+
+
+def _read_tokenizer_config(directory: Path) -> dict:
+    path = directory / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON: {e}") from e
+
+
+def _resolve_path(path: Path) -> Path:
+    path = Path(path)
+    if path.is_dir():
+        candidate = path / "tokenizer.json"
+        if candidate.is_file():
+            return candidate
+        models = sorted(path.glob("*.model"))
+        if len(models) == 1:
+            return models[0]
+        raise FileNotFoundError(f"{path}: directory holds no tokenizer.json (nor exactly one sentencepiece .model)")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: tokenizer file not found (expected an HF tokenizer.json, a directory holding one, or a sentencepiece .model)")
+    return path
+
+
+def _find_token(tok: Tokenizer, configured: str | None, candidates: tuple[str, ...]) -> int | None:
+    for name in ((configured,) if configured else ()) + candidates:
+        i = tok.token_to_id(name)
+        if i is not None:
+            return i
+    return None
+
+
+def load_tokenizer(path, eos_token: str | None = None) -> Tokenizer:
+    """Load an HF tokenizer.json (or a directory holding one) or a sentencepiece .model.
+
+    The EOS id is `eos_token`'s id when given, else the tokenizer's own (tokenizer_config.json's
+    `eos_token`, the sentencepiece model's eos, or a conventional name such as `<|endoftext|>`).
+    A tokenizer without an identifiable EOS is refused: documents could not be separated.
+    """
+    path = _resolve_path(Path(path))
+    tok: Tokenizer = SentencePieceTokenizer(path) if path.suffix == ".model" else HFTokenizer(path)
+    if eos_token is not None:
+        eos = tok.token_to_id(eos_token)
+        if eos is None:
+            raise ValueError(f"{path}: --eos-token {eos_token!r} is not in the tokenizer's vocabulary")
+    else:
+        eos = _find_token(tok, tok.configured_token("eos_token"), EOS_CANDIDATES)
+        if eos is None:
+            raise ValueError(f"{path}: the tokenizer has no recognizable EOS token (tried {', '.join(EOS_CANDIDATES)}); name one with --eos-token")
+    tok.eos_id = eos
+    tok.pad_id = _find_token(tok, tok.configured_token("pad_token"), PAD_CANDIDATES)
+    return tok

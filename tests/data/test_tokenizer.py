@@ -1,0 +1,85 @@
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import tokenizers
+
+from olmo_ds.tokenizer import load_tokenizer
+
+SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
+DOLMA2 = SHARED / "tokenizers" / "dolma2-tokenizer.json"
+NEOX = SHARED / "tokenizers" / "gpt-neox-olmo-dolma-v1_5.json"
+C4 = sorted((SHARED / "data" / "c4-sample").glob("*.json.gz"))
+
+
+def c4_texts() -> list[str]:
+    texts = []
+    for path in C4:
+        with gzip.open(path, "rt") as f:
+            texts += [json.loads(line)["text"] for line in f]
+    return texts
+
+
+@pytest.mark.parametrize(
+    "path, vocab_size, eos_id, pad_id",
+    [(DOLMA2, 100278, 100257, 100277), (NEOX, 50280, 50279, 1)],
+)
+def test_real_tokenizers(path, vocab_size, eos_id, pad_id):
+    tok = load_tokenizer(path)
+    assert (tok.vocab_size, tok.eos_id, tok.pad_id) == (vocab_size, eos_id, pad_id)
+    reference = tokenizers.Tokenizer.from_file(str(path))
+    texts = c4_texts()
+    assert len(texts) == 30
+    expected = [reference.encode(t, add_special_tokens=False).ids for t in texts]
+    assert [tok.encode(t) for t in texts] == expected
+    assert tok.encode_batch(texts) == expected
+    assert all(max(ids) < tok.vocab_size for ids in expected)
+    assert tok.decode(expected[0]) == texts[0]
+
+
+def test_fingerprint_is_of_content_not_formatting(tmp_path):
+    reformatted = tmp_path / "tokenizer.json"
+    reformatted.write_text(json.dumps(json.loads(NEOX.read_text()), indent=4))
+    a, b = load_tokenizer(NEOX), load_tokenizer(tmp_path)  # a directory holding tokenizer.json
+    assert a.fingerprint == b.fingerprint and a.fingerprint.startswith("sha256:")
+    assert load_tokenizer(DOLMA2).fingerprint != a.fingerprint
+
+
+def test_eos_override_and_refusal(tmp_path):
+    assert load_tokenizer(DOLMA2, eos_token="<|im_end|>").eos_id == 100265
+    with pytest.raises(ValueError, match="not in the tokenizer's vocabulary"):
+        load_tokenizer(DOLMA2, eos_token="<|no such token|>")
+    d = json.loads(NEOX.read_text())
+    d["added_tokens"] = [t for t in d["added_tokens"] if t["content"] != "<|endoftext|>"]
+    del d["model"]["vocab"]["<|endoftext|>"]
+    no_eos = tmp_path / "no_eos.json"
+    no_eos.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="no recognizable EOS.*--eos-token"):
+        load_tokenizer(no_eos)
+    with pytest.raises(FileNotFoundError, match="tokenizer file not found"):
+        load_tokenizer(tmp_path / "missing.json")
+
+
+def test_tokenizer_config_names_eos(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(DOLMA2.read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}, "pad_token": "<|endoftext|>"}))
+    tok = load_tokenizer(tmp_path)
+    assert (tok.eos_id, tok.pad_id) == (100265, 100257)
+
+
+def test_sentencepiece(tmp_path):
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(c4_texts()))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=300, model_type="bpe",
+        pad_id=3, minloglevel=2, num_threads=1,
+    )
+    tok = load_tokenizer(tmp_path / "sp.model")
+    reference = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    assert (tok.vocab_size, tok.eos_id, tok.pad_id) == (300, reference.eos_id(), 3)
+    texts = c4_texts()[:5]
+    assert tok.encode_batch(texts) == [reference.encode(t) for t in texts]
+    assert tok.fingerprint.startswith("sha256:")
