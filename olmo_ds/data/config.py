@@ -11,7 +11,9 @@ class SourceConfig:
 
     path: str
     weight: float = 1.0  # relative target share of tokens
-    max_epochs: float | None = None  # cap on repetition of this source (None = no cap)
+    # At most this many passes over the source per mixture epoch: None = 1 (no repetition),
+    # > 1 allows upsampling a small source (see olmo_ds/data/mixture.py).
+    max_epochs: float | None = None
     name: str | None = None  # defaults to the directory name
 
 

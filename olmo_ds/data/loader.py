@@ -1,0 +1,333 @@
+"""The training data loader: deterministic global batches, each rank's slice, exact resume.
+
+    loader = DataLoader(cfg, seq_len=4096, global_batch_size=512, dp_rank=rank, dp_world_size=world)
+    loader.check_vocab(model_cfg.vocab_size)    # before step one
+    batch = loader.next_batch()                 # this rank's rows of the next global batch
+    train_state["data"] = loader.state_dict()   # ... and after a restart, on any world size:
+    loader.load_state_dict(train_state["data"])
+
+What a batch is. A dict of CPU tensors (pinned when CUDA is available) with
+`global_batch_size(step) // dp_world_size` rows of `seq_len` tokens:
+- `input_ids` int64 [B, T]: one instance per row (see `olmo_ds.data.dataset` for instances).
+- `labels` int64 [B, T]: `input_ids` shifted left by one, the last position -100 (ignored).
+- `doc_lens` int32 [B, D], only with `DataConfig.document_masking`: the lengths of the document
+  pieces each row is cut into, from the shards' offsets index, zero-padded on the right; each row's
+  non-zero entries sum to T. `olmo_ds.data.masking` turns it into flash-attn varlen's
+  (`cu_seqlens`, `max_seqlen`) or a document-causal mask for flex_attention / SDPA.
+Rank r holds rows [r * B, (r + 1) * B) of the global batch; the trainer cuts its rows into
+micro-batches itself.
+
+Order. Global batch k is the next `global_batch_size(k)` instance ids of the stream described in
+`olmo_ds.data.order`, a function of (data, seed, batch-size schedule, seq_len) only. So the state is
+two numbers, the step and the instances consumed, plus what they are valid for (seed, seq_len, data
+fingerprint); restoring them on another world size continues with exactly the next global batch.
+
+Prefetch. With `DataConfig.prefetch` > 0 a background thread assembles the next batches of this rank
+while the GPU works; `wait_seconds` accumulates the time `next_batch` spent blocked on it, so the
+trainer can log the data-wait share of step time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from olmo_ds.data.config import DataConfig, SourceConfig
+from olmo_ds.data.dataset import TokenSource
+from olmo_ds.data.masking import pad_doc_lens
+from olmo_ds.data.mixture import Mixture
+from olmo_ds.data.order import BatchSizeSchedule, GlobalOrder
+
+STATE_VERSION = 1
+IGNORE_INDEX = -100
+
+
+def _labels_for(input_ids: np.ndarray) -> np.ndarray:
+    labels = np.empty_like(input_ids)
+    labels[:, :-1] = input_ids[:, 1:]
+    labels[:, -1] = IGNORE_INDEX
+    return labels
+
+
+def _to_tensors(arrays: dict[str, np.ndarray | torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
+    out = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}
+    if pin:
+        out = {k: v.pin_memory() for k, v in out.items()}
+    return out
+
+
+def _open_sources(configs: list[SourceConfig]) -> list[TokenSource]:
+    sources = [TokenSource(c.path, c.name) for c in configs]
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        raise ValueError(f"data sources have duplicate names {names}; give each a distinct `name`")
+    first = sources[0]
+    for s in sources[1:]:
+        if s.tokenizer_fingerprint != first.tokenizer_fingerprint:
+            raise ValueError(
+                f"data sources {first.directory} and {s.directory} were tokenized differently "
+                f"({first.tokenizer_fingerprint} vs {s.tokenizer_fingerprint}); a mixture needs one tokenizer"
+            )
+    return sources
+
+
+class DataLoader:
+    """See the module docstring."""
+
+    def __init__(self, cfg: DataConfig, *, seq_len: int, global_batch_size: int | BatchSizeSchedule, dp_rank: int, dp_world_size: int) -> None:
+        if not cfg.sources:
+            raise ValueError("data config: `sources` is empty; list at least one shard directory")
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 (an instance and its shifted labels), got {seq_len}")
+        if not 0 <= dp_rank < dp_world_size:
+            raise ValueError(f"dp_rank {dp_rank} outside 0 .. dp_world_size - 1 = {dp_world_size - 1}")
+        self.cfg = cfg
+        self.seq_len = int(seq_len)
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.schedule = BatchSizeSchedule.parse(global_batch_size)
+
+        self.sources = _open_sources(cfg.sources)
+        self.mixture = Mixture(
+            [s.name for s in self.sources],
+            [c.weight for c in cfg.sources],
+            [c.max_epochs for c in cfg.sources],
+            [s.num_instances(self.seq_len) for s in self.sources],
+        )
+        self.order = GlobalOrder(self.mixture, cfg.seed)
+        self.fingerprint = self._fingerprint()
+
+        self.step = 0
+        self.instances_consumed = 0
+        self.wait_seconds = 0.0
+        self._pin = torch.cuda.is_available()
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._checked = False
+        # The final size applies to every run, fresh or resumed; the rest is checked at the first batch.
+        self._check_divisible(self.schedule.points[-1][0])
+
+    # Facts the trainer cross-checks against the model and the checkpoint.
+    @property
+    def vocab_size(self) -> int:
+        return self.sources[0].vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        return self.sources[0].eos_id
+
+    @property
+    def max_token_id(self) -> int:
+        return max(s.max_token_id for s in self.sources)
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        return self.sources[0].tokenizer_fingerprint
+
+    @property
+    def epoch(self) -> int:
+        return self.instances_consumed // self.mixture.epoch_size
+
+    def check_vocab(self, model_vocab_size: int) -> None:
+        """Refuse a model whose embedding has fewer rows than the data's largest id needs."""
+        worst = max(self.sources, key=lambda s: s.max_token_id)
+        if worst.max_token_id >= model_vocab_size:
+            raise ValueError(
+                f"data source {worst.directory} holds token id {worst.max_token_id}, but the model's vocab_size is "
+                f"{model_vocab_size}: the model needs vocab_size >= {worst.max_token_id + 1} (the tokenizer has {worst.vocab_size})"
+            )
+
+    def global_batch_size(self, step: int) -> int:
+        return self.schedule.at(step)
+
+    def mixture_report(self, total_instances: int | None = None) -> list[dict]:
+        """Per source: target vs actual share, tokens and passes per epoch (and over `total_instances`)."""
+        return self.mixture.report(self.seq_len, total_instances)
+
+    def _fingerprint(self) -> str:
+        record = {
+            "sources": [
+                {**s.fingerprint_record(), "weight": c.weight, "max_epochs": c.max_epochs}
+                for s, c in zip(self.sources, self.cfg.sources)
+            ]
+        }
+        return "sha256:" + hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+    # Batches.
+    def _rows(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
+        """Assemble the instances `ids` (global ids) into a batch."""
+        src, inst = self.mixture.source_of(ids)
+        T = self.seq_len
+        input_ids = np.empty((len(ids), T), dtype=np.int64)
+        for row, (s, i) in enumerate(zip(src.tolist(), inst.tolist())):
+            self.sources[s].read(i * T, input_ids[row])
+        batch: dict = {"input_ids": input_ids, "labels": _labels_for(input_ids)}
+        if self.cfg.document_masking:
+            batch["doc_lens"] = pad_doc_lens([self.sources[s].doc_lengths(i * T, T) for s, i in zip(src.tolist(), inst.tolist())])
+        return _to_tensors(batch, self._pin)
+
+    def _make_batch(self, step: int, position: int) -> dict[str, torch.Tensor]:
+        per_rank = self.schedule.at(step) // self.dp_world_size
+        return self._rows(self.order.ids(position + self.dp_rank * per_rank, per_rank))
+
+    def global_batch_instances(self, step: int, position: int | None = None) -> list[tuple[str, int]]:
+        """(source name, first token in that source's stream) of every instance of global batch `step`.
+
+        `position` is the stream position the step starts at; by default the one the schedule gives
+        (right for any run whose schedule never changed). This is how one finds which tokens a step saw.
+        """
+        if position is None:
+            position = self.schedule.instances_before(step)
+        src, inst = self.mixture.source_of(self.order.ids(position, self.schedule.at(step)))
+        return [(self.sources[s].name, i * self.seq_len) for s, i in zip(src.tolist(), inst.tolist())]
+
+    def _produce(self, step: int, position: int, q: queue.Queue, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                item = self._make_batch(step, position)
+                position += self.schedule.at(step)
+                step += 1
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # handed to the consumer, which re-raises it in the main thread
+            q.put(e)
+
+    def _check_divisible(self, from_step: int) -> None:
+        # Only the sizes from `from_step` on: a run resumed on more ranks after a small warmup batch
+        # size never needs to split that one again.
+        for i, (step, size) in enumerate(self.schedule.points):
+            ends = self.schedule.points[i + 1][0] if i + 1 < len(self.schedule.points) else None
+            if (ends is None or ends > from_step) and size % self.dp_world_size:
+                raise ValueError(f"global batch size {size} (from step {step}) is not divisible by the data-parallel world size {self.dp_world_size}")
+
+    def _start_prefetch(self) -> None:
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self.cfg.prefetch)
+        self._thread = threading.Thread(
+            target=self._produce, args=(self.step, self.instances_consumed, self._queue, self._stop), name="olmo-ds-data", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the prefetch thread (the next `next_batch` starts a new one where this left off)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        self._thread = self._queue = None
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """This rank's rows of the next global batch; advances the loader state by one step."""
+        if not self._checked:
+            self._check_divisible(self.step)
+            self._checked = True
+        t0 = time.perf_counter()
+        if self.cfg.prefetch <= 0:
+            batch = self._make_batch(self.step, self.instances_consumed)
+        else:
+            if self._thread is None:
+                self._start_prefetch()
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                self.close()
+                raise item
+            batch = item
+        self.wait_seconds += time.perf_counter() - t0
+        self.instances_consumed += self.schedule.at(self.step)
+        self.step += 1
+        return batch
+
+    # Resume.
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "step": self.step,
+            "instances_consumed": self.instances_consumed,
+            "epoch": self.epoch,
+            "epoch_size": self.mixture.epoch_size,
+            "seed": self.cfg.seed,
+            "seq_len": self.seq_len,
+            "fingerprint": self.fingerprint,
+            "batch_size_schedule": self.schedule.to_list(),
+        }
+
+    def load_state_dict(self, state: dict, allow_data_change: bool | None = None) -> None:
+        """Continue exactly after the batch the saved loader returned last.
+
+        Refuses a state saved for other data, another seed or another seq_len unless
+        `allow_data_change` (default: `DataConfig.allow_data_change`) is set; then training goes on at
+        the same step and stream position of the new data. The world size may differ freely. A changed
+        batch-size schedule applies from the restored step on.
+        """
+        if allow_data_change is None:
+            allow_data_change = self.cfg.allow_data_change
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"data loader state version {state.get('version')!r}, this loader reads version {STATE_VERSION}")
+        mismatches = [
+            f"{key}: checkpoint {state[key]!r}, now {now!r}"
+            for key, now in (("fingerprint", self.fingerprint), ("seed", self.cfg.seed), ("seq_len", self.seq_len))
+            if state[key] != now
+        ]
+        if mismatches and not allow_data_change:
+            raise ValueError(
+                "refusing to resume on different data (" + "; ".join(mismatches) + "). Set data.allow_data_change: true "
+                "to continue on the new data at the same step"
+            )
+        self.close()
+        self._checked = False
+        self.step = int(state["step"])
+        self.instances_consumed = int(state["instances_consumed"])
+
+
+def validation_batches(
+    source: SourceConfig | str | Path,
+    seq_len: int,
+    batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    *,
+    document_masking: bool = False,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """A fixed, unshuffled pass over a validation source: every instance exactly once, in order.
+
+    `batch_size` is rows per rank per batch. Global batch g is instances
+    [g * batch_size * dp_world_size, (g + 1) * batch_size * dp_world_size), rank r taking its r-th
+    block of `batch_size`. The last global batch is filled up with padding rows (input_ids EOS,
+    labels all -100) so that every rank runs the same number of equally shaped batches; sum the
+    loss over labels != -100 and count them to get the exact mean over real tokens.
+    """
+    if isinstance(source, SourceConfig):
+        src = TokenSource(source.path, source.name)
+    else:
+        src = TokenSource(source)
+    if not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank {dp_rank} outside 0 .. dp_world_size - 1 = {dp_world_size - 1}")
+    n = src.num_instances(seq_len)
+    per_global = batch_size * dp_world_size
+    for g in range(math.ceil(n / per_global)):
+        first = g * per_global + dp_rank * batch_size
+        real = max(0, min(batch_size, n - first))
+        input_ids = np.full((batch_size, seq_len), src.eos_id, dtype=np.int64)
+        for row in range(real):
+            src.read((first + row) * seq_len, input_ids[row])
+        labels = _labels_for(input_ids)
+        labels[real:] = IGNORE_INDEX
+        batch: dict = {"input_ids": input_ids, "labels": labels}
+        if document_masking:
+            rows = [src.doc_lengths((first + row) * seq_len, seq_len) for row in range(real)]
+            rows += [np.array([seq_len])] * (batch_size - real)
+            batch["doc_lens"] = pad_doc_lens(rows)
+        yield _to_tensors(batch, False)

@@ -1,0 +1,52 @@
+"""Document masking: the per-instance document lengths the loader returns, and the forms the
+attention backends take them in.
+
+A batch's `doc_lens` is `int32 [B, D]`: row b lists the lengths of the document pieces instance b
+is cut into, in order, padded on the right with zeros; each row's non-zero entries sum to seq_len.
+Rows can be sliced into micro-batches as they are (trailing all-zero columns are harmless).
+- flash-attn varlen: `cu_seqlens(doc_lens)` flattens the batch into one packed sequence of
+  documents: (`cu_seqlens` int32 [num_docs + 1], `max_seqlen` int).
+- flex_attention / SDPA: `document_ids(doc_lens, seq_len)` numbers each token's document, and
+  `document_causal_mask(doc_lens, seq_len)` is the boolean [B, 1, T, T] mask "causal and same document".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def pad_doc_lens(rows: list[np.ndarray]) -> torch.Tensor:
+    """Stack variable-length per-instance document lengths into a zero-padded int32 [B, D] tensor."""
+    width = max(len(r) for r in rows)
+    out = np.zeros((len(rows), width), dtype=np.int32)
+    for b, r in enumerate(rows):
+        out[b, : len(r)] = r
+    return torch.from_numpy(out)
+
+
+def cu_seqlens(doc_lens: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Cumulative document boundaries over the flattened batch, as flash_attn_varlen_func wants them."""
+    lens = doc_lens[doc_lens > 0].to(torch.int32)
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=doc_lens.device)
+    cu[1:] = torch.cumsum(lens, 0)
+    return cu, int(lens.max())
+
+
+def document_ids(doc_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """int32 [B, T]: the index, within its row, of the document each token belongs to."""
+    rows = []
+    for lens in doc_lens:
+        lens = lens[lens > 0]
+        if int(lens.sum()) != seq_len:
+            raise ValueError(f"doc_lens row {lens.tolist()} sums to {int(lens.sum())}, not seq_len {seq_len}")
+        rows.append(torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32, device=doc_lens.device), lens))
+    return torch.stack(rows)
+
+
+def document_causal_mask(doc_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """bool [B, 1, T, T], True where query q may attend key k: k <= q and both in the same document."""
+    doc = document_ids(doc_lens, seq_len)
+    same = doc[:, :, None] == doc[:, None, :]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=doc_lens.device).tril()
+    return (same & causal)[:, None]

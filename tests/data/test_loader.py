@@ -1,0 +1,302 @@
+"""The training data loader: exactly-once coverage, world-size independence, exact resume, clear errors.
+
+Synthetic sources hold token value = position in the source's stream (uint32), so every row tells
+which instance it is: row[0] // seq_len.
+"""
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from olmo_ds.data import shards
+from olmo_ds.data.config import DataConfig, SourceConfig
+from olmo_ds.data.loader import DataLoader, validation_batches
+from olmo_ds.data.order import BatchSizeSchedule
+
+SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
+VOCAB = 100278  # uint32 shards, like OLMo 2/3's tokenizer
+SEQ = 16
+
+
+def write_source(directory: Path, shard_sizes, *, vocab_size=VOCAB, eos_id=0, fingerprint="sha256:synthetic", seed=0, values=None) -> Path:
+    """Shards whose token at stream position p is p (or values[p]), cut into random documents."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    total = int(sum(shard_sizes))
+    stream = np.arange(total) if values is None else np.asarray(values)
+    names, start = [], 0
+    dtype = shards.dtype_for_vocab(vocab_size)
+    for i, n in enumerate(shard_sizes):
+        cuts = np.unique(rng.integers(1, n, size=max(1, n // 7))) if n > 1 else np.array([], dtype=np.int64)
+        offsets = np.concatenate([[0], cuts, [n]])
+        meta = shards.write_shard(directory, i, stream[start : start + n].astype(dtype), offsets, vocab_size=vocab_size, eos_id=eos_id)
+        names.append(meta.bin)
+        start += n
+    shards.Manifest(
+        num_tokens=total, num_docs=0, shards=names, dtype=dtype.name, vocab_size=vocab_size, eos_id=eos_id, tokenizer_fingerprint=fingerprint
+    ).save(directory)
+    return directory
+
+
+def loader(paths, *, bs=6, rank=0, world=1, seq=SEQ, **cfg):
+    sources = [p if isinstance(p, SourceConfig) else SourceConfig(path=str(p)) for p in paths]
+    return DataLoader(DataConfig(sources=sources, **cfg), seq_len=seq, global_batch_size=bs, dp_rank=rank, dp_world_size=world)
+
+
+def instance_ids(batch, seq=SEQ):
+    return (batch["input_ids"][:, 0] // seq).tolist()
+
+
+def global_batches(path, steps, *, world, bs=8, prefetch=2, **kw):
+    """The global batches a `world`-rank job sees, rebuilt by concatenating the ranks' slices."""
+    ranks = [loader([path], bs=bs, rank=r, world=world, prefetch=prefetch, **kw) for r in range(world)]
+    out = []
+    for _ in range(steps):
+        parts = [ld.next_batch()["input_ids"].numpy() for ld in ranks]
+        out.append(np.concatenate(parts))
+    for ld in ranks:
+        ld.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    # 3 shards, 1000 tokens: 62 instances of 16, 8 tail tokens dropped; instances cross shard ends.
+    return write_source(tmp_path_factory.mktemp("src"), [300, 333, 367])
+
+
+def test_instances_are_consecutive_tokens_with_shifted_labels(source):
+    ld = loader([source], bs=4, prefetch=0)
+    batch = ld.next_batch()
+    assert batch["input_ids"].dtype == batch["labels"].dtype == __import__("torch").int64
+    for row, labels in zip(batch["input_ids"].numpy(), batch["labels"].numpy()):
+        start = row[0]
+        assert start % SEQ == 0
+        np.testing.assert_array_equal(row, np.arange(start, start + SEQ))
+        np.testing.assert_array_equal(labels[:-1], row[1:])
+        assert labels[-1] == -100
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_epoch_is_covered_exactly_once_across_ranks(source, world):
+    ranks = [loader([source], bs=6, rank=r, world=world) for r in range(world)]
+    assert ranks[0].mixture.epoch_size == 62  # 1000 // 16, the 8-token tail dropped
+    seen = []
+    for _ in range(62 // 6):  # 10 whole batches: 60 instances
+        for ld in ranks:
+            batch = ld.next_batch()
+            assert batch["input_ids"].shape == (6 // world, SEQ)
+            seen += instance_ids(batch)
+    assert len(seen) == len(set(seen)) == 60
+    assert set(seen) <= set(range(62))
+    # The epoch's last 2 instances open the next global batch, which then continues into epoch 1.
+    tail = sum((instance_ids(ld.next_batch()) for ld in ranks), [])
+    assert set(seen) | set(tail[:2]) == set(range(62))
+
+
+def test_epoch_boundary_continues_into_a_new_permutation(source):
+    ld = loader([source], bs=31, prefetch=0)
+    epochs = [instance_ids(ld.next_batch()) + instance_ids(ld.next_batch()) for _ in range(2)]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(62))
+    assert epochs[0] != epochs[1]
+
+
+def test_global_batches_do_not_depend_on_world_size_or_prefetch(source):
+    reference = global_batches(source, 12, world=1, prefetch=0)
+    for world, prefetch in [(1, 3), (2, 1), (4, 2), (4, 0)]:
+        got = global_batches(source, 12, world=world, prefetch=prefetch)
+        for a, b in zip(reference, got):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_seed_changes_the_order(source):
+    a = global_batches(source, 2, world=1, seed=0)
+    b = global_batches(source, 2, world=1, seed=1)
+    assert not all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("stop_at,new_world", [(3, 2), (7, 4), (9, 1)])
+def test_resume_equals_uninterrupted_run_also_on_another_world_size(source, stop_at, new_world):
+    reference = global_batches(source, 14, world=2)  # crosses the epoch boundary at 62 // 8 = 7.75 steps
+    first = [loader([source], bs=8, rank=r, world=2) for r in range(2)]
+    for _ in range(stop_at):
+        for ld in first:
+            ld.next_batch()
+    state = json.loads(json.dumps(first[0].state_dict()))  # through JSON, as train_state.json stores it
+    assert state == first[1].state_dict()
+    resumed = [loader([source], bs=8, rank=r, world=new_world) for r in range(new_world)]
+    for ld in resumed:
+        ld.load_state_dict(state)
+    for step in range(stop_at, 14):
+        got = np.concatenate([ld.next_batch()["input_ids"].numpy() for ld in resumed])
+        np.testing.assert_array_equal(got, reference[step])
+    for ld in first + resumed:
+        ld.close()
+
+
+def test_batch_size_schedule_consumes_each_instance_once_and_resumes_across_a_change(source):
+    schedule = BatchSizeSchedule.parse([[0, 2], [3, 4], {"step": 6, "global_batch_size": 8}])
+    assert [schedule.at(s) for s in range(8)] == [2, 2, 2, 4, 4, 4, 8, 8]
+    assert schedule.instances_before(7) == 6 + 12 + 8
+    ref = loader([source], bs=schedule, world=2, rank=0, prefetch=0)
+    ref1 = loader([source], bs=schedule, world=2, rank=1, prefetch=0)
+    seen, per_step = [], []
+    for step in range(10):  # 6 + 12 + 32 = 50 instances, within the 62 of epoch 0
+        ids = instance_ids(ref.next_batch()) + instance_ids(ref1.next_batch())
+        assert len(ids) == schedule.at(step)
+        per_step.append(ids)
+        seen += ids
+    assert len(seen) == len(set(seen)) == 50
+    assert ref.global_batch_instances(8) == [(source.name, i * SEQ) for i in per_step[8]]
+    # Stop on the step before the change, resume on 4 ranks: the same batches follow.
+    first = loader([source], bs=schedule, prefetch=0)
+    for _ in range(5):
+        first.next_batch()
+    resumed = [loader([source], bs=schedule, rank=r, world=4, prefetch=1) for r in range(4)]
+    for ld in resumed:
+        ld.load_state_dict(first.state_dict())
+    for step in range(5, 10):
+        assert sum((instance_ids(ld.next_batch()) for ld in resumed), []) == per_step[step]
+    for ld in resumed:
+        ld.close()
+
+
+def test_prefetch_reports_wait_time_and_state_counts_only_returned_batches(source):
+    ld = loader([source], bs=4, prefetch=3)
+    ld.next_batch()
+    ld.next_batch()
+    assert ld.state_dict()["step"] == 2 and ld.state_dict()["instances_consumed"] == 8
+    assert ld.wait_seconds > 0
+    ld.close()
+
+
+def test_validation_stream_covers_every_instance_once_in_order(source):
+    seen, shapes = [], set()
+    batches = [list(validation_batches(str(source), SEQ, 5, r, 3)) for r in range(3)]
+    assert len({len(b) for b in batches}) == 1  # every rank runs the same number of batches
+    for step in range(len(batches[0])):
+        for r in range(3):
+            batch = batches[r][step]
+            shapes.add(tuple(batch["input_ids"].shape))
+            real = (batch["labels"] != -100).any(dim=1)
+            seen += instance_ids({"input_ids": batch["input_ids"][real]})
+    assert seen == list(range(62)) and shapes == {(5, SEQ)}
+
+
+def test_document_lengths_match_the_shards_offsets(source):
+    ld = loader([source], bs=62, prefetch=0, document_masking=True)
+    batch = ld.next_batch()
+    # Document boundaries in stream positions, from the offsets files (shard ends included).
+    bounds, base = set(), 0
+    for i in range(3):
+        offs = shards.load_offsets(shards.offsets_path(source, i))
+        bounds |= set((base + offs).tolist())
+        base += int(offs[-1])
+    for row, lens in zip(batch["input_ids"].numpy(), batch["doc_lens"].numpy()):
+        assert lens.sum() == SEQ and (lens[lens > 0].size == np.count_nonzero(lens))
+        lens = lens[lens > 0]
+        cuts = int(row[0]) + np.cumsum(lens)[:-1]
+        expected = sorted(b for b in bounds if row[0] < b < row[0] + SEQ)
+        assert cuts.tolist() == expected
+
+
+def test_document_lengths_from_a_real_tokenizer(tmp_path):
+    from olmo_ds.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(SHARED / "tokenizers" / "gpt-neox-olmo-dolma-v1_5.json")
+    with gzip.open(SHARED / "data" / "c4-sample" / "c4-sample.01.json.gz", "rt") as f:
+        texts = [json.loads(line)["text"] for line in f][:6]
+    docs = [ids + [tok.eos_id] for ids in tok.encode_batch(texts)]
+    tokens = np.concatenate([np.asarray(d) for d in docs])
+    offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])])
+    shards.write_shard(tmp_path, 0, tokens.astype(np.uint16), offsets, vocab_size=tok.vocab_size, eos_id=tok.eos_id)
+    shards.Manifest(
+        num_tokens=len(tokens), num_docs=len(docs), shards=["shard-00000.bin"], dtype="uint16",
+        vocab_size=tok.vocab_size, eos_id=tok.eos_id, tokenizer_fingerprint=tok.fingerprint,
+    ).save(tmp_path)
+    seq = 64
+    batches = list(validation_batches(str(tmp_path), seq, 4, 0, 1, document_masking=True))
+    stream = np.concatenate([b["input_ids"].numpy().ravel() for b in batches])
+    n = len(tokens) // seq
+    np.testing.assert_array_equal(stream[: n * seq], tokens[: n * seq])
+    lens = np.concatenate([b["doc_lens"].numpy().ravel() for b in batches])
+    ends = np.cumsum(lens[lens > 0])[: -1]
+    # Every cut is a document end (the token before it is EOS), and every EOS is a cut or a row end.
+    window = stream[: n * seq]
+    assert all(window[e - 1] == tok.eos_id for e in ends if e <= n * seq and e % seq)
+    eos_positions = set((np.flatnonzero(window == tok.eos_id) + 1).tolist())
+    assert eos_positions <= set(ends.tolist()) | {n * seq}
+
+
+# Errors before step one.
+def test_missing_shard_is_named(tmp_path):
+    d = write_source(tmp_path / "s", [100, 100])
+    shards.bin_path(d, 1).unlink()
+    with pytest.raises(FileNotFoundError, match="shard-00001.bin: missing"):
+        loader([d])
+
+
+def test_truncated_bin_is_named(tmp_path):
+    d = write_source(tmp_path / "s", [100, 100])
+    p = shards.bin_path(d, 0)
+    p.write_bytes(p.read_bytes()[:-4])
+    with pytest.raises(ValueError, match=r"shard-00000.bin.*truncated"):
+        loader([d])
+
+
+def test_mixed_dtypes_and_tokenizers_in_one_source_are_refused(tmp_path):
+    d = write_source(tmp_path / "s", [100, 100])
+    shards.write_shard(d, 1, np.arange(100, dtype=np.uint16), np.array([0, 100]), vocab_size=50280, eos_id=0)
+    with pytest.raises(ValueError, match="shard-00001.json: dtype uint16 differs"):
+        loader([d])
+    d2 = write_source(tmp_path / "t", [100, 100])
+    shards.write_shard(d2, 1, np.arange(100, dtype=np.uint32), np.array([0, 100]), vocab_size=VOCAB, eos_id=7)
+    with pytest.raises(ValueError, match="shard-00001.json.*different tokenizers"):
+        loader([d2])
+
+
+def test_sources_of_different_tokenizers_are_refused(tmp_path):
+    a = write_source(tmp_path / "a", [100])
+    b = write_source(tmp_path / "b", [100], fingerprint="sha256:other")
+    with pytest.raises(ValueError, match="tokenized differently"):
+        loader([a, b])
+
+
+def test_seq_len_the_data_cannot_fill(tmp_path):
+    d = write_source(tmp_path / "s", [50, 40])
+    with pytest.raises(ValueError, match="90 tokens cannot fill even one instance of seq_len 128"):
+        loader([d], seq=128)
+
+
+def test_model_vocab_smaller_than_the_data(tmp_path):
+    d = write_source(tmp_path / "s", [100], values=np.r_[np.zeros(99), 70000])
+    ld = loader([d])
+    assert ld.max_token_id == 70000
+    ld.check_vocab(70001)
+    with pytest.raises(ValueError, match="token id 70000.*vocab_size is 50304"):
+        ld.check_vocab(50304)
+
+
+def test_batch_size_not_divisible_by_world_size(source):
+    with pytest.raises(ValueError, match="global batch size 6 .* not divisible .* 4"):
+        loader([source], bs=BatchSizeSchedule.parse({0: 4, 10: 6}), world=4)
+    ld = loader([source], bs=BatchSizeSchedule.parse({0: 2, 10: 8}), world=4)
+    with pytest.raises(ValueError, match="global batch size 2 .* not divisible .* 4"):
+        ld.next_batch()
+
+
+def test_resume_on_different_data_is_refused_unless_allowed(tmp_path, source):
+    ld = loader([source], bs=4, prefetch=0)
+    ld.next_batch()
+    state = ld.state_dict()
+    other = write_source(tmp_path / "other", [300, 333, 367], values=np.arange(1000) + 1)
+    with pytest.raises(ValueError, match="refusing to resume on different data.*fingerprint"):
+        loader([other], bs=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed: checkpoint 0, now 5"):
+        loader([source], bs=4, seed=5).load_state_dict(state)
+    changed = loader([other], bs=4, prefetch=0, allow_data_change=True)
+    changed.load_state_dict(state)
+    assert changed.step == 1 and changed.instances_consumed == 4
