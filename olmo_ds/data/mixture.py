@@ -6,9 +6,10 @@ repetition; >1 allows upsampling a small source, <1 caps a large one). So the we
 and the caps are hard limits; `Mixture.report` says what each source really contributes.
 
 Which n_s instances: each source has its own endless stream of seeded permutations of its
-instances, and mixture epoch e takes positions [e * n_s, (e + 1) * n_s) of it. A downsampled source
-therefore shows different instances in every epoch and repeats none before it has shown them all;
-an upsampled one shows every instance before any twice. All of it is a pure function of (seed,
+instances, and mixture epoch e takes positions [e * n_s, (e + 1) * n_s) of it. So over any number of
+epochs a source's instances are shown equally often, give or take one: a downsampled source shows
+new instances in each epoch until it has shown them all, an upsampled one each instance k or k + 1
+times per epoch. All of it is a pure function of (seed,
 sources, seq_len): every rank computes the same thing without talking to the others.
 """
 
