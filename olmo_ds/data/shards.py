@@ -132,6 +132,85 @@ def write_shard(directory: Path, index: int, tokens: np.ndarray, doc_offsets: np
     return meta
 
 
+class ShardWriter:
+    """Streams one shard to disk with memory bounded by the batch appended, not by the shard size.
+
+    Ids and document offsets go to temporary files while the shard grows; `close` fsyncs them,
+    renames them to their final names and writes the metadata last, so that a shard whose `.json`
+    exists is complete, and anything else left by a crash is a temporary or an orphan to delete.
+    `extra` keys are stored in the metadata beside `ShardMeta`'s (data preparation keeps its resume
+    point there).
+    """
+
+    def __init__(self, directory: Path, index: int, *, vocab_size: int, eos_id: int):
+        self.directory = Path(directory)
+        self.index = index
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self.dtype = dtype_for_vocab(vocab_size)
+        self.num_tokens = 0
+        self.num_docs = 0
+        self.max_token_id = -1
+        self._hash = hashlib.sha256()
+        self._bin_tmp = bin_path(self.directory, index).with_name(bin_path(self.directory, index).name + ".tmp")
+        self._off_tmp = offsets_path(self.directory, index).with_name(f"{shard_stem(index)}.offsets.raw.tmp")
+        self._bin = open(self._bin_tmp, "wb")
+        self._off = open(self._off_tmp, "wb")
+        self._off.write(np.zeros(1, dtype="<i8").tobytes())
+
+    def append(self, tokens: np.ndarray, doc_lens: np.ndarray) -> None:
+        """Append whole documents: `tokens` (shard dtype, each document ending in EOS) and their lengths."""
+        if len(doc_lens) == 0:
+            return
+        raw = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
+        self._bin.write(raw)
+        self._hash.update(raw)
+        ends = self.num_tokens + np.cumsum(doc_lens, dtype=np.int64)
+        self._off.write(ends.astype("<i8").tobytes())
+        self.num_tokens = int(ends[-1])
+        self.num_docs += len(doc_lens)
+        self.max_token_id = max(self.max_token_id, int(tokens.max()))
+
+    def close(self, extra: dict | None = None) -> ShardMeta:
+        for f in (self._bin, self._off):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        os.replace(self._bin_tmp, bin_path(self.directory, self.index))
+        offsets = np.memmap(self._off_tmp, dtype="<i8", mode="r") if self.num_docs else np.zeros(1, dtype="<i8")
+        npy_tmp = offsets_path(self.directory, self.index).with_suffix(".tmp.npy")
+        out = np.lib.format.open_memmap(npy_tmp, mode="w+", dtype="<i8", shape=(self.num_docs + 1,))
+        step = 1 << 22  # copy in blocks: a shard of many tiny documents must not need its offsets in RAM
+        for start in range(0, len(out), step):
+            out[start : start + step] = offsets[start : start + step]
+        out.flush()
+        del out, offsets
+        with open(npy_tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(npy_tmp, offsets_path(self.directory, self.index))
+        os.unlink(self._off_tmp)
+        meta = ShardMeta(
+            num_tokens=self.num_tokens,
+            num_docs=self.num_docs,
+            avg_doc_len=float(self.num_tokens / self.num_docs) if self.num_docs else 0.0,
+            dtype=self.dtype.name,
+            vocab_size=int(self.vocab_size),
+            max_token_id=self.max_token_id,
+            eos_id=int(self.eos_id),
+            checksum="sha256:" + self._hash.hexdigest(),
+            bin=bin_path(self.directory, self.index).name,
+            offsets=offsets_path(self.directory, self.index).name,
+        )
+        atomic_write_json(meta_path(self.directory, self.index), {**(extra or {}), **dataclasses.asdict(meta)})
+        return meta
+
+    def abort(self) -> None:
+        """Close and delete the temporary files (the shard never appears)."""
+        for f, path in ((self._bin, self._bin_tmp), (self._off, self._off_tmp)):
+            f.close()
+            path.unlink(missing_ok=True)
+
+
 def list_shards(directory: Path) -> list[Path]:
     """The `.bin` files of a shard directory, in name order (= data order)."""
     return sorted(Path(directory).glob(f"{SHARD_PREFIX}[0-9]*.bin"))
