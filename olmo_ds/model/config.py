@@ -7,9 +7,13 @@ parameter count against the published size.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 VOCAB_MULTIPLE = 128  # embedding rows are padded to a multiple of this (tensor-core friendly)
+ATTENTION_BACKENDS = (
+    "auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flex", "flash_attn", "flash_attn3",
+)
 
 
 @dataclass
@@ -20,7 +24,11 @@ class YarnConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     original_max_position_embeddings: int = 8192
-    # Attention logits are scaled by 0.1 * ln(factor) + 1 (the "mscale").
+
+    @property
+    def attention_factor(self) -> float:
+        """The "mscale" 0.1 * ln(factor) + 1 that multiplies cos and sin (as in YaRN and transformers)."""
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 @dataclass
@@ -48,7 +56,9 @@ class ModelConfig:
     sliding_window: int | None = None
     sliding_window_pattern: list[bool] = field(default_factory=list)
     yarn: YarnConfig | None = None
-    attention_backend: str = "auto"  # auto | sdpa | flash_attn | flash_attn3 | flex | eager
+    # See olmo_ds/model/attention.py: auto | sdpa | sdpa_cudnn | sdpa_flash | sdpa_efficient |
+    # sdpa_math | flex | flash_attn | flash_attn3.
+    attention_backend: str = "auto"
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
@@ -66,6 +76,16 @@ class ModelConfig:
             raise ValueError(f"model.n_heads {self.n_heads} is not divisible by model.n_kv_heads {self.n_kv_heads}")
         if self.sliding_window_pattern and not self.sliding_window:
             raise ValueError("model.sliding_window_pattern is set but model.sliding_window is not")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise ValueError(f"model.sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if self.sliding_window and not self.sliding_window_pattern:
+            raise ValueError("model.sliding_window is set but model.sliding_window_pattern is empty "
+                             "(e.g. [true, true, true, false] for OLMo 3)")
+        if self.head_dim % 2:
+            raise ValueError(f"model head_dim {self.head_dim} (d_model / n_heads) must be even for RoPE")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"model.attention_backend {self.attention_backend!r} is not one of: "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
 
     @property
     def head_dim(self) -> int:
@@ -103,6 +123,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown model config key(s) {unknown}; known keys: {sorted(known)}")
         return cls(**d)
 
 

@@ -1,0 +1,239 @@
+"""One attention interface over several kernels: PyTorch SDPA, flex_attention, FlashAttention 2 and 3.
+
+Every backend computes the same thing: causal softmax attention with optional grouped-query heads,
+an optional sliding window and optional document masking (tokens attend only within their own
+document when several documents are packed into one row). The masks are described once per forward
+by an `AttentionMask` and each backend turns that description into what its kernel wants (a boolean
+matrix for SDPA, a block mask for flex, cumulative sequence lengths for flash-attn varlen); the
+model's layers share it, so a block mask is built once per forward, not once per layer.
+
+Sliding window semantics follow transformers' OLMo 3: a query at position i sees keys j with
+i - window < j <= i, i.e. `window` keys including itself (flash-attn `window_size=(window - 1, 0)`).
+
+Backends (`ModelConfig.attention_backend`):
+- `sdpa`: `F.scaled_dot_product_attention`, PyTorch chooses the kernel. `sdpa_cudnn`, `sdpa_flash`,
+  `sdpa_efficient`, `sdpa_math` pin one kernel. Sliding windows and documents use a boolean mask,
+  which only the memory-efficient, cuDNN and math kernels accept.
+- `flex`: `torch.nn.attention.flex_attention` with block masks; compiled on GPU, eager on CPU.
+- `flash_attn`: the flash-attn 2.x package (`flash_attn_func` / `flash_attn_varlen_func`).
+- `flash_attn3`: FlashAttention-3 (`flash_attn_interface`, Hopper).
+- `auto`: on CPU, SDPA. On GPU, plain causal attention goes to SDPA with cuDNN first (measured 1.8x
+  FlashAttention-2 on an H200, ../shared/gpu/README.md); sliding windows or documents go to the first
+  importable of FlashAttention-3, flex_attention (block-sparse, 568 causal-equivalent TFLOP/s at window
+  1024 on the same H200), flash-attn 2, and SDPA with a mask as the last resort.
+The GPU-only packages are imported lazily so the CPU install never needs them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+_SDPA_KERNELS = {
+    "sdpa_cudnn": "CUDNN_ATTENTION",
+    "sdpa_flash": "FLASH_ATTENTION",
+    "sdpa_efficient": "EFFICIENT_ATTENTION",
+    "sdpa_math": "MATH",
+}
+
+
+def _has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def resolve_backend(name: str, device: torch.device, needs_mask: bool) -> str:
+    """The concrete backend for `name` on `device`; `needs_mask` = sliding window or documents."""
+    if name != "auto":
+        if name in ("flash_attn", "flash_attn3", "sdpa_cudnn", "sdpa_flash") and device.type != "cuda":
+            raise ValueError(f"attention_backend {name!r} needs a CUDA device, got {device}; use 'auto' or 'sdpa'")
+        if name == "flash_attn" and not _has_module("flash_attn"):
+            raise ValueError("attention_backend 'flash_attn' needs the flash-attn package: pip install -e .[gpu]")
+        if name == "flash_attn3" and not _has_module("flash_attn_interface"):
+            raise ValueError("attention_backend 'flash_attn3' needs FlashAttention-3 (the flash_attn_interface "
+                             "module, built from flash-attention/hopper)")
+        if name == "sdpa_flash" and needs_mask:
+            raise ValueError("attention_backend 'sdpa_flash' cannot apply sliding-window or document masks; "
+                             "use 'auto', 'flex' or 'flash_attn'")
+        return name
+    if device.type != "cuda":
+        return "sdpa"
+    if not needs_mask:
+        return "sdpa_cudnn_first"
+    if _has_module("flash_attn_interface"):
+        return "flash_attn3"
+    if hasattr(torch, "compile"):
+        return "flex"
+    if _has_module("flash_attn"):
+        return "flash_attn"
+    return "sdpa"
+
+
+def validate_doc_lens(doc_lens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
+    """Check the loader's `doc_lens` ([B, max_docs], zero-padded, each row summing to T)."""
+    if doc_lens.dim() != 2 or doc_lens.shape[0] != batch:
+        raise ValueError(f"doc_lens must have shape [batch={batch}, max_docs], got {tuple(doc_lens.shape)}")
+    if doc_lens.dtype.is_floating_point:
+        raise ValueError(f"doc_lens must be an integer tensor, got {doc_lens.dtype}")
+    if bool((doc_lens < 0).any()):
+        raise ValueError("doc_lens has negative lengths")
+    sums = doc_lens.sum(dim=1)
+    if bool((sums != seq_len).any()):
+        raise ValueError(f"every row of doc_lens must sum to the sequence length {seq_len}, got sums {sums.tolist()}")
+    return doc_lens
+
+
+class AttentionMask:
+    """The masking of one forward pass: causal always, plus documents and per-layer windows.
+
+    Built once in the model's forward and passed to every layer; the kernel-specific forms are
+    computed on first use and cached (one per window size).
+    """
+
+    def __init__(self, batch: int, seq_len: int, device: torch.device, doc_lens: torch.Tensor | None = None):
+        self.batch, self.seq_len, self.device = batch, seq_len, device
+        self.doc_lens = None
+        if doc_lens is not None:
+            self.doc_lens = validate_doc_lens(doc_lens, batch, seq_len).to(device=device, dtype=torch.int64)
+        self._cache: dict = {}
+
+    @property
+    def has_documents(self) -> bool:
+        return self.doc_lens is not None
+
+    @functools.cached_property
+    def doc_ids(self) -> torch.Tensor:
+        """[B, T] index of the document each token belongs to."""
+        ends = self.doc_lens.cumsum(dim=1)
+        positions = torch.arange(self.seq_len, device=self.device).expand(self.batch, -1).contiguous()
+        return torch.searchsorted(ends, positions, right=True)
+
+    @functools.cached_property
+    def cu_seqlens(self) -> tuple[torch.Tensor, int]:
+        """flash-attn varlen form: int32 cumulative document lengths over the flattened batch, and the max."""
+        lens = self.doc_lens.flatten()
+        lens = lens[lens > 0]
+        cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+        return cu, int(lens.max())
+
+    def dense(self, window: int | None) -> torch.Tensor:
+        """Boolean [B or 1, 1, T, T] mask, True where attention is allowed."""
+        key = ("dense", window)
+        if key not in self._cache:
+            q = torch.arange(self.seq_len, device=self.device)[:, None]
+            k = torch.arange(self.seq_len, device=self.device)[None, :]
+            allowed = k <= q
+            if window is not None:
+                allowed = allowed & (k > q - window)
+            allowed = allowed[None, None]
+            if self.has_documents:
+                ids = self.doc_ids
+                allowed = allowed & (ids[:, None, :, None] == ids[:, None, None, :])
+            self._cache[key] = allowed
+        return self._cache[key]
+
+    def block_mask(self, window: int | None):
+        """flex_attention BlockMask for this mask and window."""
+        key = ("block", window)
+        if key not in self._cache:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            doc_ids = self.doc_ids if self.has_documents else None
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                allowed = kv_idx <= q_idx
+                if window is not None:
+                    allowed = allowed & (kv_idx > q_idx - window)
+                if doc_ids is not None:
+                    allowed = allowed & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+                return allowed
+
+            batch = self.batch if doc_ids is not None else None
+            self._cache[key] = create_block_mask(
+                mask_mod, batch, None, self.seq_len, self.seq_len, device=str(self.device)
+            )
+        return self._cache[key]
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q, k, v, mask: AttentionMask, window, scale):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = _compiled_flex() if q.is_cuda else flex_attention
+    out = fn(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        block_mask=mask.block_mask(window), scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def _sdpa(q, k, v, mask: AttentionMask, window, scale, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gqa = q.shape[2] != k.shape[2]
+    if gqa and backend in ("sdpa_cudnn", "sdpa_efficient"):
+        # These kernels take no `enable_gqa`; share kv heads by expanding them.
+        rep = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        gqa = False
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    needs_mask = window is not None or mask.has_documents
+    kwargs = dict(scale=scale, enable_gqa=gqa)
+    if needs_mask:
+        kwargs["attn_mask"] = mask.dense(window)
+    else:
+        kwargs["is_causal"] = True
+    if backend in _SDPA_KERNELS:
+        ctx = sdpa_kernel(getattr(SDPBackend, _SDPA_KERNELS[backend]))
+    elif backend == "sdpa_cudnn_first":
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        ctx = sdpa_kernel(order, set_priority=True)
+    else:
+        ctx = None
+    if ctx is None:
+        out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    else:
+        with ctx:
+            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return out.transpose(1, 2)
+
+
+def _flash(q, k, v, mask: AttentionMask, window, scale, version: int):
+    if version == 3:
+        import flash_attn_interface as fa
+    else:
+        import flash_attn as fa
+    window_size = (window - 1, 0) if window is not None else (-1, -1)
+    if mask.has_documents:
+        cu, max_len = mask.cu_seqlens
+        b, t = q.shape[:2]
+        out = fa.flash_attn_varlen_func(
+            q.reshape(b * t, *q.shape[2:]), k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]),
+            cu, cu, max_len, max_len, softmax_scale=scale, causal=True, window_size=window_size,
+        )
+        out = out[0] if isinstance(out, tuple) else out
+        return out.reshape(b, t, *out.shape[1:])
+    out = fa.flash_attn_func(q, k, v, softmax_scale=scale, causal=True, window_size=window_size)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def attend(q, k, v, mask: AttentionMask, window: int | None, backend: str, scale: float) -> torch.Tensor:
+    """Causal attention. q [B, T, H, D], k and v [B, T, H_kv, D] -> [B, T, H, D].
+
+    `backend` is a resolved name (see `resolve_backend`); `window` is None for full attention.
+    """
+    if backend == "flex":
+        return _flex(q, k, v, mask, window, scale)
+    if backend == "flash_attn":
+        return _flash(q, k, v, mask, window, scale, version=2)
+    if backend == "flash_attn3":
+        return _flash(q, k, v, mask, window, scale, version=3)
+    return _sdpa(q, k, v, mask, window, scale, backend)

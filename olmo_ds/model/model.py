@@ -1,0 +1,286 @@
+"""The OLMo-2 / OLMo-3 decoder, written to match transformers' Olmo2ForCausalLM / Olmo3ForCausalLM.
+
+Per block (OLMo 2's "reordered norm"): x = x + norm(attn(x)); x = x + norm(mlp(x)) — the RMSNorms sit
+on the sublayer outputs, there is no input norm. Attention projects q, k, v without biases, applies
+QK-norm (an RMSNorm over the whole projected q and the whole projected k, before splitting heads),
+then RoPE (theta 500k, computed in fp32), then causal attention with grouped-query heads. The MLP is
+SwiGLU. OLMo 3 adds sliding-window attention on a repeating layer pattern (the last layer always
+full) and YaRN RoPE scaling on the full-attention layers only.
+
+ZeRO-3 notes: DeepSpeed gathers a module's parameters only while that module's own forward runs, so
+every parameter is used inside the forward of the module that owns it (the loss runs inside `LMHead`),
+and weights are initialised inside each leaf module's `__init__` (via `reset_parameters`) so that
+`deepspeed.zero.Init` partitions initialised tensors. RoPE tables are computed in the forward, in
+fp32, so zero.Init's dtype casting of tensors created at construction cannot touch them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from olmo_ds.model.attention import AttentionMask, attend, resolve_backend
+from olmo_ds.model.config import ModelConfig, YarnConfig
+from olmo_ds.model.loss import fused_linear_cross_entropy
+
+
+class ModelOutput(NamedTuple):
+    """`loss` = ce_loss + z_loss is the value to backpropagate; `ce_loss` and `z_loss` are detached metrics."""
+
+    loss: torch.Tensor
+    ce_loss: torch.Tensor
+    z_loss: torch.Tensor
+
+
+def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
+    """Truncated normal at +-3 std, drawn in fp32 whatever the parameter dtype."""
+    with torch.no_grad():
+        values = torch.empty_like(weight, dtype=torch.float32)
+        nn.init.trunc_normal_(values, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        weight.copy_(values)
+
+
+class Linear(nn.Linear):
+    """Bias-free linear layer initialised with OLMo's truncated normal."""
+
+    def __init__(self, in_features: int, out_features: int, init_std: float):
+        self.init_std = init_std
+        super().__init__(in_features, out_features, bias=False)
+
+    def reset_parameters(self) -> None:
+        _trunc_normal_(self.weight, self.init_std)
+
+
+class Embedding(nn.Embedding):
+    def __init__(self, num_embeddings: int, dim: int, init_std: float):
+        self.init_std = init_std
+        super().__init__(num_embeddings, dim)
+
+    def reset_parameters(self) -> None:
+        _trunc_normal_(self.weight, self.init_std)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, scaled by the weight, cast back to the input dtype (as transformers)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, yarn: YarnConfig | None, device=None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale, with YaRN's per-dimension interpolation if given.
+
+    Mirrors transformers' `_compute_default_rope_parameters` / `_compute_yarn_parameters` (truncated
+    correction range) so logits agree with the exported model.
+    """
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim)
+    if yarn is None:
+        return 1.0 / pos_freqs, 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta)
+        )
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (yarn.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, yarn.attention_factor
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin tables [T, head_dim] for integer `positions` [T]."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, H, D] (rotate-half convention, in fp32) and cast back to x's dtype."""
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class KVCache:
+    """Keys and values of past positions for incremental decoding (see olmo_ds/model/generate.py)."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype):
+        shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.max_len = max_len
+        self.pos = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.pos + k.shape[1]
+        self.keys[layer][:, self.pos:end] = k
+        self.values[layer][:, self.pos:end] = v
+        return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+
+@functools.cache
+def _resolved_backend(name: str, device: torch.device, needs_mask: bool) -> str:
+    return resolve_backend(name, device, needs_mask)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.backend = cfg.attention_backend
+        self.window = cfg.sliding_window if cfg.layer_is_sliding(layer) else None
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = Linear(cfg.d_model, q_dim, cfg.init_std)
+        self.k_proj = Linear(cfg.d_model, kv_dim, cfg.init_std)
+        self.v_proj = Linear(cfg.d_model, kv_dim, cfg.init_std)
+        self.o_proj = Linear(q_dim, cfg.d_model, cfg.init_std)
+        self.q_norm = RMSNorm(q_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(kv_dim, cfg.norm_eps)
+
+    def forward(self, x, cos, sin, mask: AttentionMask | None, cache: KVCache | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x)).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x)).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        scale = self.head_dim ** -0.5
+        if cache is None:
+            needs_mask = self.window is not None or mask.has_documents
+            backend = _resolved_backend(self.backend, x.device, needs_mask)
+            out = attend(q, k, v, mask, self.window, backend, scale)
+        else:
+            out = self._attend_cached(q, k, v, cache, scale)
+        return self.o_proj(out.reshape(b, t, -1))
+
+    def _attend_cached(self, q, k, v, cache: KVCache, scale: float) -> torch.Tensor:
+        keys, values = cache.update(self.layer, k, v)
+        q_pos = torch.arange(cache.pos, cache.pos + q.shape[1], device=q.device)[:, None]
+        k_pos = torch.arange(keys.shape[1], device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if self.window is not None:
+            allowed = allowed & (k_pos > q_pos - self.window)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed, scale=scale,
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        )
+        return out.transpose(1, 2)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = Linear(cfg.d_model, cfg.mlp_hidden, cfg.init_std)
+        self.up_proj = Linear(cfg.d_model, cfg.mlp_hidden, cfg.init_std)
+        self.down_proj = Linear(cfg.mlp_hidden, cfg.d_model, cfg.init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn = Attention(cfg, layer)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    def forward(self, x, cos, sin, mask: AttentionMask | None, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn_norm(self.attn(x, cos, sin, mask, cache))
+        return x + self.mlp_norm(self.mlp(x))
+
+
+class LMHead(nn.Module):
+    """The output projection, and the loss computed inside it so ZeRO-3 has gathered its weight."""
+
+    def __init__(self, d_model: int, vocab: int, init_std: float, tied: nn.Parameter | None = None):
+        super().__init__()
+        if tied is not None:
+            self.weight = tied
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab, d_model))
+            _trunc_normal_(self.weight, init_std)
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, z_loss_coef: float = 0.0,
+                chunk_size: int = 4096):
+        if labels is None:
+            return F.linear(hidden, self.weight)
+        return ModelOutput(*fused_linear_cross_entropy(hidden, self.weight, labels, z_loss_coef, chunk_size))
+
+
+class OLMo(nn.Module):
+    """OLMo-2 / OLMo-3 causal language model.
+
+    `forward(input_ids, labels=None, doc_lens=None, z_loss_coef=0.0)` returns logits
+    [B, T, padded_vocab] when `labels` is None, else a `ModelOutput`. `doc_lens` ([B, max_docs],
+    zero-padded, rows summing to T) restricts attention to each packed document.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg.padded_vocab_size, cfg.d_model, cfg.init_std)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        tied = self.embed.weight if cfg.tie_embeddings else None
+        self.head = LMHead(cfg.d_model, cfg.padded_vocab_size, cfg.init_std, tied=tied)
+
+    def _rope_tables(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin per layer kind (keyed by `is_sliding`): YaRN applies to full-attention layers only."""
+        cfg, tables = self.cfg, {}
+        for sliding in {cfg.layer_is_sliding(i) for i in range(cfg.n_layers)}:
+            yarn = None if sliding else cfg.yarn
+            inv_freq, scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, yarn, device=positions.device)
+            tables[sliding] = rope_cos_sin(positions, inv_freq, scale)
+        return tables
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                doc_lens: torch.Tensor | None = None, z_loss_coef: float = 0.0, cache: KVCache | None = None):
+        b, t = input_ids.shape
+        start = cache.pos if cache is not None else 0
+        if start + t > self.cfg.max_seq_len:
+            # RoPE would extrapolate past what the model was built for; refuse rather than degrade silently.
+            raise ValueError(f"sequence of {start + t} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
+        if cache is not None and doc_lens is not None:
+            raise ValueError("doc_lens is not supported with a KV cache")
+        x = self.embed(input_ids)
+        positions = torch.arange(start, start + t, device=input_ids.device)
+        tables = self._rope_tables(positions)
+        mask = AttentionMask(b, t, input_ids.device, doc_lens) if cache is None else None
+        checkpointing = self.cfg.activation_checkpointing and torch.is_grad_enabled() and cache is None
+        for i, block in enumerate(self.blocks):
+            cos, sin = tables[self.cfg.layer_is_sliding(i)]
+            if checkpointing:
+                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask, cache)
+        if cache is not None:
+            cache.pos += t
+        x = self.norm(x)
+        return self.head(x, labels, z_loss_coef)
+
+
+def build_model(cfg: ModelConfig) -> OLMo:
+    return OLMo(cfg)

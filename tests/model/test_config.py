@@ -1,0 +1,45 @@
+"""Presets: exact parameter counts against the published model sizes, built from configs only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from olmo_ds.model import PRESETS, ModelConfig, OLMo, preset
+
+# Published sizes to 3 significant figures (allenai model cards, including embeddings): OLMo-2-0425-1B 1.48B,
+# OLMo-2-1124-7B 7.30B, OLMo-2-1124-13B 13.7B, Olmo-3-1025-7B 7.30B, Olmo-3-1125-32B 32.2B.
+PUBLISHED = {"olmo2-1b": 1.48e9, "olmo2-7b": 7.30e9, "olmo2-13b": 13.7e9, "olmo3-7b": 7.30e9, "olmo3-32b": 32.2e9}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_preset_parameter_count_matches_published_size(name):
+    cfg = preset(name)
+    count = cfg.num_params()
+    print(f"{name}: {count:,} parameters ({cfg.num_params(include_embedding=False):,} without embeddings)")
+    assert float(f"{count:.3g}") == PUBLISHED[name], f"{name}: {count:,} does not round to {PUBLISHED[name]:.3g}"
+    assert cfg.padded_vocab_size == 100352
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_num_params_counts_the_built_module(name):
+    with torch.device("meta"):
+        model = OLMo(preset(name))
+    assert sum(p.numel() for p in model.parameters()) == preset(name).num_params()
+
+
+def test_olmo3_layer_pattern_keeps_last_layer_full():
+    cfg = preset("olmo3-7b")
+    kinds = [cfg.layer_is_sliding(i) for i in range(cfg.n_layers)]
+    assert kinds[:4] == [True, True, True, False] and kinds[-1] is False and sum(kinds) == 24
+
+
+def test_config_round_trips_and_rejects_bad_values():
+    cfg = preset("olmo3-32b")
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="n_heads"):
+        ModelConfig(d_model=64, n_heads=5)
+    with pytest.raises(ValueError, match="attention_backend"):
+        ModelConfig(attention_backend="flash")
+    with pytest.raises(ValueError, match="unknown model config key"):
+        ModelConfig.from_dict({"d_model": 64, "n_layer": 2})
