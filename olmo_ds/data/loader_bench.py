@@ -1,0 +1,85 @@
+"""Throughput of the training data loader: tokens/s one rank receives, and its wait share of a step.
+
+Two measurements on generated shards (random ids, documents of geometric length):
+- raw: `next_batch` with no prefetch thread, i.e. what one CPU core assembles per second for one rank;
+- overlapped: with the prefetch thread, while the consumer spends a simulated GPU step per batch
+  (`gpu_tokens_per_s` per rank); the loader's wait share of step time is what the trainer would log.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from olmo_ds.data import shards
+from olmo_ds.data.config import DataConfig, SourceConfig
+from olmo_ds.data.loader import DataLoader
+
+
+def generate_shards(directory: Path, total_tokens: int, *, shard_tokens: int = 1 << 28, vocab_size: int = 100278, mean_doc_len: int = 1200, seed: int = 0) -> Path:
+    """Random-id shards totalling `total_tokens` (skipped if a complete set of that size is already there)."""
+    directory = Path(directory)
+    try:
+        if shards.Manifest.load(directory).num_tokens == total_tokens:
+            return directory
+    except FileNotFoundError:
+        pass
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    dtype = shards.dtype_for_vocab(vocab_size)
+    names, num_docs, left, index = [], 0, total_tokens, 0
+    while left > 0:
+        n = min(shard_tokens, left)
+        tokens = rng.integers(0, vocab_size, size=n, dtype=dtype)
+        ends = np.cumsum(rng.geometric(1 / mean_doc_len, size=2 * n // mean_doc_len + 16))
+        offsets = np.concatenate([[0], ends[ends < n], [n]])
+        meta = shards.write_shard(directory, index, tokens, offsets, vocab_size=vocab_size, eos_id=0)
+        names.append(meta.bin)
+        num_docs += meta.num_docs
+        left -= n
+        index += 1
+    shards.Manifest(
+        num_tokens=total_tokens, num_docs=num_docs, shards=names, dtype=dtype.name, vocab_size=vocab_size, eos_id=0,
+        tokenizer_fingerprint="sha256:random-ids", extra={"generated_by": "olmo_ds.data.loader_bench"},
+    ).save(directory)
+    return directory
+
+
+def run(directory: Path, *, seq_len: int, rows_per_rank: int, world_size: int, steps: int, document_masking: bool, gpu_tokens_per_s: float) -> dict:
+    """Measure rank 0 of a `world_size`-rank job (its rows are spread over the whole data set)."""
+    def make(prefetch: int) -> DataLoader:
+        cfg = DataConfig(sources=[SourceConfig(path=str(directory))], document_masking=document_masking, prefetch=prefetch)
+        return DataLoader(cfg, seq_len=seq_len, global_batch_size=rows_per_rank * world_size, dp_rank=0, dp_world_size=world_size)
+
+    tokens_per_batch = rows_per_rank * seq_len
+    raw = make(prefetch=0)
+    raw.next_batch()  # build the epoch's order outside the timing
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        raw.next_batch()
+    raw_s = time.perf_counter() - t0
+
+    step_s = tokens_per_batch / gpu_tokens_per_s
+    over = make(prefetch=2)
+    over.next_batch()
+    over.wait_seconds = 0.0
+    t0 = time.perf_counter()
+    overlapped_steps = max(10, min(steps, int(5.0 / step_s)))  # about 5 s of simulated GPU time
+    for _ in range(overlapped_steps):
+        over.next_batch()
+        time.sleep(step_s)
+    wall = time.perf_counter() - t0
+    over.close()
+    return {
+        "tokens": raw.sources[0].num_tokens,
+        "seq_len": seq_len,
+        "rows_per_rank": rows_per_rank,
+        "world_size": world_size,
+        "document_masking": document_masking,
+        "instances_per_s": steps * rows_per_rank / raw_s,
+        "tokens_per_s": steps * tokens_per_batch / raw_s,
+        "simulated_gpu_tokens_per_s": gpu_tokens_per_s,
+        "wait_fraction": over.wait_seconds / wall,
+    }
