@@ -179,3 +179,38 @@ def load_tokenizer(path, eos_token: str | None = None) -> Tokenizer:
     tok.eos_id = eos
     tok.pad_id = _find_token(tok, tok.configured_token("pad_token"), PAD_CANDIDATES)
     return tok
+
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+
+
+def train_bpe_tokenizer(texts, vocab_size: int, output: Path, min_frequency: int = 2) -> Tokenizer:
+    """Train a byte-level BPE `tokenizer.json` (GPT-2 style pre-tokenization) on an iterable of texts.
+
+    Byte-level means every string is encodable (no unknown token). The special tokens EOS
+    `<|endoftext|>` and PAD `<|pad|>` take ids 0 and 1; `vocab_size` counts them and the 256 bytes.
+    """
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    specials = [EOS_TOKEN, PAD_TOKEN]
+    minimum = len(specials) + 256
+    if vocab_size < minimum:
+        raise ValueError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least {minimum} (256 bytes + {len(specials)} special tokens)")
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(output))
+    return load_tokenizer(output)
