@@ -25,6 +25,9 @@ class DataConfig:
     prefetch: int = 2  # global batches prepared ahead in a background thread
     val_sources: list[SourceConfig] = field(default_factory=list)  # fixed, unshuffled validation streams
     allow_data_change: bool = False  # resume even if the data fingerprint differs (explicit opt-in)
+    # Node-local directory for the global order of very large epochs (see olmo_ds/data/order.py);
+    # None = ~/.cache/olmo_ds/order.
+    order_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         self.sources = [s if isinstance(s, SourceConfig) else SourceConfig(**s) for s in self.sources]

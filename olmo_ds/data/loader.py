@@ -103,8 +103,8 @@ class DataLoader:
             [c.max_epochs for c in cfg.sources],
             [s.num_instances(self.seq_len) for s in self.sources],
         )
-        self.order = GlobalOrder(self.mixture, cfg.seed)
         self.fingerprint = self._fingerprint()
+        self.order = GlobalOrder(self.mixture, cfg.seed, key=f"{self.fingerprint}|{self.seq_len}", cache_dir=cfg.order_cache_dir)
 
         self.step = 0
         self.instances_consumed = 0

@@ -11,15 +11,23 @@ rank computes the same permutation itself, so no shared filesystem is needed (OL
 from __future__ import annotations
 
 import bisect
+import fcntl
+import hashlib
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from olmo_ds.data.mixture import Mixture
 
 EPOCH_SHUFFLE = 0  # SeedSequence prefix of the epoch permutations (see mixture.SOURCE_STREAM)
+# Epochs of at least this many instances (256 MiB of uint32 ids, ~275B tokens at seq 4096) are kept
+# in a memory-mapped file shared by a node's ranks rather than in each rank's memory.
+ORDER_CACHE_MIN_INSTANCES = 1 << 26
+DEFAULT_ORDER_CACHE = Path.home() / ".cache" / "olmo_ds" / "order"
 
 
 @dataclass(frozen=True)
@@ -83,11 +91,21 @@ class BatchSizeSchedule:
 
 
 class GlobalOrder:
-    """Instance ids in training order (see the module docstring); keeps the last two epochs in memory."""
+    """Instance ids in training order (see the module docstring); keeps the last two epochs at hand.
 
-    def __init__(self, mixture: Mixture, seed: int) -> None:
+    An epoch of at least `cache_min_instances` ids is computed once per machine into `cache_dir` and
+    memory-mapped from there: the ranks of a node then share one copy in the page cache instead of
+    each holding gigabytes (1B instances = 4 GB of uint32). The file is node-local scratch, named by
+    `key` (the data fingerprint and seq_len) and the seed, so no shared filesystem is involved; a lock
+    file makes one rank compute it while the others wait.
+    """
+
+    def __init__(self, mixture: Mixture, seed: int, *, key: str = "", cache_dir: Path | None = None, cache_min_instances: int = ORDER_CACHE_MIN_INSTANCES) -> None:
         self.mixture = mixture
         self.seed = int(seed)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else DEFAULT_ORDER_CACHE
+        self.cache_min_instances = cache_min_instances
+        self._key = hashlib.sha256(f"{key}|{self.seed}|{mixture.epoch_size}".encode()).hexdigest()[:20]
         self._epochs: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()  # the prefetch thread and the main thread both ask for epochs
 
@@ -95,11 +113,36 @@ class GlobalOrder:
         with self._lock:
             return self._epoch(e)
 
+    def _compute(self, e: int) -> np.ndarray:
+        ids = self.mixture.epoch_ids(self.seed, e)
+        np.random.Generator(np.random.PCG64([self.seed, EPOCH_SHUFFLE, e])).shuffle(ids)
+        return ids
+
+    def cache_path(self, e: int) -> Path:
+        return self.cache_dir / f"order-{self._key}-epoch{e:05d}.npy"
+
+    def _cached(self, e: int) -> np.ndarray:
+        path = self.cache_path(e)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.exists():
+                ids = np.load(path, mmap_mode="r")
+                if ids.shape == (self.mixture.epoch_size,) and ids.dtype == self.mixture.id_dtype:
+                    return ids
+            ids = self._compute(e)
+            tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
+            with open(tmp, "wb") as f:
+                np.save(f, ids)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        return np.load(path, mmap_mode="r")
+
     def _epoch(self, e: int) -> np.ndarray:
         if e not in self._epochs:
-            ids = self.mixture.epoch_ids(self.seed, e)
-            np.random.Generator(np.random.PCG64([self.seed, EPOCH_SHUFFLE, e])).shuffle(ids)
-            self._epochs[e] = ids
+            large = self.mixture.epoch_size >= self.cache_min_instances
+            self._epochs[e] = self._cached(e) if large else self._compute(e)
             while len(self._epochs) > 2:
                 self._epochs.popitem(last=False)
         return self._epochs[e]

@@ -300,3 +300,16 @@ def test_resume_on_different_data_is_refused_unless_allowed(tmp_path, source):
     changed = loader([other], bs=4, prefetch=0, allow_data_change=True)
     changed.load_state_dict(state)
     assert changed.step == 1 and changed.instances_consumed == 4
+
+
+def test_large_epoch_order_is_cached_on_disk_and_equal(tmp_path, source):
+    from olmo_ds.data.order import GlobalOrder
+
+    ld = loader([source], prefetch=0)
+    in_memory = GlobalOrder(ld.mixture, seed=3)
+    cached = GlobalOrder(ld.mixture, seed=3, key="k", cache_dir=tmp_path, cache_min_instances=1)
+    np.testing.assert_array_equal(cached.ids(50, 30), in_memory.ids(50, 30))  # crosses into epoch 1
+    assert cached.cache_path(0).exists() and cached.cache_path(1).exists()
+    again = GlobalOrder(ld.mixture, seed=3, key="k", cache_dir=tmp_path, cache_min_instances=1)
+    assert isinstance(again.epoch(0), np.memmap)  # read back, not recomputed
+    np.testing.assert_array_equal(again.epoch(1), in_memory.epoch(1))
