@@ -7,8 +7,9 @@ report says how much). Nothing is copied at open time: shards are `np.memmap`s a
 read straight from the page cache into the caller's batch buffer.
 
 Every inconsistency the loader can detect without reading the data is raised here, naming the file,
-before training starts: a missing shard, a truncated `.bin`, shards of different tokenizers or
-dtypes in one directory, and a sequence length that the data cannot fill even once.
+before training starts: a missing shard, a truncated `.bin`, a document index that does not span its
+shard, shards of different tokenizers or dtypes in one directory, and a sequence length that the
+data cannot fill even once.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class TokenSource:
         # starts[k] is the stream position of shard k's first token; starts[-1] == num_tokens.
         self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.max_token_id = max(m.max_token_id for m in self.metas)
-        self._offsets: list[np.ndarray] | None = None
+        # Memory-mapped and checked now, so a broken index fails before step one, not at the first batch.
+        self._offsets = [self._load_offsets(k) for k in range(len(self.metas))]
 
     @property
     def vocab_size(self) -> int:
@@ -138,8 +140,6 @@ class TokenSource:
         `start` or continues past the end counts only with its part inside the window. Shard ends
         are document ends too (a document never spans shards).
         """
-        if self._offsets is None:
-            self._offsets = [self._load_offsets(k) for k in range(len(self.metas))]
         end = start + length
         cuts = [start]
         k = int(np.searchsorted(self.starts, start, side="right")) - 1

@@ -313,3 +313,19 @@ def test_large_epoch_order_is_cached_on_disk_and_equal(tmp_path, source):
     again = GlobalOrder(ld.mixture, seed=3, key="k", cache_dir=tmp_path, cache_min_instances=1)
     assert isinstance(again.epoch(0), np.memmap)  # read back, not recomputed
     np.testing.assert_array_equal(again.epoch(1), in_memory.epoch(1))
+
+
+def test_document_index_that_does_not_span_its_shard_is_named(tmp_path):
+    d = write_source(tmp_path / "s", [100, 100])
+    np.save(shards.offsets_path(d, 1), np.array([0, 40, 90], dtype=np.int64))
+    with pytest.raises(ValueError, match=r"shard-00001.offsets.npy: expected \d+ offsets from 0 to 100"):
+        loader([d])
+
+
+def test_bench_data_measures_on_generated_shards(tmp_path):
+    from olmo_ds.data.loader_bench import generate_shards, run
+
+    d = generate_shards(tmp_path, 1 << 16, shard_tokens=1 << 14, mean_doc_len=100)
+    assert len(shards.Manifest.load(d).shards) == 4
+    result = run(d, seq_len=256, rows_per_rank=2, world_size=2, steps=20, document_masking=True, gpu_tokens_per_s=1e8)
+    assert result["tokens_per_s"] > 0 and 0 <= result["wait_fraction"] < 1
