@@ -32,6 +32,8 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from olmo_ds.data.masking import cu_seqlens, document_ids
+
 _SDPA_KERNELS = {
     "sdpa_cudnn": "CUDNN_ATTENTION",
     "sdpa_flash": "FLASH_ATTENTION",
@@ -72,7 +74,8 @@ def resolve_backend(name: str, device: torch.device, needs_mask: bool) -> str:
 
 
 def validate_doc_lens(doc_lens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
-    """Check the loader's `doc_lens` ([B, max_docs], zero-padded, each row summing to T)."""
+    """Check the loader's `doc_lens` (int [B, D], zero-padded on the right, each row summing to T;
+    see olmo_ds/data/masking.py) before any kernel sees it."""
     if doc_lens.dim() != 2 or doc_lens.shape[0] != batch:
         raise ValueError(f"doc_lens must have shape [batch={batch}, max_docs], got {tuple(doc_lens.shape)}")
     if doc_lens.dtype.is_floating_point:
@@ -96,7 +99,7 @@ class AttentionMask:
         self.batch, self.seq_len, self.device = batch, seq_len, device
         self.doc_lens = None
         if doc_lens is not None:
-            self.doc_lens = validate_doc_lens(doc_lens, batch, seq_len).to(device=device, dtype=torch.int64)
+            self.doc_lens = validate_doc_lens(doc_lens, batch, seq_len).to(device=device)
         self._cache: dict = {}
 
     @property
@@ -106,17 +109,12 @@ class AttentionMask:
     @functools.cached_property
     def doc_ids(self) -> torch.Tensor:
         """[B, T] index of the document each token belongs to."""
-        ends = self.doc_lens.cumsum(dim=1)
-        positions = torch.arange(self.seq_len, device=self.device).expand(self.batch, -1).contiguous()
-        return torch.searchsorted(ends, positions, right=True)
+        return document_ids(self.doc_lens, self.seq_len)
 
     @functools.cached_property
     def cu_seqlens(self) -> tuple[torch.Tensor, int]:
         """flash-attn varlen form: int32 cumulative document lengths over the flattened batch, and the max."""
-        lens = self.doc_lens.flatten()
-        lens = lens[lens > 0]
-        cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
-        return cu, int(lens.max())
+        return cu_seqlens(self.doc_lens)
 
     def dense(self, window: int | None) -> torch.Tensor:
         """Boolean [B or 1, 1, T, T] mask, True where attention is allowed."""

@@ -1,0 +1,127 @@
+"""Every attention backend agrees with a float64 reference: causal, sliding-window, document-masked, GQA.
+
+SDPA and flex_attention run here on CPU; the GPU-only kernels (cuDNN/flash SDPA, flash-attn 2,
+FlashAttention-3) run in bf16 against the same reference when a CUDA device is present, and are
+skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import pytest
+import torch
+
+from olmo_ds.model import ModelConfig
+from olmo_ds.model.attention import AttentionMask, attend, resolve_backend
+
+from model_testlib import OLMO2_TINY, OLMO3_TINY, random_model
+
+B, T, H, H_KV, D = 2, 40, 4, 2, 16
+DOC_LENS = torch.tensor([[7, 20, 13, 0], [1, 3, 30, 6]], dtype=torch.int32)
+CASES = {
+    "causal": (None, None),
+    "sliding": (6, None),
+    "documents": (None, DOC_LENS),
+    "sliding+documents": (6, DOC_LENS),
+}
+
+
+def reference(q, k, v, window, doc_lens):
+    """Plain float64 softmax attention with an explicit (query, key) rule."""
+    q, k, v = q.double(), k.double(), v.double()
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    allowed = (j <= i) & (j > i - window if window else True)
+    allowed = allowed.expand(q.shape[0], T, T)
+    if doc_lens is not None:
+        doc = torch.stack([torch.repeat_interleave(torch.arange(len(r)), r.long()) for r in doc_lens])
+        allowed = allowed & (doc[:, :, None] == doc[:, None, :])
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+def inputs(dtype, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, T, H_KV, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, T, H_KV, D, generator=g, dtype=torch.float64)
+    return [x.to(device=device, dtype=dtype) for x in (q, k, v)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_math", "flex"])
+def test_cpu_backends_match_float64_reference(backend, case):
+    window, doc_lens = CASES[case]
+    q, k, v = inputs(torch.float64)
+    mask = AttentionMask(B, T, q.device, doc_lens)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        out = attend(q, k, v, mask, window, resolve_backend(backend, q.device, window or doc_lens is not None),
+                     D ** -0.5)
+    torch.testing.assert_close(out, reference(q, k, v, window, doc_lens), rtol=1e-10, atol=1e-10)
+
+
+GPU_BACKENDS = {
+    "auto": None, "sdpa": None, "sdpa_cudnn": None, "sdpa_efficient": None, "sdpa_flash": None, "flex": None,
+    "flash_attn": "flash_attn", "flash_attn3": "flash_attn_interface",
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only attention kernels need CUDA")
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", list(GPU_BACKENDS))
+def test_gpu_backends_match_float64_reference(backend, case):
+    module = GPU_BACKENDS[backend]
+    if module and importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
+    window, doc_lens = CASES[case]
+    if backend == "sdpa_flash" and (window or doc_lens is not None):
+        pytest.skip("the flash SDPA kernel takes no mask")
+    q, k, v = inputs(torch.bfloat16, "cuda")
+    mask = AttentionMask(B, T, q.device, doc_lens)
+    out = attend(q, k, v, mask, window, resolve_backend(backend, q.device, window or doc_lens is not None), D ** -0.5)
+    expected = reference(q.cpu(), k.cpu(), v.cpu(), window, doc_lens)
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_auto_picks_sdpa_on_cpu_and_gpu_only_backends_refuse_cpu():
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu, needs_mask=True) == "sdpa"
+    for name in ("flash_attn", "flash_attn3", "sdpa_cudnn"):
+        with pytest.raises(ValueError, match="CUDA"):
+            resolve_backend(name, cpu, needs_mask=False)
+
+
+def test_bad_doc_lens_are_rejected_before_attention():
+    with pytest.raises(ValueError, match="sum to the sequence length"):
+        AttentionMask(2, T, torch.device("cpu"), torch.tensor([[10, 20], [40, 0]]))
+    with pytest.raises(ValueError, match="shape"):
+        AttentionMask(2, T, torch.device("cpu"), torch.tensor([40, 40]))
+
+
+@pytest.mark.parametrize("spec", [OLMO2_TINY, OLMO3_TINY], ids=["olmo2", "olmo3"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_document_masking_equals_running_each_document_alone(spec, backend):
+    """Packed documents with doc_lens give each document the logits it gets on its own.
+
+    RoPE is relative, so a document's offset inside the row changes its scores only by the fp32
+    rounding of the RoPE tables (~1e-7).
+    """
+    cfg = ModelConfig(**dict(spec, attention_backend=backend))
+    model = random_model(cfg).double()
+    lens = [9, 23, 8]
+    ids = torch.randint(0, cfg.vocab_size, (1, sum(lens)), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        packed = model(ids, doc_lens=torch.tensor([lens]))
+        start = 0
+        for n in lens:
+            alone = model(ids[:, start:start + n])
+            torch.testing.assert_close(packed[:, start:start + n], alone, rtol=1e-5, atol=1e-6)
+            start += n
+        unmasked = model(ids)
+    assert (unmasked[:, lens[0]:] - packed[:, lens[0]:]).abs().max() > 1e-3
