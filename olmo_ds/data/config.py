@@ -35,3 +35,7 @@ class DataConfig:
         for s in self.sources + self.val_sources:
             if s.weight <= 0:
                 raise ValueError(f"data source {s.path}: weight must be > 0, got {s.weight}")
+            if s.max_epochs is not None and s.max_epochs <= 0:
+                raise ValueError(f"data source {s.path}: max_epochs must be > 0 (or null for 1), got {s.max_epochs}")
+        if self.prefetch < 0:
+            raise ValueError(f"data.prefetch must be >= 0 (0 = no background thread), got {self.prefetch}")

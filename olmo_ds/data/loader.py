@@ -151,8 +151,15 @@ class DataLoader:
         return self.schedule.at(step)
 
     def mixture_report(self, total_instances: int | None = None) -> list[dict]:
-        """Per source: target vs actual share, tokens and passes per epoch (and over `total_instances`)."""
-        return self.mixture.report(self.seq_len, total_instances)
+        """Per source: its path, tokens on disk and the tail dropped by chunking, target vs actual
+        share, tokens and passes per mixture epoch, and with `total_instances` (e.g. the run's
+        length) the tokens it will contribute and how many times it will have been read."""
+        rows = self.mixture.report(self.seq_len, total_instances)
+        for row, src in zip(rows, self.sources):
+            row["path"] = str(src.directory)
+            row["tokens_on_disk"] = src.num_tokens
+            row["dropped_tail_tokens"] = src.num_tokens - row["instances"] * self.seq_len
+        return rows
 
     def _fingerprint(self) -> str:
         record = {

@@ -36,10 +36,7 @@ class Mixture:
     """The composition of one mixture epoch; instance ids are global: source s, instance i -> base[s] + i."""
 
     def __init__(self, names: list[str], weights: list[float], max_epochs: list[float | None], num_instances: list[int]) -> None:
-        caps = [1.0 if c is None else float(c) for c in max_epochs]
-        for name, cap in zip(names, caps):
-            if cap <= 0:
-                raise ValueError(f"data source {name}: max_epochs must be > 0, got {cap}")
+        caps = [1.0 if c is None else float(c) for c in max_epochs]  # DataConfig has checked they are > 0
         total_weight = float(sum(weights))
         shares = [w / total_weight for w in weights]
         # The largest epoch in which every source stays within its cap: n_s = share_s * size <= cap_s * N_s.

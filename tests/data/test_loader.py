@@ -173,6 +173,12 @@ def test_prefetch_reports_wait_time_and_state_counts_only_returned_batches(sourc
     ld.close()
 
 
+def test_report_counts_the_dropped_tail(source):
+    (row,) = loader([source], seq=SEQ).mixture_report(total_instances=124)
+    assert row["tokens_on_disk"] == 1000 and row["dropped_tail_tokens"] == 8 and row["instances"] == 62
+    assert row["run_source_epochs"] == 2.0 and row["run_tokens"] == 124 * SEQ
+
+
 def test_validation_stream_covers_every_instance_once_in_order(source):
     seen, shapes = [], set()
     batches = [list(validation_batches(str(source), SEQ, 5, r, 3)) for r in range(3)]
