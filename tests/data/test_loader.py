@@ -31,7 +31,7 @@ def write_source(directory: Path, shard_sizes, *, vocab_size=VOCAB, eos_id=0, fi
     dtype = shards.dtype_for_vocab(vocab_size)
     for i, n in enumerate(shard_sizes):
         cuts = np.unique(rng.integers(1, n, size=max(1, n // 7))) if n > 1 else np.array([], dtype=np.int64)
-        offsets = np.concatenate([[0], cuts, [n]])
+        offsets = np.concatenate([[0], cuts, [n]]) if n else np.zeros(1, dtype=np.int64)
         meta = shards.write_shard(directory, i, stream[start : start + n].astype(dtype), offsets, vocab_size=vocab_size, eos_id=eos_id)
         names.append(meta.bin)
         start += n
@@ -78,6 +78,16 @@ def test_instances_are_consecutive_tokens_with_shifted_labels(source):
         np.testing.assert_array_equal(row, np.arange(start, start + SEQ))
         np.testing.assert_array_equal(labels[:-1], row[1:])
         assert labels[-1] == -100
+
+
+def test_an_instance_may_span_several_shards_including_an_empty_one(tmp_path):
+    d = write_source(tmp_path / "s", [5, 0, 7, 20])
+    batch = loader([d], bs=2, prefetch=0, document_masking=True).next_batch()
+    np.testing.assert_array_equal(np.sort(batch["input_ids"].numpy(), axis=0), np.arange(32).reshape(2, 16))
+    lens = dict(zip(instance_ids(batch), batch["doc_lens"].numpy().tolist()))
+    # Shard ends at 5 and 12 are document ends; the documents inside shards come from their offsets.
+    cuts = set(np.cumsum([n for n in lens[0] if n]).tolist())
+    assert {5, 12, 16} <= cuts
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
