@@ -69,6 +69,8 @@ class TokenSource:
                     f"{meta_file}: vocab_size {meta.vocab_size}, eos_id {meta.eos_id} differ from {manifest_file} "
                     f"(vocab_size {self.manifest.vocab_size}, eos_id {self.manifest.eos_id}): shards of different tokenizers in one source"
                 )
+            if meta.max_token_id >= meta.vocab_size:
+                raise ValueError(f"{meta_file}: max_token_id {meta.max_token_id} >= vocab_size {meta.vocab_size}; the shard is corrupt or mislabelled")
             self._tokens.append(shards.open_tokens(bin_file, meta))  # raises on a truncated .bin
             self._offset_files.append(offsets_file)
             self.metas.append(meta)

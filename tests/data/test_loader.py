@@ -287,6 +287,12 @@ def test_seq_len_the_data_cannot_fill(tmp_path):
         loader([d], seq=128)
 
 
+def test_an_id_beyond_the_tokenizer_is_named(tmp_path):
+    d = write_source(tmp_path / "s", [100], vocab_size=50280, values=np.r_[np.zeros(99), 60000])
+    with pytest.raises(ValueError, match="shard-00000.json: max_token_id 60000 >= vocab_size 50280"):
+        loader([d])
+
+
 def test_model_vocab_smaller_than_the_data(tmp_path):
     d = write_source(tmp_path / "s", [100], values=np.r_[np.zeros(99), 70000])
     ld = loader([d])

@@ -109,3 +109,17 @@ def test_a_weight_too_small_for_one_instance_is_refused(pair):
         loader([src(a, weight=10000), src(small, weight=1)])
     with pytest.raises(ValueError, match="duplicate names"):
         loader([src(a), src(a)])
+
+
+def test_the_order_is_the_same_on_every_numpy_release():
+    """Exact resume needs the same order from the same seed years later: these ids were produced by
+    numpy 2.x's PCG64 + Generator.shuffle; a release that changes that stream must fail here, not in a
+    resumed run."""
+    from olmo_ds.data.mixture import Mixture
+    from olmo_ds.data.order import GlobalOrder
+
+    mixture = Mixture(["a", "b"], [3, 1], [None, 2], [1000, 100])
+    order = GlobalOrder(mixture, seed=1234)
+    assert mixture.epoch_size == 800
+    assert order.ids(0, 12).tolist() == [609, 74, 768, 436, 960, 1057, 118, 1007, 746, 630, 180, 1076]
+    assert order.ids(800, 6).tolist() == [124, 734, 330, 1027, 94, 840]
