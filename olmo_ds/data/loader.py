@@ -199,19 +199,22 @@ class DataLoader:
         return [(self.sources[s].name, i * self.seq_len) for s, i in zip(src.tolist(), inst.tolist())]
 
     def _produce(self, step: int, position: int, q: queue.Queue, stop: threading.Event) -> None:
+        def put(item) -> None:
+            # Never block for good on a full queue: `close` must be able to stop this thread.
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
+
         try:
             while not stop.is_set():
-                item = self._make_batch(step, position)
+                put(self._make_batch(step, position))
                 position += self.schedule.at(step)
                 step += 1
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
         except BaseException as e:  # handed to the consumer, which re-raises it in the main thread
-            q.put(e)
+            put(e)
 
     def _check_divisible(self, from_step: int) -> None:
         # Only the sizes from `from_step` on: a run resumed on more ranks after a small warmup batch
@@ -283,6 +286,9 @@ class DataLoader:
             allow_data_change = self.cfg.allow_data_change
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"data loader state version {state.get('version')!r}, this loader reads version {STATE_VERSION}")
+        missing = {"step", "instances_consumed", "fingerprint", "seed", "seq_len"} - set(state)
+        if missing:
+            raise ValueError(f"data loader state lacks {sorted(missing)}; it was not written by DataLoader.state_dict()")
         mismatches = [
             f"{key}: checkpoint {state[key]!r}, now {now!r}"
             for key, now in (("fingerprint", self.fingerprint), ("seed", self.cfg.seed), ("seq_len", self.seq_len))
@@ -316,13 +322,19 @@ def validation_batches(
     labels all -100) so that every rank runs the same number of equally shaped batches; sum the
     loss over labels != -100 and count them to get the exact mean over real tokens.
     """
+    # Opened and checked here, not at the first iteration, so bad data fails before training starts.
     if isinstance(source, SourceConfig):
         src = TokenSource(source.path, source.name)
     else:
         src = TokenSource(source)
     if not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank {dp_rank} outside 0 .. dp_world_size - 1 = {dp_world_size - 1}")
-    n = src.num_instances(seq_len)
+    if batch_size < 1:
+        raise ValueError(f"validation batch_size must be >= 1, got {batch_size}")
+    return _validation_stream(src, src.num_instances(seq_len), seq_len, batch_size, dp_rank, dp_world_size, document_masking)
+
+
+def _validation_stream(src: TokenSource, n: int, seq_len: int, batch_size: int, dp_rank: int, dp_world_size: int, document_masking: bool) -> Iterator[dict[str, torch.Tensor]]:
     per_global = batch_size * dp_world_size
     for g in range(math.ceil(n / per_global)):
         first = g * per_global + dp_rank * batch_size

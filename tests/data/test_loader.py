@@ -351,3 +351,24 @@ def test_bench_data_measures_on_generated_shards(tmp_path):
     assert len(shards.Manifest.load(d).shards) == 4
     result = run(d, seq_len=256, rows_per_rank=2, world_size=2, steps=20, document_masking=True, gpu_tokens_per_s=1e8)
     assert result["tokens_per_s"] > 0 and 0 <= result["wait_fraction"] < 1
+
+
+def test_a_read_error_in_the_prefetch_thread_reaches_the_trainer(source, monkeypatch):
+    from olmo_ds.data.dataset import TokenSource
+
+    ld = loader([source], bs=2, prefetch=1)
+    ld.next_batch()
+
+    def failing_read(self, start, out):
+        raise OSError(f"{self.directory}: Input/output error")
+
+    monkeypatch.setattr(TokenSource, "read", failing_read)
+    with pytest.raises(OSError, match="Input/output error"):
+        for _ in range(4):  # one or two batches may already be prefetched
+            ld.next_batch()
+    assert ld._thread is None  # stopped, not left blocked on a full queue
+
+
+def test_validation_source_is_checked_when_asked_for_not_when_iterated(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        validation_batches(str(tmp_path / "absent"), SEQ, 2, 0, 1)
