@@ -8,10 +8,13 @@ it). `encode` never adds special tokens: data preparation appends EOS itself, so
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
+
+import orjson
 
 # Names under which tokenizers in the wild spell their end-of-document and padding tokens, in the
 # order we prefer them when no tokenizer_config.json names them.
@@ -57,17 +60,21 @@ class HFTokenizer(Tokenizer):
         import tokenizers
 
         self.path = Path(path)
-        raw = self.path.read_bytes()
+        self._raw = self.path.read_bytes()
         try:
-            content = json.loads(raw)
-            self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+            self._tok = tokenizers.Tokenizer.from_str(self._raw.decode("utf-8"))
         except Exception as e:  # the library's own message names the part it could not parse
             raise ValueError(f"{self.path}: not a valid HF tokenizer.json: {e}") from e
-        canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        self.fingerprint = "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
         self._config = _read_tokenizer_config(self.path.parent)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        # Canonical JSON (sorted keys, no whitespace): reformatting the file keeps the fingerprint.
+        # Computed on first use: data preparation workers load the tokenizer but never need it.
+        canonical = orjson.dumps(orjson.loads(self._raw), option=orjson.OPT_SORT_KEYS)
+        return "sha256:" + hashlib.sha256(canonical).hexdigest()
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

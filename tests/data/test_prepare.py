@@ -1,4 +1,5 @@
 import gzip
+import shutil
 import json
 import subprocess
 import sys
@@ -115,3 +116,152 @@ def test_script_end_to_end(tmp_path):
     assert "30 docs" in proc.stdout and (out / "manifest.json").is_file()
     proc = subprocess.run(cmd[:-6] + ["--input", str(tmp_path / "missing.jsonl"), "--output", str(out), "--tokenizer", str(NEOX)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "missing.jsonl: no such file" in proc.stderr
+
+
+def write_corpus_with_bad_records(raw: Path, copies: int = 1) -> list[str]:
+    """c4 documents as JSON lines, `copies` times over, with one bad record of every kind per copy;
+    returns the good texts in input order."""
+    raw.mkdir(parents=True, exist_ok=True)
+    texts = c4_texts()
+    good = []
+    with open(raw / "mixed.jsonl", "wb") as f:
+        for c in range(copies):
+            for i, t in enumerate(texts):
+                f.write(json.dumps({"text": t, "copy": c}).encode() + b"\n")
+                good.append(t)
+                if i == 3:
+                    f.write(b'{"text": "unterminated\n')
+                    f.write(b'{"id": 1}\n')
+                    f.write(b'{"text": 42}\n')
+                    f.write(b'{"text": "bad \xff byte"}\n')
+                    f.write(b'{"text": "lone \\ud800 surrogate"}\n')
+                    f.write(b'{"text": "  \\n "}\n')
+                    f.write(b"\n")  # a blank line is not a record
+    return good
+
+
+def test_every_bad_record_kind_is_skipped_counted_and_located(tmp_path):
+    raw = tmp_path / "raw"
+    good = write_corpus_with_bad_records(raw)
+    (raw / "empty.txt").write_text("")
+    (raw / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    result = run([raw], tmp_path / "out", NEOX, workers=2)
+    mixed, empty, latin1 = (str((raw / n).resolve()) for n in ("mixed.jsonl", "empty.txt", "latin1.txt"))
+    assert result.skipped.counts == {"malformed_json": 1, "missing_text_field": 1, "text_not_a_string": 1, "invalid_utf8": 3, "empty_document": 2}
+    assert result.skipped.examples == {
+        "malformed_json": [f"{mixed}:5"], "missing_text_field": [f"{mixed}:6"], "text_not_a_string": [f"{mixed}:7"],
+        "invalid_utf8": [f"{latin1}:1", f"{mixed}:8", f"{mixed}:9"], "empty_document": [f"{empty}:1", f"{mixed}:10"],
+    }
+    manifest = shards.Manifest.load(tmp_path / "out")
+    assert manifest.extra["skipped"] == result.skipped.to_dict() and manifest.num_docs == len(good)
+    ref = tokenizers.Tokenizer.from_file(str(NEOX))
+    assert read_all(tmp_path / "out")[0].tolist() == [i for t in good for i in ref.encode(t, add_special_tokens=False).ids + [50279]]
+    with pytest.raises(PrepareError, match=rf"{empty}:1: empty document \(--strict"):
+        run([raw], tmp_path / "strict", NEOX, strict=True)
+    with pytest.raises(PrepareError, match=rf"{mixed}:5: malformed json"):
+        run([raw / "mixed.jsonl"], tmp_path / "strict2", NEOX, strict=True)
+
+
+def test_dry_run_writes_nothing_and_verbose_reports_files(tmp_path):
+    lines = []
+    result = prepare(PrepareConfig(inputs=[str(C4_DIR)], output=tmp_path / "out", tokenizer=str(DOLMA2), dry_run=True, verbose=True, progress=False), log=lines.append)
+    assert not (tmp_path / "out").exists()
+    assert [f.docs for f in result.files] == [10, 10, 10] and result.num_docs == 30
+    assert sum(f.tokens for f in result.files) == result.num_tokens == sum(len(ids) + 1 for ids in load_ids(DOLMA2))
+    assert len(lines) == 3 and lines[0].endswith("c4-sample.01.json.gz: 10 docs, " + f"{result.files[0].tokens:,} tokens, 0 skipped")
+
+
+def load_ids(tokenizer):
+    ref = tokenizers.Tokenizer.from_file(str(tokenizer))
+    return [ref.encode(t, add_special_tokens=False).ids for t in c4_texts()]
+
+
+def test_clear_errors_before_any_work(tmp_path):
+    (tmp_path / "emptydir").mkdir()
+    (tmp_path / "data.csv").write_text("a,b")
+    cases = [
+        ([tmp_path / "nope.jsonl"], NEOX, "nope.jsonl: no such file or directory"),
+        ([tmp_path / "emptydir"], NEOX, "emptydir: directory holds no supported input files"),
+        ([tmp_path / "data.csv"], NEOX, "data.csv: unsupported input type"),
+        ([tmp_path / "*.jsonl"], NEOX, r"\*.jsonl: glob matches no supported input files"),
+        ([C4_DIR], tmp_path / "tok.json", "tokenizer file not found"),
+    ]
+    for inputs, tok, message in cases:
+        with pytest.raises(PrepareError, match=message):
+            run(inputs, tmp_path / "out", tok)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(PrepareError, match="--val-fraction must be in"):
+        run([C4_DIR], tmp_path / "out", NEOX, val_fraction=1.0)
+
+
+def test_output_of_another_tokenizer_or_settings_is_refused(tmp_path):
+    out = tmp_path / "out"
+    run([C4_DIR], out, NEOX, shard_tokens=3000)
+    before = dir_bytes(out)
+    with pytest.raises(PrepareError, match="holds shards of another tokenizer.*--overwrite"):
+        run([C4_DIR], out, DOLMA2, shard_tokens=3000)
+    with pytest.raises(PrepareError, match=r"other settings \(shard_tokens differ\)"):
+        run([C4_DIR], out, NEOX, shard_tokens=5000)
+    (out / ".prepare.json").unlink()  # shards without the state of the run that made them
+    with pytest.raises(PrepareError, match="holds shards of another tokenizer"):
+        run([C4_DIR], out, DOLMA2)
+    assert dir_bytes(out) == {k: v for k, v in before.items() if k != ".prepare.json"}
+    run([C4_DIR], out, DOLMA2, overwrite=True)
+    assert shards.Manifest.load(out).vocab_size == 100278 and not shards.bin_path(out, 3).exists()
+    assert run([C4_DIR], out, DOLMA2).already_complete
+
+
+@pytest.mark.parametrize("val_fraction", [0.0, 0.25])
+def test_rerun_after_a_crash_at_any_point_is_byte_identical(tmp_path, val_fraction):
+    raw = tmp_path / "raw"
+    write_corpus_with_bad_records(raw, copies=2)
+    ref = tmp_path / "ref"
+    run([raw], ref, NEOX, shard_tokens=2500, val_fraction=val_fraction)
+    expected = dir_bytes(ref)
+    n = len(shards.list_shards(ref))
+    assert n >= 6
+
+    def crashed(name: str, damage) -> Path:
+        out = Path(shutil.copytree(ref, tmp_path / name))
+        (out / "manifest.json").unlink()
+        damage(out)
+        return out
+
+    states = {
+        "before_manifest": lambda out: None,
+        "before_last_meta": lambda out: shards.meta_path(out, n - 1).unlink(),
+        "mid_shard": lambda out: [
+            [p.unlink() for p in out.glob(f"shard-{i:05d}.*")] for i in range(n // 2, n)
+        ] + [(out / f"shard-{n // 2:05d}.bin.tmp").write_bytes(b"\x01\x02" * 100), (out / f"shard-{n // 2:05d}.offsets.raw.tmp").write_bytes(b"\0" * 16)],
+        "offsets_renamed_meta_not": lambda out: [shards.meta_path(out, 2).unlink()] + [p.unlink() for i in range(3, n) for p in out.glob(f"shard-{i:05d}.*")],
+        "nothing_complete": lambda out: [p.unlink() for p in out.glob("shard-*")] + [shutil.rmtree(out / "val", ignore_errors=True)],
+    }
+    for name, damage in states.items():
+        out = crashed(name, damage)
+        result = run([raw], out, NEOX, shard_tokens=2500, val_fraction=val_fraction, workers=2 if name == "mid_shard" else 1)
+        assert dir_bytes(out) == expected, name
+        if name in ("mid_shard", "offsets_renamed_meta_not"):
+            assert result.resumed_from is not None and result.run_tokens < result.num_tokens + result.val_tokens
+
+
+def test_rerun_after_sigkill_is_byte_identical(tmp_path):
+    import signal
+    import time
+
+    raw = tmp_path / "raw"
+    write_corpus_with_bad_records(raw, copies=25)
+    args = ["--input", str(raw), "--tokenizer", str(NEOX), "--shard-tokens", "2000", "--workers", "2", "--no-progress"]
+    ref = tmp_path / "ref"
+    subprocess.run([sys.executable, "scripts/prepare_data.py", *args, "--output", str(ref)], cwd=REPO, check=True, capture_output=True)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "scripts/prepare_data.py", *args, "--output", str(out)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("shard-*.json"))) < 5 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists(), "the run finished before it could be killed"
+    proc = subprocess.run([sys.executable, "scripts/prepare_data.py", *args, "--output", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed from" in proc.stdout
+    assert dir_bytes(out) == dir_bytes(ref)
