@@ -1,0 +1,476 @@
+"""Training throughput of the real pretrain step path on one device, against a plain-PyTorch step.
+
+What is timed is what `scripts/pretrain.py` runs: a `Trainer` (DeepSpeed engine with the chosen ZeRO
+config, the real `DataLoader` over shards written with `olmo_ds.data.shards`) and its `train_step`,
+data loading included, after warm-up steps that absorb compilation, DeepSpeed's JIT op builds and
+allocator growth. In the same process, before the engine exists, the same model and the same batches
+run through a plain-PyTorch step (bf16 parameters, fused `torch.optim.AdamW`, gradient clipping, no
+DeepSpeed): the ratio of the two is what DeepSpeed costs or gains on this device.
+
+Throughput uses one FLOP formula, `ModelConfig.flops_per_token` (6 x non-embedding parameters +
+12 x layers x d_model x seq_len per token), printed with every report. It leaves out the output
+head's matmul (6 x vocab x d_model per token), which other trainers count among the "non-embedding"
+parameters; the report therefore also gives MFU with the head counted, so numbers compare with
+theirs on the same footing.
+
+Experiment switches (`Experiments`) try speed levers without changing the model or trainer code:
+each patches this process only, is named in the report, and is off by default. Variants of a sweep
+(`VARIANTS`) run in separate processes so that one variant's memory, compiled graphs or crash cannot
+affect the next; the sweep prints one table at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import logging
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from olmo_ds.train.config import ConfigError, apply_override, config_from_dict
+from olmo_ds.train.ds_config import load_ds_json, resolve_ds_config
+
+log = logging.getLogger("olmo_ds")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Experiments:
+    """Speed levers applied by patching this process (see `apply_experiments`); all off by default.
+
+    They exist to measure a lever before it is folded into the model or trainer code; each must keep
+    the step's math unchanged (the tests compare losses with and without them).
+    """
+
+    # torch.compile the parameter-free math of the blocks (RMSNorm body, RoPE, SwiGLU) as standalone
+    # functions that take the already-gathered weight as an argument, so ZeRO-3's module hooks still
+    # run eagerly around them.
+    compile_pointwise: bool = False
+    # Tokens per chunk of the fused output-projection + cross-entropy (the model's default is 4096).
+    loss_chunk: int | None = None
+    # DeepSpeed's DeepCompile: `"compile": {"deepcompile": true}` and `engine.compile()` after init.
+    deepcompile: bool = False
+    # `engine.compile()` (plain torch.compile of the whole module under DeepSpeed's hooks).
+    engine_compile: bool = False
+    compile_backend: str = "inductor"
+
+
+@dataclass
+class BenchOptions:
+    preset: str = "olmo2-1b"
+    seq_len: int = 4096
+    micro_batch_size: int = 4
+    grad_accum: int = 1  # micro-batches per optimizer step (global batch = micro x accum, one rank)
+    ds_config: str = "ds_configs/zero3_bf16.json"
+    ds_set: list[str] = field(default_factory=list)  # "zero_optimization.stage3_param_persistence_threshold=1e9"
+    model_set: list[str] = field(default_factory=list)  # ModelConfig fields, e.g. "attention_backend=sdpa_flash"
+    precision: str | None = None  # None: bf16 on CUDA, fp32 on CPU
+    warmup: int = 5
+    steps: int = 20
+    reference: bool = True
+    deepspeed: bool = True
+    work_dir: str = str(ROOT / "out" / "bench-train")  # shards (reused) and the resolved DeepSpeed JSON
+    experiments: Experiments = field(default_factory=Experiments)
+
+
+# --- experiment switches -------------------------------------------------------------------------
+
+
+def apply_experiments(exp: Experiments) -> list[str]:
+    """Patch the model classes for the switches that are on; returns their names for the report."""
+    import olmo_ds.model.model as model_mod
+
+    applied = []
+    if exp.compile_pointwise:
+        compile_kw = dict(dynamic=False, backend=exp.compile_backend)
+
+        def rms_norm(x, weight, eps: float):
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+            return (weight * x32).to(x.dtype)
+
+        def swiglu(gate, up):
+            return torch.nn.functional.silu(gate) * up
+
+        rms_norm_c = torch.compile(rms_norm, **compile_kw)
+        swiglu_c = torch.compile(swiglu, **compile_kw)
+        model_mod.RMSNorm.forward = lambda self, x: rms_norm_c(x, self.weight, self.eps)
+        model_mod.MLP.forward = lambda self, x: self.down_proj(swiglu_c(self.gate_proj(x), self.up_proj(x)))
+        model_mod.apply_rope = torch.compile(model_mod.apply_rope, **compile_kw)
+        applied.append(f"compile_pointwise({exp.compile_backend})")
+    if exp.loss_chunk:
+        chunk = int(exp.loss_chunk)
+        original = model_mod.fused_linear_cross_entropy
+
+        def chunked(hidden, weight, labels, z_loss_coef=0.0, chunk_size=4096):
+            return original(hidden, weight, labels, z_loss_coef, chunk)
+
+        model_mod.fused_linear_cross_entropy = chunked
+        applied.append(f"loss_chunk={chunk}")
+    if exp.deepcompile:
+        applied.append("deepcompile")
+    if exp.engine_compile:
+        applied.append("engine_compile")
+    return applied
+
+
+# --- set-up --------------------------------------------------------------------------------------
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def write_ds_config(opts: BenchOptions, work: Path) -> str:
+    """The chosen DeepSpeed JSON with `ds_set` overrides applied, written next to the run (or the file itself)."""
+    path = Path(opts.ds_config)
+    if not path.is_absolute() and not path.exists():
+        path = ROOT / path
+    if not opts.ds_set and not opts.experiments.deepcompile:
+        return str(path)
+    ds = load_ds_json(path)
+    for assignment in opts.ds_set:
+        apply_override(ds, assignment)
+    if opts.experiments.deepcompile:
+        ds.setdefault("compile", {})["deepcompile"] = True
+    out = work / "ds_config.json"
+    out.write_text(json.dumps(ds, indent=2))
+    return str(out)
+
+
+def build_train_config(opts: BenchOptions, data_dir: Path, work: Path):
+    """The TrainConfig a user would write for this benchmark (one rank, constant lr, no checkpoints)."""
+    precision = opts.precision or ("bf16" if torch.cuda.is_available() else "fp32")
+    model = {"preset": opts.preset}
+    for assignment in opts.model_set:
+        apply_override(model, assignment)
+    steps = opts.warmup + opts.steps
+    tree = {
+        "run_dir": str(work / "run"),
+        "max_steps": steps,
+        "precision": precision,
+        "deepspeed_config": write_ds_config(opts, work),
+        "model": model,
+        "data": {"sources": [{"path": str(data_dir)}], "prefetch": 2},
+        "batch": {
+            "global_batch_size": opts.micro_batch_size * opts.grad_accum,
+            "micro_batch_size": opts.micro_batch_size,
+            "seq_len": opts.seq_len,
+        },
+        "schedule": {"kind": "constant"},
+        "checkpoint": {"every": 0, "save_final": False},
+        "logging": {"tensorboard": False},
+    }
+    return config_from_dict(tree, source=f"bench_train ({opts.preset})")
+
+
+def write_bench_shards(opts: BenchOptions, directory: Path, vocab_size: int) -> Path:
+    """Random-id shards (never zeros: they can run faster than real data) big enough for both runs."""
+    from olmo_ds.data.loader_bench import generate_shards
+
+    rows = (opts.warmup + opts.steps) * opts.micro_batch_size * opts.grad_accum
+    tokens = (rows + 8) * opts.seq_len * 2
+    return generate_shards(directory, tokens, shard_tokens=max(tokens // 2, opts.seq_len * 4), vocab_size=vocab_size,
+                           mean_doc_len=min(1200, opts.seq_len))
+
+
+def flops_report(model_cfg, seq_len: int) -> dict:
+    n_body = model_cfg.num_params(include_embedding=False)
+    head = model_cfg.padded_vocab_size * model_cfg.d_model
+    fpt = model_cfg.flops_per_token(seq_len)
+    return {
+        "flops_per_token": fpt,
+        "flops_per_token_with_head": fpt + 6 * head,
+        "formula": (f"FLOPs/token = 6 x {n_body:,} non-embedding params + 12 x {model_cfg.n_layers} layers x "
+                    f"{model_cfg.d_model} d_model x {seq_len} seq_len = {fpt:.4g} "
+                    f"(+ 6 x {head:,} head params = {fpt + 6 * head:.4g} with the output head)"),
+    }
+
+
+# --- timing --------------------------------------------------------------------------------------
+
+
+def _peak_memory_reset() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_memory_gib() -> dict:
+    from olmo_ds.train.metrics import memory_gib
+
+    if torch.cuda.is_available():
+        return {"peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+    return {"peak_alloc_gib": memory_gib(), "peak_reserved_gib": None}  # CPU: peak RSS of the process
+
+
+def _summarise(step_s: list[float], wait_s: float, tokens_per_step: int, flops: dict, peak: float | None, losses: list[float]) -> dict:
+    med = statistics.median(step_s)
+    tps = tokens_per_step / med
+    tflops = tps * flops["flops_per_token"] / 1e12
+    return {
+        "tokens_per_s": tps,
+        "tokens_per_s_mean": tokens_per_step * len(step_s) / sum(step_s),
+        "step_s_median": med,
+        "step_s_min": min(step_s),
+        "step_s_max": max(step_s),
+        "tflops": tflops,
+        "mfu": tflops / peak if peak else None,
+        "mfu_with_head": tps * flops["flops_per_token_with_head"] / 1e12 / peak if peak else None,
+        "data_wait_fraction": wait_s / sum(step_s),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        **_peak_memory_gib(),
+    }
+
+
+def run_reference(cfg, model_cfg, opts: BenchOptions, flops: dict, peak: float | None) -> dict:
+    """The same model and batches in plain PyTorch: bf16 (or fp32) parameters, fused AdamW, clipping."""
+    from olmo_ds.data.loader import DataLoader
+    from olmo_ds.model import OLMo
+    from olmo_ds.train.optim import param_groups
+
+    device = _device()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.precision]
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        model = OLMo(model_cfg).to(dtype)
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(param_groups(model, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    loader = DataLoader(cfg.data, seq_len=cfg.batch.seq_len, global_batch_size=cfg.batch.global_batch_size, dp_rank=0, dp_world_size=1)
+    micro = cfg.batch.micro_batch_size
+
+    def step() -> float:
+        batch = loader.next_batch()
+        n_micro = batch["input_ids"].shape[0] // micro
+        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        for i in range(n_micro):
+            mb = {k: v[i * micro:(i + 1) * micro].to(device, non_blocking=True) for k, v in batch.items()}
+            out = model(mb["input_ids"], labels=mb["labels"], doc_lens=mb.get("doc_lens"), z_loss_coef=o.z_loss)
+            (out.loss / n_micro).backward()
+            loss_sum += out.ce_loss.detach().double()
+        if o.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return (loss_sum / n_micro).item()  # synchronises, as the trainer's step does
+
+    try:
+        result = _time_steps(step, loader, opts, flops, peak, cfg.batch.global_batch_size * cfg.batch.seq_len)
+    finally:
+        loader.close()
+    del model, optimizer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def _time_steps(step, loader, opts: BenchOptions, flops: dict, peak: float | None, tokens_per_step: int) -> dict:
+    losses = [step() for _ in range(opts.warmup)]
+    _sync()
+    _peak_memory_reset()
+    wait0 = loader.wait_seconds
+    times = []
+    for _ in range(opts.steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return _summarise(times, loader.wait_seconds - wait0, tokens_per_step, flops, peak, losses)
+
+
+def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> dict:
+    """The real pretrain path: `Trainer` (engine, ZeRO config, data loader) and its `train_step`."""
+    from olmo_ds.train.trainer import Trainer
+
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    if opts.experiments.deepcompile or opts.experiments.engine_compile:
+        trainer.engine.compile(backend=opts.experiments.compile_backend)
+    init_s = time.perf_counter() - t0
+    try:
+        result = _time_steps(lambda: trainer.train_step(trainer.loader.next_batch())["loss"], trainer.loader, opts, flops, peak,
+                             cfg.batch.global_batch_size * cfg.batch.seq_len)
+    finally:
+        trainer.loader.close()
+    result["init_s"] = init_s
+    result["zero_stage"] = trainer.ds_config["zero_optimization"]["stage"]
+    result["ds_zero_config"] = trainer.ds_config["zero_optimization"]
+    return result
+
+
+def environment() -> dict:
+    env = {"torch": torch.__version__, "device": "cpu", "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST")}
+    try:
+        import deepspeed
+
+        env["deepspeed"] = deepspeed.__version__
+    except ImportError:
+        env["deepspeed"] = None
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def run_bench(opts: BenchOptions) -> dict:
+    """Reference step first (it needs the device to itself), then the DeepSpeed trainer; one result dict."""
+    from olmo_ds.train.launch import normalize_cuda_arch_list
+    from olmo_ds.train.metrics import peak_tflops, setup_console_logging
+
+    setup_console_logging(0)
+    normalize_cuda_arch_list()
+    if opts.grad_accum < 1 or opts.steps < 1 or opts.warmup < 0:
+        raise ConfigError(f"bench: grad_accum >= 1, steps >= 1, warmup >= 0 required (got {opts.grad_accum}, {opts.steps}, {opts.warmup})")
+    work = Path(opts.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    applied = apply_experiments(opts.experiments)
+
+    from olmo_ds.model.config import preset as model_preset
+
+    vocab = model_preset(opts.preset).vocab_size
+    data_dir = write_bench_shards(opts, work / f"shards-v{vocab}-t{opts.seq_len}", vocab)
+    cfg = build_train_config(opts, data_dir, work)
+    model_cfg = cfg.model.build(vocab_size=vocab)
+    if opts.deepspeed:
+        resolve_ds_config(cfg, model_cfg, 1)  # a bad DeepSpeed JSON fails here, before the reference run
+    flops = flops_report(model_cfg, opts.seq_len)
+    peak = peak_tflops(None)
+    result = {
+        "options": dataclasses.asdict(opts),
+        "experiments_applied": applied,
+        "environment": environment(),
+        "model": {"preset": opts.preset, "params": model_cfg.num_params(), "non_embedding_params": model_cfg.num_params(False),
+                  "attention_backend": model_cfg.attention_backend},
+        "precision": cfg.precision,
+        "tokens_per_step": cfg.batch.global_batch_size * opts.seq_len,
+        "peak_tflops": peak,
+        **flops,
+    }
+    log.info("%s", flops["formula"])
+    if opts.reference:
+        log.info("plain-PyTorch reference: %d warm-up + %d timed steps", opts.warmup, opts.steps)
+        result["reference"] = run_reference(cfg, model_cfg, opts, flops, peak)
+    if opts.deepspeed:
+        log.info("DeepSpeed trainer (%s): %d warm-up + %d timed steps", cfg.deepspeed_config, opts.warmup, opts.steps)
+        result["deepspeed"] = run_deepspeed(cfg, opts, flops, peak)
+    if opts.reference and opts.deepspeed:
+        result["ratio_deepspeed_to_reference"] = result["deepspeed"]["tokens_per_s"] / result["reference"]["tokens_per_s"]
+    return result
+
+
+# --- reporting -----------------------------------------------------------------------------------
+
+
+def _fmt(value, width: int, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    """`value * scale` formatted and right-aligned in `width` columns; "-" when there is no value."""
+    text = "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value * scale, spec) + suffix
+    return text.rjust(width)
+
+
+def format_report(r: dict) -> str:
+    o = r["options"]
+    lines = [
+        f"bench_train: {o['preset']} seq {o['seq_len']} micro-batch {o['micro_batch_size']} x accum {o['grad_accum']} "
+        f"({r['tokens_per_step']:,} tokens/step), {r['precision']}, {r['environment']['device']}, "
+        f"torch {r['environment']['torch']}, deepspeed {r['environment']['deepspeed']}",
+        r["formula"],
+        f"MFU vs {r['peak_tflops']} TFLOP/s peak" if r["peak_tflops"] else "MFU: no known peak for this device",
+        f"experiments: {', '.join(r['experiments_applied']) or 'none'}; ds overrides: {', '.join(o['ds_set']) or 'none'}; "
+        f"model overrides: {', '.join(o['model_set']) or 'none'}",
+        f"{'run':<28} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'MFU+head':>8} {'step ms':>8} {'data wait':>9} {'peak GiB':>8} {'loss':>14}",
+    ]
+    for name, key in (("plain PyTorch (fused AdamW)", "reference"), (f"DeepSpeed {Path(o['ds_config']).name}", "deepspeed")):
+        m = r.get(key)
+        if m is None:
+            continue
+        lines.append(
+            f"{name:<28} {m['tokens_per_s']:>10,.0f} {m['tflops']:>8.1f} {_fmt(m['mfu'], 6, '.1f', 100, '%')} "
+            f"{_fmt(m['mfu_with_head'], 8, '.1f', 100, '%')} {1000 * m['step_s_median']:>8.1f} "
+            f"{100 * m['data_wait_fraction']:>8.2f}% {m['peak_alloc_gib']:>8.1f} {m['loss_first']:>6.3f}->{m['loss_last']:<6.3f}"
+        )
+    if "ratio_deepspeed_to_reference" in r:
+        lines.append(f"ratio DeepSpeed / plain PyTorch: {r['ratio_deepspeed_to_reference']:.3f}")
+    return "\n".join(lines)
+
+
+# --- sweeps --------------------------------------------------------------------------------------
+
+# Named variants for one-call sweeps on a GPU machine: extra command-line arguments of
+# scripts/bench_train.py. Each is one lever on top of the baseline unless its name says otherwise.
+VARIANTS: dict[str, list[str]] = {
+    "baseline": [],
+    "zero1": ["--ds-config", "ds_configs/zero1_bf16.json", "--no-reference"],
+    "zero2": ["--ds-config", "ds_configs/zero2_bf16.json", "--no-reference"],
+    "persist_all": ["--ds-set", "zero_optimization.stage3_param_persistence_threshold=1000000000000", "--no-reference"],
+    "prefetch_big": ["--ds-set", "zero_optimization.stage3_prefetch_bucket_size=500000000", "--no-reference"],
+    "no_overlap": ["--ds-set", "zero_optimization.overlap_comm=false", "--no-reference"],
+    "attn_flash": ["--model-set", "attention_backend=sdpa_flash"],
+    "attn_flex": ["--model-set", "attention_backend=flex"],
+    "compile_pointwise": ["--compile-pointwise"],
+    "loss_chunk_16k": ["--loss-chunk", "16384", "--no-reference"],
+    "loss_chunk_2k": ["--loss-chunk", "2048", "--no-reference"],
+    "mb2": ["--micro-batch-size", "2"],
+    "mb8": ["--micro-batch-size", "8"],
+    "accum8": ["--grad-accum", "8"],
+    "deepcompile": ["--deepcompile", "--no-reference"],
+    "engine_compile": ["--engine-compile", "--no-reference"],
+}
+
+
+def run_sweep(names: list[str], base_args: list[str], out_dir: Path, timeout_s: float | None = None) -> list[dict]:
+    """Run each named variant in its own process (base args + the variant's); returns one row per variant."""
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ConfigError(f"unknown bench variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in names:
+        json_path = out_dir / f"{name}.json"
+        json_path.unlink(missing_ok=True)
+        cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), *base_args, *VARIANTS[name], "--json", str(json_path)]
+        print(f"=== {name}: {shlex.join(cmd)}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        row = {"variant": name, "rc": rc, "wall_s": time.perf_counter() - t0}
+        if json_path.exists():
+            row["result"] = json.loads(json_path.read_text())
+        rows.append(row)
+    return rows
+
+
+def format_sweep(rows: list[dict]) -> str:
+    lines = [f"{'variant':<18} {'DS tok/s':>9} {'MFU':>6} {'ref tok/s':>9} {'ratio':>6} {'DS GiB':>7} {'wait':>6} {'wall s':>6}"]
+    for row in rows:
+        r = row.get("result")
+        if r is None or "deepspeed" not in r:
+            lines.append(f"{row['variant']:<18} failed (rc {row['rc']}), see its log above")
+            continue
+        ds, ref = r["deepspeed"], r.get("reference")
+        lines.append(
+            f"{row['variant']:<18} {ds['tokens_per_s']:>9,.0f} {_fmt(ds['mfu'], 6, '.1f', 100, '%')} "
+            f"{_fmt(ref and ref['tokens_per_s'], 9, ',.0f')} {_fmt(r.get('ratio_deepspeed_to_reference'), 6, '.3f')} "
+            f"{ds['peak_alloc_gib']:>7.1f} {100 * ds['data_wait_fraction']:>5.2f}% {row['wall_s']:>6.0f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""scripts/bench_train.py on CPU: the real trainer step and the plain-PyTorch reference, through a sweep.
+
+The tiny preset runs in seconds. Both paths must train the same model on the same batches (their first
+losses agree: same seed, same data order), report positive throughput and a data-wait share in [0, 1],
+and the experiment switches must leave the step's math unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+from tests.train.train_testlib import ROOT, run
+
+SCRIPT = ROOT / "scripts" / "bench_train.py"
+TINY = ["--preset", "tiny", "--seq-len", "64", "--micro-batch-size", "2", "--grad-accum", "2", "--warmup", "1", "--steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    work = tmp_path_factory.mktemp("bench")
+    out = work / "rows.json"
+    proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(work), "--sweep", "baseline", "--json", str(out)], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text()), work
+
+
+def test_cpu_sweep_reports_both_paths(sweep):
+    proc, rows, _ = sweep
+    (row,) = rows
+    assert row["variant"] == "baseline" and row["rc"] == 0
+    r = row["result"]
+    assert r["tokens_per_step"] == 2 * 2 * 64
+    assert r["flops_per_token"] > 0 and "FLOPs/token = 6 x" in r["formula"]
+    for key in ("reference", "deepspeed"):
+        m = r[key]
+        assert m["tokens_per_s"] > 0 and m["tflops"] > 0
+        assert 0.0 <= m["data_wait_fraction"] <= 1.0
+        assert m["peak_alloc_gib"] > 0
+        assert math.isfinite(m["loss_first"]) and math.isfinite(m["loss_last"])
+    assert r["deepspeed"]["zero_stage"] == 3
+    # Same seed, same model code, same batches: the first step's loss (before any update) is the same.
+    assert r["deepspeed"]["loss_first"] == pytest.approx(r["reference"]["loss_first"], rel=1e-5)
+    assert r["ratio_deepspeed_to_reference"] == pytest.approx(r["deepspeed"]["tokens_per_s"] / r["reference"]["tokens_per_s"])
+    assert "ratio DeepSpeed / plain PyTorch" in proc.stdout
+    table = proc.stdout.strip().splitlines()
+    assert table[-2].startswith("variant") and table[-1].startswith("baseline")
+
+
+def test_experiment_switches_keep_the_loss(sweep):
+    _, rows, work = sweep
+    out = work / "switches.json"
+    proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(work), "--no-deepspeed", "--compile-pointwise",
+                "--compile-backend", "eager", "--loss-chunk", "48", "--json", str(out)], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["experiments_applied"] == ["compile_pointwise(eager)", "loss_chunk=48"]
+    assert "deepspeed" not in r
+    base = rows[0]["result"]["reference"]
+    assert r["reference"]["loss_first"] == pytest.approx(base["loss_first"], rel=1e-5)
+    assert r["reference"]["loss_last"] == pytest.approx(base["loss_last"], rel=1e-4)
+
+
+def test_bad_ds_override_is_reported(tmp_path):
+    proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(tmp_path), "--no-reference",
+                "--ds-set", "zero_optimization.stage=5"], timeout=120)
+    assert proc.returncode == 2
+    assert "zero_optimization.stage must be 1, 2 or 3" in proc.stderr
