@@ -1,0 +1,371 @@
+"""The train config: one YAML file plus dotted `--set a.b=c` overrides, parsed into typed dataclasses.
+
+Every number a run depends on lives here once (batch sizes, precision, clipping, optimizer fields);
+the DeepSpeed JSON's `"auto"` fields are filled from it (see `ds_config.py`). Parsing is strict: an
+unknown key is an error that names the file, the line and the nearest valid key, because a typo in a
+1,000-GPU job's config should cost seconds, not a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from olmo_ds.data.config import DataConfig
+from olmo_ds.model.config import PRESETS, ModelConfig, preset
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+
+
+class ConfigError(ValueError):
+    """A train config that cannot run; the message names the key, file and line where known."""
+
+
+@dataclass
+class ModelSpec:
+    """A named preset plus field overrides; `vocab_size` defaults to the tokenizer's."""
+
+    preset: str = "tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, vocab_size: int | None = None) -> ModelConfig:
+        fields = dict(self.overrides)
+        if "vocab_size" not in fields and vocab_size is not None:
+            fields["vocab_size"] = vocab_size
+        return preset(self.preset, **fields)
+
+
+@dataclass
+class BatchRamp:
+    """One step of the global batch-size schedule: from optimizer step `step` on, use `global_batch_size`."""
+
+    step: int
+    global_batch_size: int
+
+
+@dataclass
+class BatchConfig:
+    global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch_size: int = 1  # sequences per rank per forward/backward
+    seq_len: int = 256
+    # Optional batch-size warm-up, e.g. [{step: 0, global_batch_size: 4}, {step: 100, global_batch_size: 8}];
+    # the last entry's size must equal global_batch_size (the size the run ends with).
+    schedule: list[BatchRamp] = field(default_factory=list)
+
+    def global_batch_size_at(self, step: int) -> int:
+        size = self.global_batch_size
+        for ramp in self.schedule:
+            if step >= ramp.step:
+                size = ramp.global_batch_size
+        return size
+
+    def loader_schedule(self) -> int | list[tuple[int, int]]:
+        """The global batch size in the form `olmo_ds.data.loader.DataLoader` takes."""
+        return [(r.step, r.global_batch_size) for r in self.schedule] or self.global_batch_size
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    z_loss: float = 0.0  # coefficient of the z-loss (OLMo 2 uses 1e-5)
+    decay_embeddings: bool = False  # OLMo 2: no weight decay on embeddings
+    decay_norms: bool = False  # nor on norm weights
+    max_nonfinite_in_a_row: int = 5  # abort after this many consecutive skipped (non-finite) steps
+
+
+@dataclass
+class ScheduleConfig:
+    kind: str = "cosine"  # cosine | linear | wsd | constant (each after linear warmup)
+    warmup_steps: int = 0
+    decay_steps: int = 0  # wsd only: length of the final decay phase
+    final_lr_fraction: float = 0.1  # lr at the end, as a fraction of optim.lr
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 1000  # save every N optimizer steps (0 = only at the end)
+    keep_last: int = 3  # keep the newest N checkpoints
+    keep_every: int = 0  # additionally keep every checkpoint whose step is a multiple of this (0 = none)
+    save_final: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    every: int = 10  # console line, metrics.jsonl and TensorBoard every N steps
+    tensorboard: bool = True
+    wandb: bool = False  # used only when wandb is installed
+    wandb_project: str = "olmo-ds"
+    peak_tflops: float | None = None  # per-device peak for MFU; None = from the device name
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # in-loop validation perplexity every N steps (0 = never)
+    max_batches: int = 8
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/default"
+    seed: int = 0
+    max_steps: int = 1000
+    tokenizer: str | None = None  # tokenizer.json / .model; its vocab sizes the model when unset
+    deepspeed_config: str = "ds_configs/zero3_bf16.json"
+    precision: str = "bf16"  # bf16 | fp16 | fp32 (fills the DeepSpeed config's "auto" fields)
+    deterministic: bool = False  # bitwise-reproducible kernels (slower on GPU; CPU runs are anyway)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataConfig = field(default_factory=DataConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    source: str = field(default="<defaults>", metadata={"internal": True})  # where it was read from
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        model = d.pop("model")
+        d["model"] = {"preset": model["preset"], **model["overrides"]}
+        return d
+
+    def validate(self) -> None:
+        """Checks that need only the config itself (no files, no devices)."""
+        where = self.source
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"{where}: precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.model.preset not in PRESETS:
+            raise ConfigError(f"{where}: model.preset {self.model.preset!r} is unknown; choose one of: {', '.join(PRESETS)}")
+        if self.max_steps <= 0:
+            raise ConfigError(f"{where}: max_steps must be > 0, got {self.max_steps}")
+        b = self.batch
+        for name in ("global_batch_size", "micro_batch_size", "seq_len"):
+            if getattr(b, name) <= 0:
+                raise ConfigError(f"{where}: batch.{name} must be > 0, got {getattr(b, name)}")
+        starts = [r.step for r in b.schedule]
+        if starts and (starts != sorted(set(starts)) or starts[0] != 0):
+            raise ConfigError(f"{where}: batch.schedule step values {starts} must be increasing and begin at 0")
+        if b.schedule and b.schedule[-1].global_batch_size != b.global_batch_size:
+            raise ConfigError(
+                f"{where}: the last batch.schedule entry's global_batch_size {b.schedule[-1].global_batch_size} "
+                f"differs from batch.global_batch_size {b.global_batch_size}; the run ends at batch.global_batch_size"
+            )
+        s = self.schedule
+        if s.kind not in SCHEDULES:
+            raise ConfigError(f"{where}: schedule.kind {s.kind!r} is not one of {', '.join(SCHEDULES)}")
+        if not 0.0 <= s.final_lr_fraction <= 1.0:
+            raise ConfigError(f"{where}: schedule.final_lr_fraction must be in [0, 1], got {s.final_lr_fraction}")
+        if s.warmup_steps < 0 or s.decay_steps < 0:
+            raise ConfigError(f"{where}: schedule.warmup_steps and schedule.decay_steps must be >= 0")
+        if s.warmup_steps > self.max_steps:
+            raise ConfigError(f"{where}: schedule.warmup_steps {s.warmup_steps} exceeds max_steps {self.max_steps}")
+        if s.kind == "wsd":
+            if s.decay_steps <= 0:
+                raise ConfigError(f"{where}: schedule.kind wsd needs schedule.decay_steps > 0")
+            if s.warmup_steps + s.decay_steps > self.max_steps:
+                raise ConfigError(
+                    f"{where}: schedule.warmup_steps {s.warmup_steps} + schedule.decay_steps {s.decay_steps} "
+                    f"exceeds max_steps {self.max_steps}"
+                )
+        elif s.decay_steps:
+            raise ConfigError(f"{where}: schedule.decay_steps is only used by schedule.kind wsd (kind is {s.kind!r})")
+        o = self.optim
+        if o.lr <= 0:
+            raise ConfigError(f"{where}: optim.lr must be > 0, got {o.lr}")
+        if o.grad_clip < 0:
+            raise ConfigError(f"{where}: optim.grad_clip must be >= 0, got {o.grad_clip}")
+        if o.max_nonfinite_in_a_row < 1:
+            raise ConfigError(f"{where}: optim.max_nonfinite_in_a_row must be >= 1")
+        c = self.checkpoint
+        if c.every < 0 or c.keep_last < 1 or c.keep_every < 0:
+            raise ConfigError(f"{where}: checkpoint.every >= 0, checkpoint.keep_last >= 1, checkpoint.keep_every >= 0 required")
+        if self.logging.every <= 0:
+            raise ConfigError(f"{where}: logging.every must be > 0")
+        if not self.data.sources:
+            raise ConfigError(f"{where}: data.sources is empty; list at least one shard directory (data.sources: [{{path: ...}}])")
+        try:
+            self.model.build()
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: model: {e}") from None
+
+
+# --- parsing -------------------------------------------------------------------------------------
+
+
+def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
+    """Dotted key -> 1-based line number, from the YAML node tree (for error messages)."""
+    lines: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            path = f"{prefix}{k.value}"
+            lines[path] = k.start_mark.line + 1
+            lines.update(_key_lines(v, path + "."))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            lines.update(_key_lines(v, f"{prefix[:-1]}[{i}]."))
+    return lines
+
+
+class _Parser:
+    def __init__(self, source: str, lines: dict[str, int]):
+        self.source = source
+        self.lines = lines
+
+    def where(self, path: str) -> str:
+        line = self.lines.get(path)
+        return f"{self.source}:{line}" if line else self.source
+
+    def error(self, path: str, msg: str) -> ConfigError:
+        return ConfigError(f"{self.where(path)}: {path}: {msg}")
+
+    def unknown(self, path: str, key: str, valid: list[str]) -> ConfigError:
+        full = f"{path}{key}"
+        near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+        hint = f"; did you mean '{path}{near[0]}'?" if near else f"; valid keys here: {', '.join(sorted(valid))}"
+        return ConfigError(f"{self.where(full)}: unknown key {full!r}{hint}")
+
+    def value(self, tp, raw, path: str):
+        origin = typing.get_origin(tp)
+        args = typing.get_args(tp)
+        if origin in (typing.Union, types.UnionType):
+            if raw is None and type(None) in args:
+                return None
+            inner = [a for a in args if a is not type(None)]
+            return self.value(inner[0], raw, path)
+        if tp is Any:
+            return raw
+        if dataclasses.is_dataclass(tp):
+            return self.dataclass(tp, raw, path)
+        if origin is list:
+            if not isinstance(raw, list):
+                raise self.error(path, f"expected a list, got {raw!r}")
+            return [self.value(args[0], item, f"{path}[{i}]") for i, item in enumerate(raw)]
+        if origin is tuple:
+            if not isinstance(raw, (list, tuple)) or len(raw) != len(args):
+                raise self.error(path, f"expected a list of {len(args)} values, got {raw!r}")
+            return tuple(self.value(a, r, f"{path}[{i}]") for i, (a, r) in enumerate(zip(args, raw)))
+        if origin is dict:
+            if not isinstance(raw, dict):
+                raise self.error(path, f"expected a mapping, got {raw!r}")
+            return dict(raw)
+        if tp is bool:
+            if not isinstance(raw, bool):
+                raise self.error(path, f"expected true or false, got {raw!r}")
+            return raw
+        if tp is int:
+            if isinstance(raw, bool) or not isinstance(raw, int):
+                if isinstance(raw, float) and raw.is_integer():
+                    return int(raw)
+                raise self.error(path, f"expected an integer, got {raw!r}")
+            return raw
+        if tp is float:
+            # YAML 1.1 reads `3e-4` (no dot) as a string: accept any numeric spelling.
+            if isinstance(raw, bool):
+                raise self.error(path, f"expected a number, got {raw!r}")
+            try:
+                return float(raw)
+            except (TypeError, ValueError):
+                raise self.error(path, f"expected a number, got {raw!r}") from None
+        if tp is str:
+            if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
+                raise self.error(path, f"expected a string, got {raw!r}")
+            return str(raw)
+        raise self.error(path, f"unsupported type {tp}")
+
+    def dataclass(self, cls, raw, path: str):
+        prefix = f"{path}." if path else ""
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise self.error(path, f"expected a mapping, got {raw!r}")
+        if cls is ModelSpec:
+            return self.model(raw, prefix)
+        hints = typing.get_type_hints(cls)
+        fields = [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+        names = [f.name for f in fields]
+        kwargs = {}
+        for key, val in raw.items():
+            if key not in names:
+                raise self.unknown(prefix, str(key), names)
+            kwargs[key] = self.value(hints[key], val, f"{prefix}{key}")
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise self.error(path, str(e)) from None
+
+    def model(self, raw: dict, prefix: str) -> ModelSpec:
+        hints = typing.get_type_hints(ModelConfig)
+        names = ["preset", *hints]
+        overrides = {}
+        for key, val in raw.items():
+            if key not in names:
+                raise self.unknown(prefix, str(key), names)
+            if key != "preset":
+                overrides[key] = self.value(hints[key], val, f"{prefix}{key}")
+        name = self.value(str, raw.get("preset", "tiny"), f"{prefix}preset")
+        return ModelSpec(preset=name, overrides=overrides)
+
+
+def apply_override(tree: dict, assignment: str) -> None:
+    """Apply one `a.b.c=value` (value parsed as YAML) to a nested dict, creating mappings as needed."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set optim.lr=3e-4")
+    key, _, text = assignment.partition("=")
+    parts = key.strip().split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {assignment!r}: {part!r} is not a mapping")
+        node = child
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """Read a train config YAML (or the defaults) and apply `--set` overrides; validate it."""
+    tree: dict = {}
+    lines: dict[str, int] = {}
+    source = "<defaults>"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"train config {path} does not exist")
+        text = path.read_text()
+        try:
+            node = yaml.compose(text)
+            tree = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, batch:, ...)")
+        lines = _key_lines(node) if node is not None else {}
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    if overrides:
+        source += " (with --set overrides)"
+    cfg = _Parser(source, lines).dataclass(TrainConfig, tree, "")
+    cfg.source = source
+    cfg.validate()
+    return cfg
+
+
+def config_from_dict(tree: dict, source: str = "<dict>") -> TrainConfig:
+    """A TrainConfig from an already-parsed mapping (e.g. the resolved config in train_state.json)."""
+    cfg = _Parser(source, {}).dataclass(TrainConfig, tree, "")
+    cfg.source = source
+    cfg.validate()
+    return cfg

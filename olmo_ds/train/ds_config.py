@@ -1,0 +1,147 @@
+"""Resolve a DeepSpeed JSON config against the train config: one source of truth for every number.
+
+The files in `ds_configs/` say *how* to train (ZeRO stage, offload, communication knobs); the train
+config says *what* (batch sizes, precision, clipping, optimizer hyper-parameters). Fields owned by the
+train config are `"auto"` in the JSON and are filled here; a concrete value that agrees is accepted, one
+that disagrees is an error naming both places, because DeepSpeed would otherwise silently train with
+a batch size or precision the user did not ask for.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from olmo_ds.model.config import ModelConfig
+from olmo_ds.train.config import ConfigError, TrainConfig
+
+AUTO = "auto"
+
+
+def load_ds_json(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"DeepSpeed config {path} does not exist (train config key deepspeed_config)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+
+
+def zero3_knobs(d_model: int) -> dict[str, Any]:
+    """ZeRO-3 communication knobs scaled to the hidden size (the values HF Accelerate/Trainer use).
+
+    Buckets of d^2 elements keep all-gathers/reduce-scatters large enough to saturate the link yet
+    small enough to overlap with compute; parameters below 10*d elements (norm weights, biases) stay
+    resident on every rank because gathering them costs more latency than their memory is worth.
+    """
+    return {
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": d_model * d_model,
+        "stage3_prefetch_bucket_size": int(0.9 * d_model * d_model),
+        "stage3_param_persistence_threshold": 10 * d_model,
+    }
+
+
+class _Resolver:
+    def __init__(self, ds: dict, ds_path: str, cfg: TrainConfig):
+        self.ds = ds
+        self.ds_path = ds_path
+        self.cfg = cfg
+
+    def fill(self, node: dict, key: str, value: Any, train_key: str, dotted: str | None = None) -> None:
+        """Set node[key] to `value` if "auto" or absent; else require that it equals `value`."""
+        dotted = dotted or key
+        current = node.get(key, AUTO)
+        if current == AUTO:
+            node[key] = value
+            return
+        same = current == value
+        if isinstance(value, (list, tuple)) and isinstance(current, (list, tuple)):
+            same = list(current) == list(value)
+        if not same:
+            raise ConfigError(
+                f"{self.ds_path}: {dotted} = {json.dumps(current)} contradicts {train_key} = {json.dumps(value)} "
+                f"in {self.cfg.source}; set {dotted} to \"auto\" so the train config decides"
+            )
+
+
+def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *, ds: dict | None = None) -> dict:
+    """The concrete DeepSpeed config for this run (no "auto" left), validated against the train config."""
+    ds_path = cfg.deepspeed_config
+    ds = copy.deepcopy(ds if ds is not None else load_ds_json(ds_path))
+    r = _Resolver(ds, ds_path, cfg)
+    b, o = cfg.batch, cfg.optim
+
+    if "scheduler" in ds:
+        raise ConfigError(
+            f"{ds_path}: has a \"scheduler\" section; the learning-rate schedule lives in the train config "
+            f"(schedule: kind, warmup_steps, ...). Remove it from the JSON."
+        )
+    zero = ds.get("zero_optimization")
+    if not isinstance(zero, dict) or zero.get("stage") not in (1, 2, 3):
+        raise ConfigError(f"{ds_path}: zero_optimization.stage must be 1, 2 or 3 (olmo-ds trains with ZeRO)")
+
+    sizes = {b.global_batch_size} | {ramp.global_batch_size for ramp in b.schedule}
+    for size in sorted(sizes):
+        if size % (b.micro_batch_size * dp_world_size):
+            raise ConfigError(
+                f"{cfg.source}: global batch size {size} is not divisible by batch.micro_batch_size "
+                f"{b.micro_batch_size} x data-parallel size {dp_world_size} = {b.micro_batch_size * dp_world_size}"
+            )
+    first = b.global_batch_size_at(0)
+    r.fill(ds, "train_batch_size", b.global_batch_size, "batch.global_batch_size")
+    ds["train_batch_size"] = first  # a batch-size schedule starts smaller; the trainer steps it up
+    r.fill(ds, "train_micro_batch_size_per_gpu", b.micro_batch_size, "batch.micro_batch_size")
+    r.fill(
+        ds, "gradient_accumulation_steps", b.global_batch_size // (b.micro_batch_size * dp_world_size),
+        "batch.global_batch_size / (batch.micro_batch_size x data-parallel size)",
+    )
+    ds["gradient_accumulation_steps"] = first // (b.micro_batch_size * dp_world_size)
+    r.fill(ds, "gradient_clipping", o.grad_clip, "optim.grad_clip")
+
+    for name in ("bf16", "fp16"):
+        section = ds.setdefault(name, {})
+        r.fill(section, "enabled", cfg.precision == name, "precision", f"{name}.enabled")
+    if cfg.precision == "fp16":
+        ds["fp16"].setdefault("loss_scale", 0)  # 0 = dynamic loss scaling
+
+    optimizer = ds.setdefault("optimizer", {"type": "AdamW"})
+    if str(optimizer.get("type", "")).lower() not in ("adamw", "adam"):
+        raise ConfigError(f"{ds_path}: optimizer.type {optimizer.get('type')!r}: olmo-ds trains with AdamW")
+    params = optimizer.setdefault("params", {})
+    r.fill(params, "lr", o.lr, "optim.lr", "optimizer.params.lr")
+    r.fill(params, "betas", list(o.betas), "optim.betas", "optimizer.params.betas")
+    r.fill(params, "eps", o.eps, "optim.eps", "optimizer.params.eps")
+    r.fill(params, "weight_decay", o.weight_decay, "optim.weight_decay", "optimizer.params.weight_decay")
+    if optimizer["type"].lower() == "adam":
+        params.setdefault("adam_w_mode", True)  # DeepSpeed's "Adam" + adam_w_mode is decoupled AdamW
+
+    for key, value in zero3_knobs(model.d_model).items():
+        if key.startswith("stage3_") and zero["stage"] != 3:
+            if zero.get(key) == AUTO:
+                del zero[key]
+        elif zero.get(key, AUTO) == AUTO:
+            zero[key] = value
+
+    ds.setdefault("steps_per_print", 10**9)  # olmo-ds prints its own progress line
+    ds.setdefault("wall_clock_breakdown", False)
+
+    leftover = _find_auto(ds)
+    if leftover:
+        raise ConfigError(f"{ds_path}: no train-config value fills {', '.join(leftover)} = \"auto\"; set a concrete value")
+    return ds
+
+
+def _find_auto(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        out = []
+        for k, v in node.items():
+            out += _find_auto(v, f"{prefix}{k}.")
+        return out
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _find_auto(v, f"{prefix[:-1]}[{i}].")]
+    return [prefix[:-1]] if node == AUTO else []

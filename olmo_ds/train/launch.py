@@ -1,0 +1,98 @@
+"""Process-group setup for every way a run is launched: deepspeed, torchrun, Slurm srun, or plain python.
+
+The deepspeed launcher and torchrun export RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT;
+`srun` exports SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS / SLURM_JOB_NODELIST instead, so those are
+translated; a bare `python scripts/pretrain.py` becomes a one-rank group. Also fixes up the
+environment before DeepSpeed JIT-builds its ops (see `normalize_cuda_arch_list`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+log = logging.getLogger("olmo_ds")
+
+
+@dataclass
+class DistEnv:
+    launcher: str  # deepspeed | torchrun | slurm | single
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+def normalize_cuda_arch_list() -> None:
+    """Rewrite TORCH_CUDA_ARCH_LIST entries like "9.0a" to "9.0".
+
+    GPU images set "9.0a" (Hopper's arch-specific features) and DeepSpeed 0.19's op builder parses
+    each entry with int(), failing with "invalid literal for int() with base 10: '0a'" the first time
+    it builds FusedAdam. The plain arch builds kernels that run on the same GPU.
+    """
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not value:
+        return
+    entries = [e for e in re.split(r"[;\s]+", value.strip()) if e]
+    fixed = [re.sub(r"^(\d+\.\d+)[a-zA-Z]+", r"\1", e) for e in entries]
+    if fixed != entries:
+        normalized = ";".join(fixed)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = normalized
+        log.info("TORCH_CUDA_ARCH_LIST=%r normalised to %r (DeepSpeed's op builder cannot parse arch suffixes)", value, normalized)
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list such as "gpu[007-010,012],login1" -> "gpu007"."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse SLURM_JOB_NODELIST {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def detect_environment(environ: dict | None = None) -> DistEnv:
+    """Work out rank and world size, filling the env vars torch.distributed reads if a launcher did not."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "deepspeed"
+        env.setdefault("LOCAL_RANK", "0")
+    elif "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        launcher = "slurm"
+        env["RANK"] = env["SLURM_PROCID"]
+        env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost"))))
+        # One port per job so two jobs sharing a first node do not collide.
+        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    else:
+        launcher = "single"
+        env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = "0", "1", "0"
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(_free_port()))
+    return DistEnv(launcher, int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]))
+
+
+def init_distributed() -> DistEnv:
+    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on the CPU accelerator)."""
+    import deepspeed
+    import torch
+
+    normalize_cuda_arch_list()
+    dist_env = detect_environment()
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    if accel.device_name() == "cuda":
+        torch.cuda.set_device(dist_env.local_rank)
+    deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), auto_mpi_discovery=False)
+    return dist_env

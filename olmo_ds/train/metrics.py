@@ -1,0 +1,121 @@
+"""Progress reporting on rank 0: a console line with ETA, metrics.jsonl, TensorBoard, optional W&B.
+
+Throughput figures follow one FLOP formula (`ModelConfig.flops_per_token`: 6 x non-embedding
+parameters + 12 x layers x d_model x seq_len per token, fwd + bwd), printed once at start so MFU
+numbers can be compared with other trainers' on the same footing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("olmo_ds")
+
+# Dense bf16 peak TFLOP/s per device by datasheet, for MFU. Matched as substrings of the device name.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0, "B200": 2250.0}
+
+
+def setup_console_logging(rank: int) -> None:
+    """olmo-ds's own lines: INFO on rank 0, warnings only elsewhere, so N ranks do not print N copies."""
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+        log.addHandler(handler)
+        log.propagate = False
+
+
+def peak_tflops(override: float | None) -> float | None:
+    if override:
+        return override
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, value in PEAK_TFLOPS.items():
+            if key in name:
+                return value
+    return None
+
+
+def memory_gib() -> float:
+    """Peak accelerator memory on GPU; on CPU, the process's peak resident set size."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class MetricsLogger:
+    """Writes scalars on rank 0 only; other ranks hold a disabled instance."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, wandb: bool, wandb_project: str, config: dict):
+        self.enabled = enabled
+        self.tb = None
+        self.wandb = None
+        self.jsonl = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+        if wandb:
+            try:
+                import wandb as wandb_module
+            except ImportError:
+                log.warning("logging.wandb is true but wandb is not installed; logging to TensorBoard and metrics.jsonl only")
+            else:
+                self.wandb = wandb_module.init(project=wandb_project, dir=str(run_dir), config=config, resume="allow")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "time": round(time.time(), 3), **metrics}
+        self.jsonl.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in metrics.items():
+                if value is not None:
+                    self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def console_line(step: int, max_steps: int, m: dict[str, float], eta_s: float) -> str:
+    parts = [
+        f"step {step}/{max_steps}",
+        f"loss {m['train/loss']:.4f}",
+        f"lr {m['train/lr']:.2e}",
+        f"gnorm {m['train/grad_norm']:.3f}" if m.get("train/grad_norm") is not None else "gnorm -",
+        f"{m['perf/tokens_per_s']:,.0f} tok/s",
+    ]
+    if m.get("perf/mfu") is not None:
+        parts.append(f"MFU {100 * m['perf/mfu']:.1f}%")
+    parts.append(f"data {100 * m['perf/data_wait_fraction']:.1f}%")
+    parts.append(f"mem {m['perf/memory_gib']:.1f}G")
+    parts.append(f"ETA {format_duration(eta_s)}")
+    return " | ".join(parts)

@@ -1,0 +1,343 @@
+"""The pretraining loop on DeepSpeed: checks, engine, step, checkpoints, progress, preemption.
+
+    trainer = Trainer(load_config("configs/demo.yaml"), resume="auto")
+    trainer.fit()                      # or, for a benchmark: trainer.train_step(trainer.loader.next_batch())
+
+Everything that can be wrong with a run is checked before the model is built (`Trainer.__init__`
+raises `ConfigError` naming both sides of a mismatch), so a 1,000-GPU job fails in seconds rather
+than after its first checkpoint. One optimizer step is `train_step`: this rank's rows of the global
+batch are cut into micro-batches, each forward/backward through the engine, and DeepSpeed steps at
+the accumulation boundary; a step whose loss or gradients are not finite is skipped by DeepSpeed
+(its overflow check discards the gradients) and counted here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from olmo_ds.data.loader import DataLoader
+from olmo_ds.model.config import ModelConfig
+from olmo_ds.train import checkpoint as ckpt
+from olmo_ds.train.config import ConfigError, TrainConfig
+from olmo_ds.train.ds_config import resolve_ds_config
+from olmo_ds.train.launch import detect_environment, init_distributed, normalize_cuda_arch_list
+from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops, setup_console_logging
+from olmo_ds.train.optim import param_groups, set_lr
+from olmo_ds.train.schedule import lr_at
+
+log = logging.getLogger("olmo_ds")
+
+# DeepSpeed 0.19 calls this deprecated torch API on every ZeRO reduce-scatter; one warning per
+# micro-batch would bury the progress lines, and there is nothing a user can do about it.
+warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*deprecated", category=FutureWarning)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient: the run has diverged."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def configure_determinism(deterministic: bool) -> None:
+    """Bitwise-repeatable kernels when asked (CPU runs are repeatable either way)."""
+    if not deterministic:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
+def check_run(cfg: TrainConfig, model: ModelConfig, loader: DataLoader, tokenizer, world_size: int) -> None:
+    """Cross-checks between the config, the model, the tokenizer and the data; each error names both sides."""
+    manifest = loader.sources[0].directory / "manifest.json"
+    if tokenizer is not None:
+        if model.vocab_size < tokenizer.vocab_size:
+            raise ConfigError(f"model vocab_size {model.vocab_size} is smaller than tokenizer vocab {tokenizer.vocab_size} ({cfg.tokenizer})")
+        if tokenizer.fingerprint != loader.tokenizer_fingerprint:
+            raise ConfigError(
+                f"tokenizer {cfg.tokenizer} ({tokenizer.fingerprint}) is not the tokenizer the data was prepared with "
+                f"({loader.tokenizer_fingerprint}, {manifest}); re-tokenize the data or point `tokenizer` at the right file"
+            )
+    if model.vocab_size < loader.vocab_size:
+        raise ConfigError(f"model vocab_size {model.vocab_size} is smaller than tokenizer vocab {loader.vocab_size} ({manifest})")
+    try:
+        loader.check_vocab(model.vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.batch.seq_len > model.max_seq_len:
+        raise ConfigError(
+            f"batch.seq_len {cfg.batch.seq_len} exceeds model.max_seq_len {model.max_seq_len} "
+            f"(model preset {cfg.model.preset!r}); lower batch.seq_len or set model.max_seq_len"
+        )
+
+
+def check_resume(state: dict, model: ModelConfig, world_size: int, ckpt_dir: Path) -> None:
+    saved = ModelConfig.from_dict(state["model"])
+    if saved != model:
+        diffs = [f"{k}: checkpoint {v!r}, config {getattr(model, k)!r}" for k, v in saved.to_dict().items() if model.to_dict()[k] != v]
+        raise ConfigError(f"{ckpt_dir}: the checkpoint's model differs from the configured one ({'; '.join(diffs)})")
+    if state["world_size"] != world_size:
+        raise ConfigError(
+            f"{ckpt_dir} was written by {state['world_size']} data-parallel ranks, this run has {world_size}; "
+            f"DeepSpeed ZeRO checkpoints reload on the same data-parallel size (DeepSpeed's ds_to_universal "
+            f"converts one for another size)"
+        )
+
+
+class Trainer:
+    """See the module docstring."""
+
+    def __init__(self, cfg: TrainConfig, *, resume: str | None = None):
+        from olmo_ds.tokenizer import load_tokenizer
+
+        normalize_cuda_arch_list()
+        self.cfg = cfg
+        env = detect_environment()
+        self.rank, self.world_size = env.rank, env.world_size
+        setup_console_logging(self.rank)
+        self.run_dir = Path(cfg.run_dir)
+
+        # Everything below up to the engine is cheap and checks the run before any heavy work.
+        self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+        self.loader = DataLoader(
+            cfg.data, seq_len=cfg.batch.seq_len, global_batch_size=cfg.batch.loader_schedule(),
+            dp_rank=self.rank, dp_world_size=self.world_size,
+        )
+        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.loader.vocab_size
+        self.model_cfg = cfg.model.build(vocab_size=vocab)
+        check_run(cfg, self.model_cfg, self.loader, self.tokenizer, self.world_size)
+        self.ds_config = resolve_ds_config(cfg, self.model_cfg, self.world_size)
+        self.resume_dir = ckpt.resolve_resume(resume, cfg.run_dir)
+        self.resume_state = ckpt.read_train_state(self.resume_dir) if self.resume_dir else None
+        if self.resume_state is not None:
+            check_resume(self.resume_state, self.model_cfg, self.world_size, self.resume_dir)
+
+        configure_determinism(cfg.deterministic)
+        init_distributed()
+        seed_everything(cfg.seed)  # the same on every rank: ZeRO-3 initialises each weight whole, then partitions it
+        self.engine = self._build_engine()
+        self.device = self.engine.device
+
+        self.step = 0
+        self.tokens_seen = 0
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_total = 0
+        self.flops_per_token = self.model_cfg.flops_per_token(cfg.batch.seq_len)
+        self._stop_signal: int | None = None
+        if self.resume_state is not None:
+            self._restore()
+        else:
+            seed_everything(cfg.seed + self.rank)  # per-rank streams for anything stochastic after init
+
+    # --- construction ----------------------------------------------------------------------------
+
+    def _build_engine(self):
+        import deepspeed
+
+        from olmo_ds.model import OLMo
+
+        stage = self.ds_config["zero_optimization"]["stage"]
+        with deepspeed.zero.Init(config_dict_or_path=self.ds_config, enabled=stage == 3):
+            model = OLMo(self.model_cfg)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, self.cfg.optim), config=self.ds_config)
+        log.info(
+            "model: %s (%s parameters, %s non-embedding), ZeRO stage %d, %s, %d ranks, %s",
+            self.cfg.model.preset, f"{self.model_cfg.num_params():,}", f"{self.model_cfg.num_params(False):,}",
+            stage, self.cfg.precision, self.world_size, self.cfg.deepspeed_config,
+        )
+        return engine
+
+    def _restore(self) -> None:
+        state = self.resume_state
+        load_path, _ = self.engine.load_checkpoint(
+            str(self.resume_dir.parent), tag=self.resume_dir.name, load_optimizer_states=True, load_lr_scheduler_states=False,
+        )
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load {self.resume_dir}")
+        self.loader.load_state_dict(state["data"])
+        self.step = state["step"]
+        self.tokens_seen = state["tokens_seen"]
+        self.nonfinite_total = state.get("nonfinite_total", 0)
+        ckpt.load_rng(self.resume_dir, self.rank)
+        log.info("resumed from %s at step %d (%s tokens seen)", self.resume_dir, self.step, f"{self.tokens_seen:,}")
+
+    # --- one optimizer step ----------------------------------------------------------------------
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step on this rank's rows of a global batch. Returns loss, lr, grad norm, tokens.
+
+        Collective: every rank calls it with its own rows of the same global step.
+        """
+        cfg, engine = self.cfg, self.engine
+        rows = batch["input_ids"].shape[0]
+        micro = cfg.batch.micro_batch_size
+        global_batch = rows * self.world_size
+        if global_batch != engine.train_batch_size():
+            engine.set_train_batch_size(global_batch)  # batch-size schedule: more accumulation steps
+        lr = lr_at(self.step, peak_lr=cfg.optim.lr, max_steps=cfg.max_steps, cfg=cfg.schedule)
+        set_lr(engine.optimizer, lr)
+
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # ce, z, non-finite micro-batches
+        n_micro = rows // micro
+        for i in range(n_micro):
+            mb = {k: v[i * micro:(i + 1) * micro].to(self.device, non_blocking=True) for k, v in batch.items()}
+            out = engine(mb["input_ids"], labels=mb["labels"], doc_lens=mb.get("doc_lens"), z_loss_coef=cfg.optim.z_loss)
+            engine.backward(out.loss)
+            engine.step()  # applies the update only at the accumulation boundary
+            ce = out.ce_loss.detach().double()
+            z = out.z_loss.detach().double() if out.z_loss is not None else torch.zeros((), dtype=torch.float64, device=self.device)
+            sums += torch.stack([ce, z, (~torch.isfinite(out.loss.detach())).double()])
+        torch.distributed.all_reduce(sums)
+        ce_loss, z_loss = (sums[:2] / (n_micro * self.world_size)).tolist()
+        finite = bool(sums[2].item() == 0) and engine.was_step_applied()
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+
+        self.step += 1
+        tokens = global_batch * cfg.batch.seq_len
+        self.tokens_seen += tokens
+        if finite:
+            self.nonfinite_in_a_row = 0
+        else:
+            self.nonfinite_in_a_row += 1
+            self.nonfinite_total += 1
+            log.warning("step %d: non-finite loss or gradient (loss %s, grad norm %s); step skipped (%d in a row)",
+                        self.step, ce_loss, grad_norm, self.nonfinite_in_a_row)
+            if self.nonfinite_in_a_row >= cfg.optim.max_nonfinite_in_a_row:
+                raise NonFiniteLossError(
+                    f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient (last at step {self.step}); "
+                    f"the run has diverged. Resume from the last checkpoint with a lower optim.lr or more schedule.warmup_steps "
+                    f"(optim.max_nonfinite_in_a_row = {cfg.optim.max_nonfinite_in_a_row})"
+                )
+        return {"loss": ce_loss, "z_loss": z_loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                "global_batch_size": global_batch, "skipped": not finite}
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def weights_finite(self) -> bool:
+        """All ranks agree whether every parameter (each rank's own ZeRO-3 partition) is finite."""
+        ok = torch.ones((), device=self.device)
+        for p in self.engine.module.parameters():
+            local = p.ds_tensor if hasattr(p, "ds_tensor") else p.data
+            if local.numel() and not torch.isfinite(local).all():
+                ok.zero_()
+                break
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        return bool(ok.item())
+
+    def train_state(self) -> dict:
+        cfg = self.cfg
+        return {
+            "tokens_seen": self.tokens_seen,
+            "data": self.loader.state_dict(),
+            "schedule": {
+                "lr": lr_at(max(self.step - 1, 0), peak_lr=cfg.optim.lr, max_steps=cfg.max_steps, cfg=cfg.schedule),
+                "global_batch_size": self.loader.global_batch_size(self.step),
+                "kind": cfg.schedule.kind,
+            },
+            "nonfinite_total": self.nonfinite_total,
+            "config": cfg.to_dict(),
+            "model": self.model_cfg.to_dict(),
+            "ds_config": self.ds_config,
+            "data_fingerprint": self.loader.fingerprint,
+            "tokenizer_fingerprint": self.loader.tokenizer_fingerprint,
+            "world_size": self.world_size,
+            "zero_stage": self.ds_config["zero_optimization"]["stage"],
+        }
+
+    def save(self) -> Path:
+        if not self.weights_finite():
+            raise NonFiniteLossError(f"step {self.step}: the weights hold non-finite values; refusing to save them over good checkpoints")
+        t0 = time.perf_counter()
+        path = ckpt.save_checkpoint(self.engine, self.run_dir, self.step, self.train_state(), rank=self.rank, tokenizer_path=self.cfg.tokenizer)
+        if self.rank == 0:
+            c = self.cfg.checkpoint
+            pruned = ckpt.prune_checkpoints(ckpt.checkpoints_dir(self.run_dir), c.keep_last, c.keep_every, protect=path)
+            log.info("saved %s in %.1fs%s", path, time.perf_counter() - t0, f" (removed {len(pruned)} old)" if pruned else "")
+        return path
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stop_signal = signum
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank got SIGTERM/SIGUSR1 (all ranks must agree before a collective save)."""
+        flag = torch.tensor(float(self._stop_signal is not None), device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def fit(self) -> str:
+        """Train to max_steps. Returns "done" or "preempted" (checkpoint saved either way)."""
+        cfg = self.cfg
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._on_signal)
+        logger = MetricsLogger(self.run_dir, enabled=self.rank == 0, tensorboard=cfg.logging.tensorboard,
+                               wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
+        peak = peak_tflops(cfg.logging.peak_tflops)
+        log.info("FLOPs per token = 6 x %s non-embedding params + 12 x %d layers x %d d_model x %d seq_len = %.3g (MFU vs %s)",
+                 f"{self.model_cfg.num_params(False):,}", self.model_cfg.n_layers, self.model_cfg.d_model, cfg.batch.seq_len,
+                 self.flops_per_token, f"{peak:g} TFLOP/s peak" if peak else "no known peak: MFU not reported")
+        last_saved = self.step if self.resume_dir else None
+        window = {"t": time.perf_counter(), "wait": self.loader.wait_seconds, "tokens": 0, "steps": 0, "loss": 0.0}
+        status = "done"
+        try:
+            while self.step < cfg.max_steps:
+                if self._stop_requested():
+                    log.info("signal received: saving a checkpoint at step %d and exiting", self.step)
+                    status = "preempted"
+                    break
+                m = self.train_step(self.loader.next_batch())
+                window["tokens"] += m["tokens"]
+                window["steps"] += 1
+                window["loss"] += m["loss"]
+                if self.step % cfg.logging.every == 0 or self.step == cfg.max_steps:
+                    self._log(logger, m, window, peak)
+                    window = {"t": time.perf_counter(), "wait": self.loader.wait_seconds, "tokens": 0, "steps": 0, "loss": 0.0}
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save()
+                    last_saved = self.step
+            if (status == "preempted" or cfg.checkpoint.save_final) and last_saved != self.step:
+                self.save()
+        finally:
+            self.loader.close()
+            logger.close()
+        return status
+
+    def _log(self, logger: MetricsLogger, m: dict, window: dict, peak: float | None) -> None:
+        elapsed = max(time.perf_counter() - window["t"], 1e-9)
+        tokens_per_s = window["tokens"] / elapsed
+        tflops = tokens_per_s * self.flops_per_token / self.world_size / 1e12
+        loss = window["loss"] / window["steps"]
+        metrics = {
+            "train/loss": loss,
+            "train/ppl": float(np.exp(min(loss, 50.0))),
+            "train/z_loss": m["z_loss"],
+            "train/lr": m["lr"],
+            "train/grad_norm": m["grad_norm"],
+            "train/global_batch_size": m["global_batch_size"],
+            "train/tokens_seen": self.tokens_seen,
+            "train/skipped_steps": self.nonfinite_total,
+            "perf/tokens_per_s": tokens_per_s,
+            "perf/tflops_per_device": tflops,
+            "perf/mfu": tflops / peak if peak else None,
+            "perf/memory_gib": memory_gib(),
+            "perf/data_wait_fraction": (self.loader.wait_seconds - window["wait"]) / elapsed,
+        }
+        logger.log(self.step, metrics)
+        if self.rank == 0:
+            eta = (self.cfg.max_steps - self.step) * elapsed / window["steps"]
+            log.info(console_line(self.step, self.cfg.max_steps, metrics, eta))

@@ -1,0 +1,102 @@
+"""Shared pieces of the trainer tests: learnable synthetic shards, a tiny config, a 2-rank launcher.
+
+The shards hold a noisy first-order Markov chain over a 256-id vocabulary (next = 5 * id + 3 mod 256
+with probability 0.9, else uniform), so a tiny model's loss falls from ln(256) ~ 5.5 within a few
+dozen steps; ids are written with the real shard writer and read by the real data loader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from olmo_ds.data import shards
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = ROOT / ".." / "shared"
+VOCAB = 256
+EOS = 0
+
+
+def write_markov_shards(directory: Path, num_tokens: int = 60_000, *, seed: int = 0, fingerprint: str = "sha256:synthetic-markov",
+                        vocab_size: int = VOCAB) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tokens = np.empty(num_tokens, dtype=np.int64)
+    tokens[0] = 1
+    noise = rng.random(num_tokens) < 0.1
+    random_ids = rng.integers(1, vocab_size, num_tokens)
+    for i in range(1, num_tokens):
+        tokens[i] = random_ids[i] if noise[i] else (5 * tokens[i - 1] + 3) % vocab_size
+    ends = np.cumsum(rng.integers(40, 400, num_tokens // 40))
+    ends = ends[ends < num_tokens - 1]
+    tokens[ends - 1] = EOS
+    offsets = np.concatenate([[0], ends, [num_tokens]])
+    half = int(offsets[len(offsets) // 2])
+    names = []
+    for i, (lo, hi) in enumerate([(0, half), (half, num_tokens)]):
+        doc_off = offsets[(offsets >= lo) & (offsets <= hi)] - lo
+        meta = shards.write_shard(directory, i, tokens[lo:hi].astype(shards.dtype_for_vocab(vocab_size)), doc_off,
+                                  vocab_size=vocab_size, eos_id=EOS)
+        names.append(meta.bin)
+    shards.Manifest(num_tokens=num_tokens, num_docs=len(offsets) - 1, shards=names, dtype=shards.dtype_for_vocab(vocab_size).name,
+                    vocab_size=vocab_size, eos_id=EOS, tokenizer_fingerprint=fingerprint).save(directory)
+    return directory
+
+
+def tiny_config(tmp: Path, data_dir: Path, **sections) -> dict:
+    """A config dict for a fast 2-rank CPU run; `sections` override whole keys (dicts merge one level)."""
+    cfg = {
+        "run_dir": str(tmp / "run"),
+        "seed": 1,
+        "max_steps": 12,
+        "precision": "fp32",
+        "deterministic": True,
+        "deepspeed_config": str(ROOT / "ds_configs" / "zero3_bf16.json"),
+        "model": {"preset": "tiny", "d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 64, "max_seq_len": 64},
+        "data": {"sources": [{"path": str(data_dir)}], "seed": 3, "prefetch": 1},
+        "batch": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 32},
+        "optim": {"lr": 3e-3, "weight_decay": 0.1, "grad_clip": 1.0},
+        "schedule": {"kind": "cosine", "warmup_steps": 2, "final_lr_fraction": 0.1},
+        "checkpoint": {"every": 4, "keep_last": 2},
+        "logging": {"every": 1, "tensorboard": True},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def launch_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def torchrun_cmd(script: Path, *args: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run(cmd: list[str], timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=launch_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)
