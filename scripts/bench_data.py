@@ -2,6 +2,7 @@
 
     python scripts/bench_data.py                       # 2 GB of generated uint32 shards, seq 4096
     python scripts/bench_data.py --gb 4 --document-masking
+    python scripts/bench_data.py --cold                # shards evicted from the page cache first
 """
 
 import argparse
@@ -20,12 +21,13 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=8, help="ranks sharing each global batch (rank 0 is measured)")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--document-masking", action="store_true", help="also return doc_lens")
+    p.add_argument("--cold", action="store_true", help="evict the shards from the page cache first (reads hit the disk)")
     p.add_argument("--gpu-tokens-per-s", type=float, default=60_000, help="simulated consumption per rank")
     args = p.parse_args()
     directory = generate_shards(args.dir, int(args.gb * 2**30) // 4)
     result = run(
         directory, seq_len=args.seq_len, rows_per_rank=args.rows_per_rank, world_size=args.world_size,
-        steps=args.steps, document_masking=args.document_masking, gpu_tokens_per_s=args.gpu_tokens_per_s,
+        steps=args.steps, document_masking=args.document_masking, gpu_tokens_per_s=args.gpu_tokens_per_s, cold=args.cold,
     )
     print(json.dumps(result, indent=2))
 

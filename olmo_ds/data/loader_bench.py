@@ -1,13 +1,15 @@
 """Throughput of the training data loader: tokens/s one rank receives, and its wait share of a step.
 
 Two measurements on generated shards (random ids, documents of geometric length):
-- raw: `next_batch` with no prefetch thread, i.e. what one CPU core assembles per second for one rank;
+- raw: `next_batch` with no prefetch thread, i.e. what one CPU core assembles per second for one rank
+  (from the page cache, or with `cold` from the disk);
 - overlapped: with the prefetch thread, while the consumer spends a simulated GPU step per batch
   (`gpu_tokens_per_s` per rank); the loader's wait share of step time is what the trainer would log.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -47,8 +49,21 @@ def generate_shards(directory: Path, total_tokens: int, *, shard_tokens: int = 1
     return directory
 
 
-def run(directory: Path, *, seq_len: int, rows_per_rank: int, world_size: int, steps: int, document_masking: bool, gpu_tokens_per_s: float) -> dict:
-    """Measure rank 0 of a `world_size`-rank job (its rows are spread over the whole data set)."""
+def evict_from_page_cache(directory: Path) -> None:
+    """Drop the shards' pages from the OS page cache (only these files'), so reads go to the disk."""
+    for path in shards.list_shards(directory):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run(directory: Path, *, seq_len: int, rows_per_rank: int, world_size: int, steps: int, document_masking: bool, gpu_tokens_per_s: float, cold: bool = False) -> dict:
+    """Measure rank 0 of a `world_size`-rank job (its rows are spread over the whole data set).
+
+    `cold`: evict the shards from the page cache first, so every instance is a random read from disk.
+    """
     def make(prefetch: int) -> DataLoader:
         cfg = DataConfig(sources=[SourceConfig(path=str(directory))], document_masking=document_masking, prefetch=prefetch)
         return DataLoader(cfg, seq_len=seq_len, global_batch_size=rows_per_rank * world_size, dp_rank=0, dp_world_size=world_size)
@@ -56,6 +71,8 @@ def run(directory: Path, *, seq_len: int, rows_per_rank: int, world_size: int, s
     tokens_per_batch = rows_per_rank * seq_len
     raw = make(prefetch=0)
     raw.next_batch()  # build the epoch's order outside the timing
+    if cold:
+        evict_from_page_cache(directory)
     t0 = time.perf_counter()
     for _ in range(steps):
         raw.next_batch()
@@ -78,6 +95,7 @@ def run(directory: Path, *, seq_len: int, rows_per_rank: int, world_size: int, s
         "rows_per_rank": rows_per_rank,
         "world_size": world_size,
         "document_masking": document_masking,
+        "page_cache": "cold" if cold else "warm",
         "instances_per_s": steps * rows_per_rank / raw_s,
         "tokens_per_s": steps * tokens_per_batch / raw_s,
         "simulated_gpu_tokens_per_s": gpu_tokens_per_s,

@@ -349,7 +349,7 @@ def test_bench_data_measures_on_generated_shards(tmp_path):
 
     d = generate_shards(tmp_path, 1 << 16, shard_tokens=1 << 14, mean_doc_len=100)
     assert len(shards.Manifest.load(d).shards) == 4
-    result = run(d, seq_len=256, rows_per_rank=2, world_size=2, steps=20, document_masking=True, gpu_tokens_per_s=1e8)
+    result = run(d, seq_len=256, rows_per_rank=2, world_size=2, steps=20, document_masking=True, gpu_tokens_per_s=1e8, cold=True)
     assert result["tokens_per_s"] > 0 and 0 <= result["wait_fraction"] < 1
 
 
