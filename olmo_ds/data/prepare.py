@@ -200,49 +200,32 @@ def _process_chunk(file_index: int, first_line: int, data: bytes, text_file: boo
 
 
 class _SplitWriter:
-    """Cuts the document stream of one split (train or val) into shards of at most `shard_tokens`."""
+    """The shards of one split (train or val), skipping documents already in complete shards."""
 
     def __init__(self, directory: Path, shard_tokens: int, vocab_size: int, eos_id: int, next_index: int, resume_pos: int):
         self.directory = directory
-        self.shard_tokens = shard_tokens
-        self.vocab_size = vocab_size
-        self.eos_id = eos_id
-        self.next_index = next_index
-        self.resume_pos = resume_pos  # documents before this position are already in complete shards
-        self.writer: shards.ShardWriter | None = None
+        self.sharded = shards.ShardedWriter(directory, shard_tokens, vocab_size=vocab_size, eos_id=eos_id, next_index=next_index)
+        self.resume_pos = resume_pos  # documents before this input position are already in complete shards
+
+    @property
+    def next_index(self) -> int:
+        return self.sharded.next_index
 
     def add(self, tokens: np.ndarray, lens: np.ndarray, positions: np.ndarray, state_at: Callable[[int], dict]) -> None:
         if len(lens) and positions[0] < self.resume_pos:
             keep = positions >= self.resume_pos
             tokens, lens, positions = tokens[np.repeat(keep, lens)], lens[keep], positions[keep]
-        while len(lens):
-            if self.writer is None:
-                self.writer = shards.ShardWriter(self.directory, self.next_index, vocab_size=self.vocab_size, eos_id=self.eos_id)
-            cum = np.cumsum(lens)
-            fit = int(np.searchsorted(cum, self.shard_tokens - self.writer.num_tokens, side="right"))
-            if fit == 0 and self.writer.num_docs == 0:
-                fit = 1  # a document longer than a shard gets a shard of its own; it is never split
-            if fit == len(lens):
-                self.writer.append(tokens, lens)
-                return
-            end = int(cum[fit - 1]) if fit else 0
-            self.writer.append(tokens[:end], lens[:fit])
-            self._close(int(positions[fit]), state_at(int(positions[fit])))
-            tokens, lens, positions = tokens[end:], lens[fit:], positions[fit:]
+        self.sharded.add(tokens, lens, lambda k: self._resume_point(int(positions[k]), state_at(int(positions[k]))))
 
-    def _close(self, next_record: int, state: dict) -> None:
-        self.writer.close({"prepare": {"next_record": list(split_position(next_record)), "skipped": state}})
-        self.writer = None
-        self.next_index += 1
+    @staticmethod
+    def _resume_point(next_record: int, skipped: dict) -> dict:
+        return {"prepare": {"next_record": list(split_position(next_record)), "skipped": skipped}}
 
-    def finish(self, end: int, state: dict) -> None:
-        if self.writer is not None:
-            self._close(end, state)
+    def finish(self, end: int, skipped: dict) -> None:
+        self.sharded.finish(self._resume_point(end, skipped))
 
     def abort(self) -> None:
-        if self.writer is not None:
-            self.writer.abort()
-            self.writer = None
+        self.sharded.abort()
 
 
 def _identity(cfg: PrepareConfig, files: list[Path], tok) -> dict:

@@ -211,6 +211,55 @@ class ShardWriter:
             path.unlink(missing_ok=True)
 
 
+class ShardedWriter:
+    """Cuts a stream of whole documents into shards of at most `shard_tokens` tokens.
+
+    A shard closes on a document boundary before it would exceed the limit; a document longer
+    than the limit gets a shard of its own (documents are never split). Shard boundaries depend
+    only on the document stream, so the same documents always give the same shards.
+    """
+
+    def __init__(self, directory: Path, shard_tokens: int, *, vocab_size: int, eos_id: int, next_index: int = 0):
+        self.directory = Path(directory)
+        self.shard_tokens = shard_tokens
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self.next_index = next_index
+        self.writer: ShardWriter | None = None
+
+    def add(self, tokens: np.ndarray, lens: np.ndarray, close_extra=None) -> None:
+        """Append documents; `close_extra(k)` gives the metadata extras of a shard closed just before
+        document k of this batch (e.g. where in the input the next shard starts)."""
+        done = 0
+        while done < len(lens):
+            if self.writer is None:
+                self.writer = ShardWriter(self.directory, self.next_index, vocab_size=self.vocab_size, eos_id=self.eos_id)
+            cum = np.cumsum(lens[done:])
+            fit = int(np.searchsorted(cum, self.shard_tokens - self.writer.num_tokens, side="right"))
+            if fit == 0 and self.writer.num_docs == 0:
+                fit = 1
+            end = int(cum[fit - 1]) if fit else 0
+            self.writer.append(tokens[:end], lens[done : done + fit])
+            tokens, done = tokens[end:], done + fit
+            if done < len(lens):
+                self._close(close_extra(done) if close_extra else None)
+
+    def _close(self, extra: dict | None) -> None:
+        self.writer.close(extra)
+        self.writer = None
+        self.next_index += 1
+
+    def finish(self, extra: dict | None = None) -> None:
+        """Close the last, partly filled shard."""
+        if self.writer is not None:
+            self._close(extra)
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+
+
 def list_shards(directory: Path) -> list[Path]:
     """The `.bin` files of a shard directory, in name order (= data order)."""
     return sorted(Path(directory).glob(f"{SHARD_PREFIX}[0-9]*.bin"))
