@@ -128,7 +128,7 @@ def test_seed_changes_the_order(source):
     assert not all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("stop_at,new_world", [(3, 2), (7, 4), (9, 1)])
+@pytest.mark.parametrize("stop_at,new_world", [(0, 4), (3, 2), (7, 4), (9, 1)])
 def test_resume_equals_uninterrupted_run_also_on_another_world_size(source, stop_at, new_world):
     reference = global_batches(source, 14, world=2)  # crosses the epoch boundary at 62 // 8 = 7.75 steps
     first = [loader([source], bs=8, rank=r, world=2) for r in range(2)]
