@@ -58,6 +58,24 @@ def name_map(cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter name -> shape, from a model built on the meta device (no memory, any size)."""
+    from olmo_ds.model.model import OLMo
+
+    with torch.device("meta"):
+        model = OLMo(cfg)
+    return {name: tuple(p.shape) for name, p in model.state_dict(keep_vars=True).items()}
+
+
+def check_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], where: str) -> None:
+    """Names and shapes of `state` are exactly those of `OLMo(cfg)`; the error names the first mismatches."""
+    shapes = expected_shapes(cfg)
+    _check_keys(set(state), set(shapes), where)
+    wrong = [f"{k}: {tuple(state[k].shape)} != {shapes[k]}" for k in shapes if tuple(state[k].shape) != shapes[k]]
+    if wrong:
+        raise ValueError(f"{where}: tensor shapes do not match the model config: {wrong[:6]}")
+
+
 def _check_keys(have, want, what: str) -> None:
     missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or unexpected:
@@ -267,7 +285,7 @@ def save_model_dir(directory, cfg: ModelConfig, state_dict: dict[str, torch.Tens
                    tokenizer_dir: Path | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """Write our model directory (see the module docstring); fp32 weights under our names."""
     directory = Path(directory)
-    _check_keys(set(state_dict), set(name_map(cfg)), "model state dict")
+    check_state_dict(cfg, state_dict, "model state dict")
     state = {k: v.float() for k, v in state_dict.items() if not (cfg.tie_embeddings and k == "head.weight")}
     save_safetensors(directory, state, max_shard_bytes=max_shard_bytes)
     (directory / MODEL_CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
@@ -289,7 +307,7 @@ def load_model_dir(directory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     state = load_safetensors(directory)
     if cfg.tie_embeddings:
         state["head.weight"] = state["embed.weight"]
-    _check_keys(set(state), set(name_map(cfg)), str(directory))
+    check_state_dict(cfg, state, str(directory))
     return cfg, state
 
 
@@ -304,3 +322,103 @@ def copy_tokenizer_files(src: Path, dst: Path) -> list[Path]:
     return copied
 
 
+
+
+# ---- export / import --------------------------------------------------------------------------------
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model_weights(path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
+    """(config, fp32 state dict, directory holding its tokenizer) from our model directory or a
+    training checkpoint (`RUN/checkpoints/step-NNNNNNN`, consolidated on CPU from its ZeRO shards)."""
+    path = Path(path)
+    if (path / MODEL_CONFIG_FILE).is_file():
+        cfg, state = load_model_dir(path)
+        return cfg, state, path
+    from olmo_ds.train.checkpoint import TRAIN_STATE, load_model_state
+
+    if not (path / TRAIN_STATE).is_file():
+        raise FileNotFoundError(f"{path}: neither an olmo-ds model directory ({MODEL_CONFIG_FILE}) nor a complete "
+                                f"training checkpoint ({TRAIN_STATE})")
+    cfg, state, _ = load_model_state(path)
+    check_state_dict(cfg, state, f"{path} (consolidated checkpoint)")
+    return cfg, state, path
+
+
+def _tokenizer_config(tok, max_len: int) -> dict:
+    def token(i):
+        return tok.decode([i]) if i is not None else None
+
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": token(tok.eos_id),
+        "pad_token": token(tok.pad_id),
+        "bos_token": token(tok.eos_id),  # OLMo documents are separated by EOS; there is no separate BOS
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def export_hf(source, out_dir, dtype: str = "float32", max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write a transformers model directory from a checkpoint or one of our model directories.
+
+    config.json (Olmo2ForCausalLM or Olmo3ForCausalLM), generation_config.json, model.safetensors (or
+    shards with an index), and the tokenizer: tokenizer.json plus a tokenizer_config.json naming its
+    EOS and PAD tokens, so `AutoTokenizer.from_pretrained(out_dir)` works.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    cfg, state, src = load_model_weights(source)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = None
+    if (src / "tokenizer.json").is_file():
+        from olmo_ds.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(src / "tokenizer.json")
+        if tok.vocab_size > cfg.padded_vocab_size:
+            raise ValueError(f"{src / 'tokenizer.json'}: vocab {tok.vocab_size} exceeds the model's "
+                             f"embedding rows {cfg.padded_vocab_size}")
+    hf_state = {k: v.to(_DTYPES[dtype]) for k, v in to_hf_state_dict(cfg, state).items()}
+    save_safetensors(out_dir, hf_state, max_shard_bytes=max_shard_bytes)
+    eos = tok.eos_id if tok else None
+    pad = tok.pad_id if tok else None
+    hf_cfg = to_hf_config(cfg, eos_token_id=eos, pad_token_id=pad, dtype=dtype)
+    (out_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    generation = {"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tok is not None:
+        import shutil
+
+        shutil.copy2(src / "tokenizer.json", out_dir / "tokenizer.json")
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tok, cfg.max_seq_len), indent=2) + "\n")
+    return out_dir
+
+
+def import_hf(hf_dir, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[ModelConfig, Path]:
+    """Our model directory (fp32) from a transformers OLMo-2/3 directory, to continue pretraining it."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{hf_dir}: no config.json; expected a transformers model directory")
+    try:
+        hf_cfg = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path}: invalid JSON: {e}") from e
+    vocab = None
+    if (hf_dir / "tokenizer.json").is_file():
+        from olmo_ds.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(hf_dir / "tokenizer.json").vocab_size
+    try:
+        cfg = from_hf_config(hf_cfg, vocab_size=vocab, where=str(config_path))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{config_path}: missing or invalid key {e}") from e
+    state = {k: v.float() for k, v in from_hf_state_dict(cfg, load_safetensors(hf_dir)).items()}
+    check_state_dict(cfg, state, f"{hf_dir} (vocab_size {hf_cfg.get('vocab_size')} must be a multiple of 128)"
+                     if hf_cfg.get("vocab_size", 0) % 128 else str(hf_dir))
+    save_model_dir(out_dir, cfg, state, tokenizer_dir=hf_dir, max_shard_bytes=max_shard_bytes)
+    return cfg, out_dir
