@@ -41,6 +41,8 @@ def main() -> int:
     p.add_argument("--work-dir", default=BenchOptions.work_dir, help="generated shards (reused) and the resolved DeepSpeed JSON")
     g = p.add_argument_group("experiment switches (patch this process only; see olmo_ds.train.bench.Experiments)")
     g.add_argument("--compile-pointwise", action="store_true", help="torch.compile RMSNorm, RoPE and SwiGLU math")
+    g.add_argument("--compile-blocks", action="store_true",
+                   help="torch.compile whole blocks as functions of their weights (needs persistent ZeRO-3 parameters)")
     g.add_argument("--loss-chunk", type=int, default=None, help="tokens per chunk of the fused head + loss")
     g.add_argument("--deepcompile", action="store_true", help="DeepSpeed DeepCompile (engine.compile with deepcompile on)")
     g.add_argument("--engine-compile", action="store_true", help="engine.compile(): torch.compile under DeepSpeed's hooks")
@@ -73,7 +75,8 @@ def main() -> int:
             preset=args.preset, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
             ds_config=args.ds_config, ds_set=args.ds_set, model_set=args.model_set, precision=args.precision,
             warmup=args.warmup, steps=args.steps, reference=args.reference, deepspeed=args.deepspeed, work_dir=args.work_dir,
-            experiments=Experiments(compile_pointwise=args.compile_pointwise, loss_chunk=args.loss_chunk, deepcompile=args.deepcompile,
+            experiments=Experiments(compile_pointwise=args.compile_pointwise, compile_blocks=args.compile_blocks,
+                                    loss_chunk=args.loss_chunk, deepcompile=args.deepcompile,
                                     engine_compile=args.engine_compile, compile_backend=args.compile_backend),
         )
         result = run_bench(opts)

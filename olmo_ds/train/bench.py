@@ -57,6 +57,9 @@ class Experiments:
     # functions that take the already-gathered weight as an argument, so ZeRO-3's module hooks still
     # run eagerly around them.
     compile_pointwise: bool = False
+    # torch.compile each whole block as a function of its weights, taken only while ZeRO-3 has every
+    # weight of the block gathered (pair it with a persistence threshold above the largest matrix).
+    compile_blocks: bool = False
     # Tokens per chunk of the fused output-projection + cross-entropy (the model's default is 4096).
     loss_chunk: int | None = None
     # DeepSpeed's DeepCompile: `"compile": {"deepcompile": true}` and `engine.compile()` after init.
@@ -87,28 +90,94 @@ class BenchOptions:
 # --- experiment switches -------------------------------------------------------------------------
 
 
+def _rms_norm(x, weight, eps: float):
+    """The model's RMSNorm math (fp32 statistics, weight applied in fp32, cast back) as a function."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x32).to(x.dtype)
+
+
+def _swiglu(gate, up):
+    return torch.nn.functional.silu(gate) * up
+
+
+def _block_math(x, cos, sin, wq, wk, wv, wo, gq, gk, g_attn, w_gate, w_up, w_down, g_mlp,
+                eps: float, n_heads: int, n_kv_heads: int, scale: float):
+    """One OLMo-2 block with causal attention and no extra mask, its weights passed in (see `compile_blocks`)."""
+    import torch.nn.functional as F
+
+    from olmo_ds.model.model import apply_rope
+
+    b, t, _ = x.shape
+    head_dim = wq.shape[0] // n_heads
+    q = _rms_norm(F.linear(x, wq), gq, eps).view(b, t, n_heads, head_dim)
+    k = _rms_norm(F.linear(x, wk), gk, eps).view(b, t, n_kv_heads, head_dim)
+    v = F.linear(x, wv).view(b, t, n_kv_heads, head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    gqa = n_heads != n_kv_heads
+    if x.is_cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        with sdpa_kernel(order, set_priority=True):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    o = o.transpose(1, 2).reshape(b, t, n_heads * head_dim)
+    x = x + _rms_norm(F.linear(o, wo), g_attn, eps)
+    return x + _rms_norm(F.linear(_swiglu(F.linear(x, w_gate), F.linear(x, w_up)), w_down), g_mlp, eps)
+
+
+# How often each patched path ran, so a report shows whether a switch took effect (e.g. compile_blocks
+# falls back to eager blocks while ZeRO-3 has not gathered their weights).
+COUNTERS: dict[str, int] = {}
+
+
+def _count(key: str) -> None:
+    COUNTERS[key] = COUNTERS.get(key, 0) + 1
+
+
+def _gathered(params) -> bool:
+    """Whether every parameter holds its full data: not a ZeRO-3 parameter, or one that is AVAILABLE."""
+    return all(getattr(getattr(p, "ds_status", None), "name", "AVAILABLE") == "AVAILABLE" for p in params)
+
+
 def apply_experiments(exp: Experiments) -> list[str]:
     """Patch the model classes for the switches that are on; returns their names for the report."""
     import olmo_ds.model.model as model_mod
 
     applied = []
+    compile_kw = dict(dynamic=False, backend=exp.compile_backend)
     if exp.compile_pointwise:
-        compile_kw = dict(dynamic=False, backend=exp.compile_backend)
-
-        def rms_norm(x, weight, eps: float):
-            x32 = x.float()
-            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-            return (weight * x32).to(x.dtype)
-
-        def swiglu(gate, up):
-            return torch.nn.functional.silu(gate) * up
-
-        rms_norm_c = torch.compile(rms_norm, **compile_kw)
-        swiglu_c = torch.compile(swiglu, **compile_kw)
+        rms_norm_c = torch.compile(_rms_norm, **compile_kw)
+        swiglu_c = torch.compile(_swiglu, **compile_kw)
         model_mod.RMSNorm.forward = lambda self, x: rms_norm_c(x, self.weight, self.eps)
         model_mod.MLP.forward = lambda self, x: self.down_proj(swiglu_c(self.gate_proj(x), self.up_proj(x)))
         model_mod.apply_rope = torch.compile(model_mod.apply_rope, **compile_kw)
         applied.append(f"compile_pointwise({exp.compile_backend})")
+    if exp.compile_blocks:
+        # The whole block as one compiled function of its weights. ZeRO-3's hooks fetch a module's
+        # parameters only when that module's own forward runs, which this path skips, so it is taken
+        # only while every weight of the block is already gathered (persistent parameters, e.g. a
+        # stage3_param_persistence_threshold above the largest matrix); otherwise the block runs eagerly,
+        # whose hooks gather them. Gradients still reach DeepSpeed through the parameters' own hooks.
+        block_c = torch.compile(_block_math, **compile_kw)
+        eager_forward = model_mod.Block.forward
+
+        def block_forward(self, x, cos, sin, mask, cache=None):
+            a, m = self.attn, self.mlp
+            params = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, a.q_norm.weight, a.k_norm.weight,
+                      self.attn_norm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, self.mlp_norm.weight)
+            plain = cache is None and a.window is None and not (mask is not None and mask.has_documents)
+            if not plain or not _gathered(params):
+                _count("compile_blocks.eager_blocks")
+                return eager_forward(self, x, cos, sin, mask, cache)
+            _count("compile_blocks.compiled_blocks")
+            return block_c(x, cos, sin, *params, self.attn_norm.eps, a.n_heads, a.n_kv_heads, a.head_dim ** -0.5)
+
+        model_mod.Block.forward = block_forward
+        applied.append(f"compile_blocks({exp.compile_backend})")
     if exp.loss_chunk:
         chunk = int(exp.loss_chunk)
         original = model_mod.fused_linear_cross_entropy
@@ -311,6 +380,7 @@ def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> d
     finally:
         trainer.loader.close()
     result["init_s"] = init_s
+    result["counters"] = dict(COUNTERS)
     result["zero_stage"] = trainer.ds_config["zero_optimization"]["stage"]
     result["ds_zero_config"] = trainer.ds_config["zero_optimization"]
     return result
@@ -368,6 +438,8 @@ def run_bench(opts: BenchOptions) -> dict:
     if opts.reference:
         log.info("plain-PyTorch reference: %d warm-up + %d timed steps", opts.warmup, opts.steps)
         result["reference"] = run_reference(cfg, model_cfg, opts, flops, peak)
+        result["reference"]["counters"] = dict(COUNTERS)
+        COUNTERS.clear()
     if opts.deepspeed:
         log.info("DeepSpeed trainer (%s): %d warm-up + %d timed steps", cfg.deepspeed_config, opts.warmup, opts.steps)
         result["deepspeed"] = run_deepspeed(cfg, opts, flops, peak)
@@ -406,6 +478,9 @@ def format_report(r: dict) -> str:
             f"{_fmt(m['mfu_with_head'], 8, '.1f', 100, '%')} {1000 * m['step_s_median']:>8.1f} "
             f"{100 * m['data_wait_fraction']:>8.2f}% {m['peak_alloc_gib']:>8.1f} {m['loss_first']:>6.3f}->{m['loss_last']:<6.3f}"
         )
+    for key in ("reference", "deepspeed"):
+        if r.get(key, {}).get("counters"):
+            lines.append(f"{key} patched-path counts: {r[key]['counters']}")
     if "ratio_deepspeed_to_reference" in r:
         lines.append(f"ratio DeepSpeed / plain PyTorch: {r['ratio_deepspeed_to_reference']:.3f}")
     return "\n".join(lines)
@@ -414,63 +489,73 @@ def format_report(r: dict) -> str:
 # --- sweeps --------------------------------------------------------------------------------------
 
 # Named variants for one-call sweeps on a GPU machine: extra command-line arguments of
-# scripts/bench_train.py. Each is one lever on top of the baseline unless its name says otherwise.
+# scripts/bench_train.py, each one lever on top of the baseline; "a+b" combines variants.
+PERSIST_ALL = ["--ds-set", "zero_optimization.stage3_param_persistence_threshold=1000000000000"]
 VARIANTS: dict[str, list[str]] = {
     "baseline": [],
-    "zero1": ["--ds-config", "ds_configs/zero1_bf16.json", "--no-reference"],
-    "zero2": ["--ds-config", "ds_configs/zero2_bf16.json", "--no-reference"],
-    "persist_all": ["--ds-set", "zero_optimization.stage3_param_persistence_threshold=1000000000000", "--no-reference"],
-    "prefetch_big": ["--ds-set", "zero_optimization.stage3_prefetch_bucket_size=500000000", "--no-reference"],
-    "no_overlap": ["--ds-set", "zero_optimization.overlap_comm=false", "--no-reference"],
+    "zero1": ["--ds-config", "ds_configs/zero1_bf16.json"],
+    "zero2": ["--ds-config", "ds_configs/zero2_bf16.json"],
+    "persist_all": PERSIST_ALL,
+    "prefetch_big": ["--ds-set", "zero_optimization.stage3_prefetch_bucket_size=500000000"],
+    "no_overlap": ["--ds-set", "zero_optimization.overlap_comm=false"],
     "attn_flash": ["--model-set", "attention_backend=sdpa_flash"],
     "attn_flex": ["--model-set", "attention_backend=flex"],
     "compile_pointwise": ["--compile-pointwise"],
-    "loss_chunk_16k": ["--loss-chunk", "16384", "--no-reference"],
-    "loss_chunk_2k": ["--loss-chunk", "2048", "--no-reference"],
+    "compile_blocks": ["--compile-blocks", *PERSIST_ALL],
+    "loss_chunk_16k": ["--loss-chunk", "16384"],
+    "loss_chunk_2k": ["--loss-chunk", "2048"],
     "mb2": ["--micro-batch-size", "2"],
     "mb8": ["--micro-batch-size", "8"],
     "accum8": ["--grad-accum", "8"],
-    "deepcompile": ["--deepcompile", "--no-reference"],
-    "engine_compile": ["--engine-compile", "--no-reference"],
+    "noref": ["--no-reference"],
+    "deepcompile": ["--deepcompile"],
+    "engine_compile": ["--engine-compile"],
 }
+
+
+def variant_args(name: str) -> list[str]:
+    parts = name.split("+")
+    unknown = [p for p in parts if p not in VARIANTS]
+    if unknown:
+        raise ConfigError(f"unknown bench variant(s) {unknown} in {name!r}; known: {', '.join(VARIANTS)} (combine with '+')")
+    return [a for p in parts for a in VARIANTS[p]]
 
 
 def run_sweep(names: list[str], base_args: list[str], out_dir: Path, timeout_s: float | None = None) -> list[dict]:
     """Run each named variant in its own process (base args + the variant's); returns one row per variant."""
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise ConfigError(f"unknown bench variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+    commands = {name: variant_args(name) for name in names}  # all names checked before the first run
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for name in names:
+    for name, extra in commands.items():
         json_path = out_dir / f"{name}.json"
         json_path.unlink(missing_ok=True)
-        cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), *base_args, *VARIANTS[name], "--json", str(json_path)]
+        cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), *base_args, *extra, "--json", str(json_path)]
         print(f"=== {name}: {shlex.join(cmd)}", flush=True)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s)
-            rc = proc.returncode
+            rc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         row = {"variant": name, "rc": rc, "wall_s": time.perf_counter() - t0}
         if json_path.exists():
             row["result"] = json.loads(json_path.read_text())
         rows.append(row)
+        print(format_sweep(rows[-1:]), flush=True)
     return rows
 
 
 def format_sweep(rows: list[dict]) -> str:
-    lines = [f"{'variant':<18} {'DS tok/s':>9} {'MFU':>6} {'ref tok/s':>9} {'ratio':>6} {'DS GiB':>7} {'wait':>6} {'wall s':>6}"]
+    lines = [f"{'variant':<34} {'DS tok/s':>9} {'MFU':>6} {'ref tok/s':>9} {'ratio':>6} {'DS GiB':>7} {'ref GiB':>7} {'wait':>6} {'wall s':>6}"]
     for row in rows:
         r = row.get("result")
         if r is None or "deepspeed" not in r:
-            lines.append(f"{row['variant']:<18} failed (rc {row['rc']}), see its log above")
+            lines.append(f"{row['variant']:<34} failed (rc {row['rc']}), see its log above")
             continue
         ds, ref = r["deepspeed"], r.get("reference")
         lines.append(
-            f"{row['variant']:<18} {ds['tokens_per_s']:>9,.0f} {_fmt(ds['mfu'], 6, '.1f', 100, '%')} "
+            f"{row['variant']:<34} {ds['tokens_per_s']:>9,.0f} {_fmt(ds['mfu'], 6, '.1f', 100, '%')} "
             f"{_fmt(ref and ref['tokens_per_s'], 9, ',.0f')} {_fmt(r.get('ratio_deepspeed_to_reference'), 6, '.3f')} "
-            f"{ds['peak_alloc_gib']:>7.1f} {100 * ds['data_wait_fraction']:>5.2f}% {row['wall_s']:>6.0f}"
+            f"{ds['peak_alloc_gib']:>7.1f} {_fmt(ref and ref['peak_alloc_gib'], 7, '.1f')} "
+            f"{100 * ds['data_wait_fraction']:>5.2f}% {row['wall_s']:>6.0f}"
         )
     return "\n".join(lines)
