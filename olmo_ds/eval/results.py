@@ -1,0 +1,203 @@
+"""Where evaluation results go: results.json, a markdown table, TensorBoard, and run-wide comparisons.
+
+One evaluation of one checkpoint writes `results.json` (by default in `RUN/eval/step-NNNNNNN/`,
+beside, not inside, the checkpoint, so pruning checkpoints never loses their scores) and adds its
+scalars to the run's TensorBoard directory `RUN/tb` at the checkpoint's step, under the same tags
+the training loop's evaluations use (`scalars`). `compare_run` then reads every `results.json` of
+the run into one metric-vs-step table and plot.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+from pathlib import Path
+
+from olmo_ds.data.shards import atomic_write_bytes, atomic_write_json
+
+RESULTS = "results.json"
+EVAL_DIR = "eval"
+TB_DIR = "tb"
+COMPARISON_MD = "comparison.md"
+COMPARISON_PNG = "comparison.png"
+PPL_METRICS = ("bits_per_byte", "ce_loss", "perplexity")
+
+
+def versions() -> dict[str, str]:
+    import numpy
+    import tokenizers
+    import torch
+
+    import olmo_ds
+
+    found = {"olmo_ds": olmo_ds.__version__, "torch": torch.__version__, "numpy": numpy.__version__,
+             "tokenizers": tokenizers.__version__, "python": platform.python_version(), "cuda": torch.version.cuda or "none"}
+    try:
+        import deepspeed
+
+        found["deepspeed"] = deepspeed.__version__
+    except ImportError:
+        pass
+    return found
+
+
+def build_results(*, target: dict, perplexity: dict[str, dict], tasks: dict[str, dict], stats: dict, config: dict) -> dict:
+    """The results.json document (see the module docstring)."""
+    return {
+        **target,
+        "perplexity": perplexity,
+        "tasks": tasks,
+        "stats": stats,
+        "config": config,
+        "versions": versions(),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_results(out_dir: Path, results: dict) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / RESULTS
+    atomic_write_json(path, _finite(results))
+    return path
+
+
+def _finite(obj):
+    """NaN/inf become null: results.json must be strict JSON that any tool reads."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def scalars(perplexity: dict[str, dict], tasks: dict[str, dict]) -> dict[str, float]:
+    """TensorBoard tags -> values: `eval/<source>/<metric>`, `eval/downstream/<task>/<metric>`."""
+    out = {}
+    for source, r in perplexity.items():
+        for m in PPL_METRICS:
+            out[f"eval/{source}/{m}"] = r[m]
+    for task, r in tasks.items():
+        for m, v in r.items():
+            if m.startswith("acc") or m in ("primary", "bits_per_byte_corr"):
+                out[f"eval/downstream/{task}/{m}"] = v
+    return out
+
+
+def write_tensorboard(log_dir: Path, step: int, values: dict[str, float]) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(log_dir))
+    try:
+        for tag, value in values.items():
+            if value is not None and math.isfinite(value):
+                writer.add_scalar(tag, value, step)
+    finally:
+        writer.close()
+
+
+def _fmt(value, digits: int = 4) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return "nan" if not math.isfinite(value) else f"{value:.{digits}f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    """The human summary printed on stdout."""
+    parts = []
+    head = f"**{results.get('path')}**"
+    if results.get("step") is not None:
+        head += f" — step {results['step']:,}"
+    if results.get("tokens_seen") is not None:
+        head += f", {results['tokens_seen']:,} tokens seen"
+    parts.append(head)
+    if results["perplexity"]:
+        rows = [[name, r["tokens"], r["ce_loss"], r["perplexity"], r["bits_per_byte"], round(r["tokens_per_second"])] for name, r in results["perplexity"].items()]
+        parts.append(_table(["source", "tokens", "ce_loss", "perplexity", "bits/byte", "tokens/s"], rows))
+    if results["tasks"]:
+        rows = []
+        for name, r in results["tasks"].items():
+            rows.append([name, r["num_questions"], r["acc"], r["acc_per_token"], r["acc_per_char"], r.get("acc_uncond"),
+                         f"{r['primary_metric']} {r['primary']:.4f} ± {r['primary_stderr']:.4f}", r["truncated_contexts"]])
+        parts.append(_table(["task", "questions", "acc", "acc_per_token", "acc_per_char", "acc_uncond", "primary", "truncated"], rows))
+        st = results["stats"].get("tasks", {})
+        if st:
+            parts.append(
+                f"{st['requests']:,} requests, {st['distinct_contexts']:,} distinct contexts, {st['forward_rows']:,} model rows; "
+                f"{st['scored_tokens_per_second']:,.0f} scored tokens/s ({st['forward_tokens_per_second']:,.0f} forward tokens/s)"
+            )
+    return "\n\n".join(parts)
+
+
+def headline_metrics(results: dict) -> dict[str, float]:
+    """The numbers worth a line in a cross-checkpoint comparison: bpb per source, primary per task."""
+    out = {}
+    for source, r in results.get("perplexity", {}).items():
+        out[f"{source} bits/byte"] = r["bits_per_byte"]
+    for task, r in results.get("tasks", {}).items():
+        out[f"{task} {r['primary_metric']}"] = r["primary"]
+    return out
+
+
+def compare_run(run_dir: Path) -> tuple[str, Path | None]:
+    """Table and PNG plot of every headline metric against step, over the run's evaluated checkpoints.
+
+    Returns (markdown table, path of the plot or None when fewer than one result exists);
+    writes both under `RUN/eval/`.
+    """
+    eval_dir = Path(run_dir) / EVAL_DIR
+    rows = []
+    for path in sorted(eval_dir.glob(f"step-*/{RESULTS}")):
+        results = json.loads(path.read_text())
+        if results.get("step") is not None:
+            rows.append((results["step"], results.get("tokens_seen"), headline_metrics(results)))
+    if not rows:
+        return "", None
+    rows.sort(key=lambda r: r[0])
+    names = sorted({m for _, _, metrics in rows for m in metrics})
+    table = _table(["step", "tokens seen"] + names, [[step, tokens] + [metrics.get(n) for n in names] for step, tokens, metrics in rows])
+    atomic_write_bytes(eval_dir / COMPARISON_MD, (table + "\n").encode())
+    png = eval_dir / COMPARISON_PNG
+    _plot(rows, names, png, title=str(Path(run_dir).name))
+    return table, png
+
+
+def _plot(rows, names: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training nodes
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(names))
+    nrows = -(-len(names) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.2 * nrows), squeeze=False)
+    steps = [r[0] for r in rows]
+    for ax, name in zip(axes.flat, names):
+        values = [r[2].get(name) for r in rows]
+        points = [(s, v) for s, v in zip(steps, values) if v is not None]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(names) :]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)

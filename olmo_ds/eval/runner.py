@@ -1,0 +1,178 @@
+"""`scripts/eval.py`'s work: evaluate checkpoints of a run (or an exported model) and report.
+
+Order of work: resolve every target, load the tokenizer, read and check every task file and data
+source, and only then load weights and run the model, so bad input fails in seconds. Inputs are
+tokenized once per tokenizer and reused for every checkpoint evaluated (`--all-checkpoints`).
+
+Launched by torchrun (or deepspeed) the evaluation set is split across the ranks; rank 0 writes
+results.json, TensorBoard and the comparison, and prints the table.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from olmo_ds.eval import loading
+from olmo_ds.eval import results as res
+from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
+from olmo_ds.eval.perplexity import evaluate_perplexity, load_source, token_byte_lengths, window_batches
+from olmo_ds.eval.scoring import DistContext
+from olmo_ds.eval.tasks import load_task, resolve_task
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TASK_DIRS = [REPO_ROOT.parent / "shared" / "eval"]
+
+
+@dataclass
+class EvalOptions:
+    target: str  # checkpoint dir, run dir, or exported model dir
+    data: list[str] = field(default_factory=list)  # NAME=PATH or PATH; empty = the run's validation sources
+    tasks: list[str] = field(default_factory=list)
+    task_dirs: list[str] = field(default_factory=lambda: [str(d) for d in DEFAULT_TASK_DIRS])
+    out: str | None = None
+    all_checkpoints: bool = False
+    seq_len: int | None = None  # default: the model's max_seq_len
+    batch_tokens: int | None = None  # padded tokens per forward; default by device
+    max_tokens: int | None = None  # per perplexity source
+    limit: int | None = None  # questions per task
+    uncond: bool = False
+    device: str | None = None
+    dtype: str | None = None  # float32 | bfloat16 | float16; default float32 on CPU, bfloat16 on GPU
+    backend: str = "olmo"
+    text_field: str = "text"
+    tensorboard: bool = True
+
+
+def _init_distributed(device_name: str | None) -> tuple[DistContext, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_name:
+        device = torch.device(device_name)
+    else:
+        device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return DistContext.current(), device
+
+
+def _default_sources(train_config: dict) -> list[str]:
+    """The run's validation sources: `data.val_sources`, else each training source's `val/` split."""
+    data = train_config.get("data", {})
+    specs = [f"{s.get('name') or Path(s['path']).name}={s['path']}" for s in data.get("val_sources", [])]
+    if specs:
+        return specs
+    for s in data.get("sources", []):
+        val = Path(s["path"]) / "val"
+        if (val / "manifest.json").is_file():
+            specs.append(f"{s.get('name') or Path(s['path']).name}={val}")
+    return specs
+
+
+def _targets(options: EvalOptions) -> list[tuple[str, Path]]:
+    from olmo_ds.train import checkpoint as ckpt
+
+    path = Path(options.target)
+    if options.all_checkpoints:
+        if not (path / ckpt.CHECKPOINTS).is_dir():
+            raise ValueError(f"--all-checkpoints needs a run directory (with {ckpt.CHECKPOINTS}/), got {path}")
+        found = ckpt.list_checkpoints(ckpt.checkpoints_dir(path))
+        if not found:
+            raise FileNotFoundError(f"{path}: no complete checkpoint under {ckpt.CHECKPOINTS}/")
+        return [("checkpoint", d) for _, d in found]
+    return [loading.resolve_target(path)]
+
+
+def _dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError:
+        raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {name!r}") from None
+
+
+def _out_dir(options: EvalOptions, kind: str, directory: Path, multiple: bool) -> Path:
+    if options.out and not multiple:
+        return Path(options.out)
+    run_dir = loading.run_dir_of(directory) if kind == "checkpoint" else None
+    base = Path(options.out) if options.out else (run_dir / res.EVAL_DIR if run_dir else directory / res.EVAL_DIR)
+    return base / directory.name if (multiple or run_dir) else base
+
+
+def run(options: EvalOptions) -> list[dict]:
+    """Evaluate every target; returns each target's results document (on every rank)."""
+    dist_ctx, device = _init_distributed(options.device)
+    dtype = _dtype(options.dtype, device)
+    batch_tokens = options.batch_tokens or (32768 if device.type == "cuda" else 4096)
+    is_main = dist_ctx.rank == 0
+
+    targets = _targets(options)
+    task_paths = [resolve_task(t, [Path(d) for d in options.task_dirs]) for t in options.tasks]
+    tasks = [load_task(p) for p in task_paths]  # every record checked before any weight is loaded
+    prepared_for: dict[str, tuple] = {}  # tokenizer fingerprint -> (sources, prepared tasks, byte table)
+    documents = []
+    for kind, directory in targets:
+        tokenizer = loading.target_tokenizer(directory)
+        if tokenizer.fingerprint not in prepared_for:
+            specs = options.data
+            if not specs and kind == "checkpoint":
+                specs = _default_sources(loading.read_train_config(directory))
+            sources = [load_source(s, tokenizer, max_tokens=options.max_tokens, text_field=options.text_field) for s in specs]
+            names = [s.name for s in sources]
+            if len(set(names)) != len(names):
+                raise ValueError(f"--data: two sources are named alike ({', '.join(names)}); name them with NAME=PATH")
+            prepared = prepare_tasks(tokenizer, tasks, uncond=options.uncond, limit=options.limit) if tasks else None
+            prepared_for[tokenizer.fingerprint] = (sources, prepared, token_byte_lengths(tokenizer))
+        sources, prepared, byte_table = prepared_for[tokenizer.fingerprint]
+        if not sources and not tasks:
+            raise ValueError(f"{directory}: nothing to evaluate: give --data (validation shards or JSON lines) and/or --tasks")
+
+        loaded = loading.load_for_eval(directory, device=device, dtype=dtype, backend=options.backend, tokenizer=tokenizer)
+        seq_len = options.seq_len or loaded.max_len
+        if seq_len > loaded.max_len:
+            raise ValueError(f"--seq-len {seq_len} exceeds the model's window {loaded.max_len}")
+
+        ppl = {}
+        for source in sources:
+            batches = window_batches(source.tokens, seq_len, max(1, batch_tokens // seq_len))
+            r = evaluate_perplexity(loaded.model, batches, byte_table, dist_ctx=dist_ctx).to_dict()
+            ppl[source.name] = {**r, "path": str(source.path), "kind": source.kind, "documents": source.documents, "seq_len": seq_len}
+        task_metrics, stats = {}, {}
+        if prepared is not None:
+            mc = evaluate_tasks(loaded.model, tokenizer, prepared, dist_ctx.rank, dist_ctx.world, max_len=loaded.max_len, batch_tokens=batch_tokens)
+            task_metrics, stats = mc.tasks, {"tasks": mc.stats}
+
+        target = {"path": str(loaded.path), "kind": loaded.kind, "run_dir": str(loaded.run_dir) if loaded.run_dir else None,
+                  "step": loaded.step, "tokens_seen": loaded.tokens_seen, "tokenizer": str(tokenizer.path),
+                  "tokenizer_fingerprint": tokenizer.fingerprint}
+        config = {"eval": {**asdict(options), "device": str(device), "dtype": str(dtype).replace("torch.", ""), "world_size": dist_ctx.world,
+                           "batch_tokens": batch_tokens, "tasks": [str(p) for p in task_paths]},
+                  "model": loaded.model_config, "train": loaded.train_config}
+        document = res.build_results(target=target, perplexity=ppl, tasks=task_metrics, stats=stats, config=config)
+        if is_main:
+            out_dir = _out_dir(options, kind, directory, len(targets) > 1)
+            path = res.write_results(out_dir, document)
+            if options.tensorboard and loaded.run_dir is not None and loaded.step is not None:
+                res.write_tensorboard(loaded.run_dir / res.TB_DIR, loaded.step, res.scalars(ppl, task_metrics))
+            print(res.markdown(document), flush=True)
+            print(f"\nresults: {path}", flush=True)
+        documents.append(document)
+        del loaded
+
+    run_dirs = {Path(d["run_dir"]) for d in documents if d["run_dir"]}
+    if is_main and not options.out:
+        for run_dir in sorted(run_dirs):
+            table, png = res.compare_run(run_dir)
+            if png is not None:
+                print(f"\n**{run_dir}: evaluated checkpoints**\n\n{table}\n\nplot: {png}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return documents

@@ -1,0 +1,58 @@
+"""Evaluate a checkpoint, a run or an exported model: perplexity/bits-per-byte and multiple-choice tasks.
+
+    python scripts/eval.py runs/demo                                    # newest checkpoint, run's val shards
+    python scripts/eval.py runs/demo/checkpoints/step-0000200 --tasks piqa_rc_0shot arc_easy_rc_0shot
+    python scripts/eval.py runs/demo --all-checkpoints                  # every checkpoint + comparison plot
+    python scripts/eval.py exported/ --data c4=data/c4-val.jsonl.gz     # a transformers directory, raw text
+    torchrun --nproc_per_node 8 scripts/eval.py RUN --tasks ...         # split across GPUs, same numbers
+
+Normally run through `bash scripts/eval.sh`, which picks the launcher.
+"""
+
+import argparse
+import sys
+
+from olmo_ds.eval.runner import DEFAULT_TASK_DIRS, EvalOptions, run
+
+
+def parse_args(argv=None) -> EvalOptions:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", nargs="?", default="runs/demo", help="checkpoint dir (RUN/checkpoints/step-N), run dir (its newest checkpoint) or exported transformers dir (default: runs/demo)")
+    p.add_argument("--data", nargs="+", action="extend", default=[], metavar="[NAME=]PATH",
+                   help="perplexity sources: shard directories (or their parent with val/) or JSON-lines files tokenized on the fly; default: the run's validation sources")
+    p.add_argument("--tasks", nargs="+", action="extend", default=[], metavar="TASK",
+                   help="multiple-choice tasks: OLMES request directories, plain JSON-lines files, or task names in --task-dir")
+    p.add_argument("--task-dir", dest="task_dirs", action="append", default=None, metavar="DIR",
+                   help=f"where task names are looked up (default: {', '.join(str(d) for d in DEFAULT_TASK_DIRS)})")
+    p.add_argument("--out", help="where results.json goes (default: RUN/eval/step-N/, or DIR/eval/ for an exported model)")
+    p.add_argument("--all-checkpoints", action="store_true", help="evaluate every complete checkpoint of the run, then compare them")
+    p.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len)")
+    p.add_argument("--batch-tokens", type=int, help="padded tokens per forward pass (default: 4096 on CPU, 32768 on GPU)")
+    p.add_argument("--max-tokens", type=int, help="evaluate at most this many tokens of each perplexity source")
+    p.add_argument("--limit", type=int, help="score only the first N questions of each task")
+    p.add_argument("--uncond", action="store_true", help="also score OLMES unconditional requests (acc_uncond)")
+    p.add_argument("--device", help="default: cuda:LOCAL_RANK when available, else cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--backend", choices=["olmo", "transformers"], default="olmo", help="for an exported dir: run our model (default) or transformers' class")
+    p.add_argument("--text-field", default="text", help="JSON key of the text in JSON-lines sources")
+    p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", help="do not add scalars to RUN/tb")
+    a = p.parse_args(argv)
+    return EvalOptions(
+        target=a.target, data=a.data, tasks=a.tasks, task_dirs=a.task_dirs or [str(d) for d in DEFAULT_TASK_DIRS], out=a.out,
+        all_checkpoints=a.all_checkpoints, seq_len=a.seq_len, batch_tokens=a.batch_tokens, max_tokens=a.max_tokens, limit=a.limit,
+        uncond=a.uncond, device=a.device, dtype=a.dtype, backend=a.backend, text_field=a.text_field, tensorboard=a.tensorboard,
+    )
+
+
+def main(argv=None) -> int:
+    options = parse_args(argv)
+    try:
+        run(options)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"eval: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

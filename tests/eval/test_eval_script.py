@@ -1,0 +1,84 @@
+"""`bash scripts/eval.sh` end to end on an exported model: one rank and two ranks give the same numbers,
+and the transformers class scores the export like our model does."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from olmo_ds.eval.loading import load_for_eval
+from olmo_ds.eval.loglikelihood import score_requests
+from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
+from olmo_ds.eval.perplexity import evaluate_perplexity, load_source, token_byte_lengths, window_batches
+from olmo_ds.eval.tasks import load_task
+
+from conftest import ARC_EASY, C4, NEOX, PIQA, export_hf
+
+REPO = Path(__file__).resolve().parents[2]
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def exported(model, tmp_path_factory):
+    return export_hf(model, NEOX, tmp_path_factory.mktemp("export") / "hf")
+
+
+def eval_sh(args, nproc=1, cwd=None):
+    env = {**os.environ, "NPROC": str(nproc), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "eval.sh"), *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    return proc
+
+
+def test_eval_sh_one_and_two_ranks_agree(exported, tmp_path):
+    args = [exported, "--data", f"c4={C4[0]}", "--tasks", PIQA, ARC_EASY, "--limit", "10", "--seq-len", "64", "--batch-tokens", "512"]
+    one = eval_sh(args + ["--out", tmp_path / "one"], cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    assert "| c4 |" in one.stdout and "| piqa | 10 |" in one.stdout and "| arc_easy | 10 |" in one.stdout
+    two = eval_sh(args + ["--out", tmp_path / "two"], nproc=2, cwd=tmp_path)
+    assert two.returncode == 0, two.stderr
+    r1 = json.loads((tmp_path / "one" / "results.json").read_text())
+    r2 = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert r2["config"]["eval"]["world_size"] == 2
+    for name in ("ce_loss", "bits_per_byte", "tokens", "bytes"):
+        assert r1["perplexity"]["c4"][name] == r2["perplexity"]["c4"][name]
+    for task in ("piqa", "arc_easy"):
+        for m in ("acc", "acc_per_token", "acc_per_char", "bits_per_byte_corr", "primary"):
+            assert r1["tasks"][task][m] == r2["tasks"][task][m]
+    assert r1["kind"] == "hf" and r1["tokenizer_fingerprint"].startswith("sha256:")
+    assert r1["versions"]["torch"] == torch.__version__
+    assert r1["stats"]["tasks"]["scored_tokens_per_second"] > 0 and r1["perplexity"]["c4"]["tokens_per_second"] > 0
+
+
+def test_eval_sh_reports_bad_input_before_loading(exported, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "Q", "choices": ["a", "b"], "gold": 5}\n')
+    proc = eval_sh([exported, "--tasks", bad])
+    assert proc.returncode == 2 and f"{bad}:1: gold index 5 is out of range for 2 choices" in proc.stderr
+    proc = eval_sh([tmp_path / "nothing-here"])
+    assert proc.returncode == 2 and "no such checkpoint, run or model directory" in proc.stderr
+
+
+def test_transformers_scores_the_export_like_our_model(exported, neox):
+    """Agreement: our OLMo and transformers' Olmo2ForCausalLM, same export, same log-probs."""
+    ours = load_for_eval(exported)
+    theirs = load_for_eval(exported, backend="transformers")
+    assert type(theirs.model).__name__ == "Olmo2ForCausalLM"
+    prepared = prepare_tasks(neox, [load_task(PIQA), load_task(ARC_EASY)], limit=10)
+    a = score_requests(ours.model, prepared.requests, max_len=ours.max_len)
+    b = score_requests(theirs.model, prepared.requests, max_len=theirs.max_len)
+    np.testing.assert_allclose(a.logprob, b.logprob, rtol=0, atol=1e-4)
+    ra = evaluate_tasks(ours.model, neox, prepared, 0, 1, max_len=ours.max_len)
+    rb = evaluate_tasks(theirs.model, neox, prepared, 0, 1, max_len=theirs.max_len)
+    for task in ra.tasks:
+        for m in ("acc", "acc_per_token", "acc_per_char", "acc_per_byte"):
+            assert ra.tasks[task][m] == rb.tasks[task][m]
+    source = load_source(str(C4[1]), neox, max_tokens=300)
+    table = token_byte_lengths(neox)
+    pa = evaluate_perplexity(ours.model, window_batches(source.tokens, 64, 2), table)
+    pb = evaluate_perplexity(theirs.model, window_batches(source.tokens, 64, 2), table)
+    assert abs(pa.ce_loss - pb.ce_loss) < 1e-5

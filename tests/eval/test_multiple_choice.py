@@ -1,0 +1,119 @@
+"""Multiple-choice scoring on the real OLMES tasks with a tiny random OLMo, against brute force.
+
+The model is random, so accuracies mean nothing; what is checked is the mechanics: every request's
+log-prob equals a direct one-request-at-a-time computation, each distinct model input is run once,
+the metrics follow from the scores, left truncation is counted, and bad input is refused.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from olmo_ds.eval.loglikelihood import score_requests
+from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
+from olmo_ds.eval.tasks import load_task
+
+from conftest import ARC_EASY, PIQA
+
+torch.set_num_threads(1)
+
+
+class RowCounter(torch.nn.Module):
+    """The model, counting the rows it is run on."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.rows, self.calls = model, 0, 0
+
+    def forward(self, input_ids):
+        self.rows += input_ids.shape[0]
+        self.calls += 1
+        return self.model(input_ids)
+
+
+@torch.no_grad()
+def brute_force(model, ctx, cont, max_len):
+    full = (list(ctx) + list(cont))[-(max_len + 1) :]
+    logp = torch.log_softmax(model(torch.tensor([full[:-1]])).float()[0], dim=-1)
+    positions = range(len(full) - 1 - len(cont), len(full) - 1)
+    return sum(float(logp[p, t]) for p, t in zip(positions, cont))
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return [load_task(PIQA), load_task(ARC_EASY)]
+
+
+def test_scores_equal_brute_force_and_each_distinct_input_runs_once(model, neox, tasks):
+    prepared = prepare_tasks(neox, tasks, uncond=True, limit=12)
+    counter = RowCounter(model)
+    scored = score_requests(counter, prepared.requests, max_len=128, batch_tokens=1024)
+
+    expected = np.array([brute_force(model, c, k, 128) for c, k in prepared.requests])
+    np.testing.assert_allclose(scored.logprob, expected, rtol=0, atol=2e-4)
+    assert (scored.num_tokens == [len(k) for _, k in prepared.requests]).all()
+
+    inputs = {tuple((list(c) + list(k))[:-1]) for c, k in prepared.requests}
+    maximal = [s for s in inputs if not any(len(o) > len(s) and o[: len(s)] == s for o in inputs)]
+    assert scored.forward_rows == counter.rows == len(maximal) < len(inputs) < len(prepared.requests)
+    # 24 piqa+arc questions share 3 unconditional contexts ("Answer:") and one context per question
+    assert prepared.distinct_contexts == 24 + 1
+
+
+def test_metrics_follow_from_the_scores(model, neox, tasks):
+    result = evaluate_tasks(model, neox, tasks, 0, 1, max_len=128, batch_tokens=2048, uncond=True, limit=12)
+    assert set(result.tasks) == {"piqa", "arc_easy"}
+    for task in tasks:
+        got = result.tasks[task.name]
+        hits = {"acc": 0, "acc_per_token": 0, "acc_per_char": 0, "acc_per_byte": 0, "acc_uncond": 0}
+        bpb = 0.0
+        for q in task.questions[:12]:
+            conts = [k for _, k in q.choices]
+            lp = np.array([brute_force(model, neox.encode(c), neox.encode(k), 128) for c, k in q.choices])
+            ulp = np.array([brute_force(model, neox.encode(c), neox.encode(k), 128) for c, k in q.uncond])
+            ntok = np.array([len(neox.encode(k)) for k in conts])
+            hits["acc"] += np.argmax(lp) == q.gold
+            hits["acc_per_token"] += np.argmax(lp / ntok) == q.gold
+            hits["acc_per_char"] += np.argmax(lp / [len(k) for k in conts]) == q.gold
+            hits["acc_per_byte"] += np.argmax(lp / [len(k.encode()) for k in conts]) == q.gold
+            hits["acc_uncond"] += np.argmax(lp - ulp) == q.gold
+            bpb += -lp[q.gold] / math.log(2) / len(conts[q.gold].encode())
+        for m, h in hits.items():
+            assert got[m] == pytest.approx(h / 12), (task.name, m)
+            assert 0.0 <= got[m] <= 1.0
+        assert got["primary"] == got[task.primary_metric]
+        assert got["bits_per_byte_corr"] == pytest.approx(bpb / 12, rel=1e-5)
+        assert got["num_questions"] == 12 and got["truncated_contexts"] == 0
+    assert result.stats["scored_tokens_per_second"] > 0
+
+
+def test_long_contexts_are_truncated_from_the_left_and_counted(model, neox, tasks):
+    prepared = prepare_tasks(neox, tasks[1:], limit=6)
+    max_len = 16
+    scored = score_requests(model, prepared.requests, max_len=max_len, batch_tokens=512)
+    expected = np.array([brute_force(model, c, k, max_len) for c, k in prepared.requests])
+    np.testing.assert_allclose(scored.logprob, expected, rtol=0, atol=2e-4)
+    too_long = [len(c) + len(k) - 1 > max_len for c, k in prepared.requests]
+    assert scored.truncated.tolist() == too_long and 0 < sum(too_long) < len(too_long)
+
+    result = evaluate_tasks(model, neox, tasks[1:], 0, 1, max_len=max_len, limit=6)
+    assert result.tasks["arc_easy"]["truncated_contexts"] == sum(too_long) == result.stats["truncated_contexts"]
+
+
+def test_continuation_longer_than_the_window_is_an_error(model, neox, tmp_path):
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"context": "Q:", "choices": [" yes", " no " * 40], "gold": 0}) + "\n")
+    with pytest.raises(ValueError, match=r"long.jsonl:1: continuation of \d+ tokens does not fit the model's window of 16"):
+        evaluate_tasks(model, neox, [load_task(path)], 0, 1, max_len=16)
+
+
+def test_trailing_context_whitespace_moves_to_the_continuation(model, neox, tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(json.dumps({"context": "The capital of France is ", "choices": ["Paris", "Rome"], "gold": 0}) + "\n")
+    b.write_text(json.dumps({"context": "The capital of France is", "choices": [" Paris", " Rome"], "gold": 0}) + "\n")
+    ra = evaluate_tasks(model, neox, [load_task(a)], 0, 1, max_len=128).tasks["a"]
+    rb = evaluate_tasks(model, neox, [load_task(b)], 0, 1, max_len=128).tasks["b"]
+    assert ra["bits_per_byte_corr"] == rb["bits_per_byte_corr"]
