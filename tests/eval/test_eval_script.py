@@ -17,7 +17,7 @@ from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
 from olmo_ds.eval.perplexity import evaluate_perplexity, load_source, token_byte_lengths, window_batches
 from olmo_ds.eval.tasks import load_task
 
-from conftest import ARC_EASY, C4, NEOX, PIQA, export_hf
+from eval_testlib import ARC_EASY, C4, NEOX, PIQA, export_hf
 
 REPO = Path(__file__).resolve().parents[2]
 torch.set_num_threads(1)

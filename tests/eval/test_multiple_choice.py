@@ -16,7 +16,7 @@ from olmo_ds.eval.loglikelihood import score_requests
 from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
 from olmo_ds.eval.tasks import load_task
 
-from conftest import ARC_EASY, PIQA
+from eval_testlib import ARC_EASY, PIQA
 
 torch.set_num_threads(1)
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from olmo_ds.data import shards
 from olmo_ds.eval.perplexity import evaluate_perplexity, load_source, token_byte_lengths, window_batches
 
-from conftest import C4
+from eval_testlib import C4
 
 torch.set_num_threads(1)
 

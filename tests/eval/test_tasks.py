@@ -7,7 +7,7 @@ import pytest
 
 from olmo_ds.eval.tasks import load_task, resolve_task
 
-from conftest import ARC_EASY, PIQA, SHARED
+from eval_testlib import ARC_EASY, PIQA, SHARED
 
 
 def test_olmes_piqa_and_arc_easy_read_as_published():
