@@ -65,9 +65,16 @@ class HFTokenizer(Tokenizer):
             self._tok = tokenizers.Tokenizer.from_str(self._raw.decode("utf-8"))
         except Exception as e:  # the library's own message names the part it could not parse
             raise ValueError(f"{self.path}: not a valid HF tokenizer.json: {e}") from e
-        vocab = self._tok.get_vocab(with_added_tokens=True)
-        self.vocab_size = max(vocab.values()) + 1
+        self.vocab_size = self._max_id() + 1
         self._config = _read_tokenizer_config(self.path.parent)
+
+    def _max_id(self) -> int:
+        # Reading the ids from the JSON is several times faster than get_vocab()'s 100k-entry dict.
+        content = orjson.loads(self._raw)
+        vocab = content.get("model", {}).get("vocab")
+        if not isinstance(vocab, dict):  # Unigram's list of [piece, score], or an unusual model
+            return max(self._tok.get_vocab(with_added_tokens=True).values())
+        return max([*vocab.values(), *(t["id"] for t in content.get("added_tokens") or [])])
 
     @functools.cached_property
     def fingerprint(self) -> str:

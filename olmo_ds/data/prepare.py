@@ -142,7 +142,10 @@ _worker: dict = {}
 def _init_worker(tokenizer: str, eos_token: str | None, text_field: str, val_fraction: float) -> None:
     # One process per core: the tokenizer library must not start threads of its own.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tok = load_tokenizer(tokenizer, eos_token)
+    _use_tokenizer(load_tokenizer(tokenizer, eos_token), text_field, val_fraction)
+
+
+def _use_tokenizer(tok, text_field: str, val_fraction: float) -> None:
     _worker.update(
         tok=tok,
         eos=tok.eos_id,
@@ -307,14 +310,15 @@ def _complete_shards(directory: Path) -> list[dict]:
     return metas
 
 
-def _ordered_results(tasks: Iterator[tuple], cfg: PrepareConfig) -> Iterator[tuple]:
+def _ordered_results(tasks: Iterator[tuple], cfg: PrepareConfig, tok) -> Iterator[tuple]:
     """Yield `(extra, ChunkResult)` for each `(extra, task_args)` in order, through a bounded pool."""
-    initargs = (str(cfg.tokenizer), cfg.eos_token, cfg.text_field, cfg.val_fraction)
     if cfg.workers == 1:  # no pool: one worker means one core, this one
-        _init_worker(*initargs)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        _use_tokenizer(tok, cfg.text_field, cfg.val_fraction)
         for extra, args in tasks:
             yield extra, _process_chunk(*args)
         return
+    initargs = (str(cfg.tokenizer), cfg.eos_token, cfg.text_field, cfg.val_fraction)
     # fork: workers start in milliseconds; the parent has started no threads at this point.
     with mp.get_context("fork").Pool(cfg.workers, _init_worker, initargs) as pool:
         pending: deque = deque()
@@ -388,7 +392,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     bar = _progress_bar(sum(s.bytes for s in file_stats), disk_done, cfg.progress)
     reported = split_position(start)[0]
     try:
-        for (fi, consumed), res in _ordered_results(_tasks(files, start, cfg.chunk_bytes), cfg):
+        for (fi, consumed), res in _ordered_results(_tasks(files, start, cfg.chunk_bytes), cfg, tok):
             while cfg.verbose and reported < fi:
                 _log_file(log, file_stats[reported])
                 reported += 1

@@ -1,0 +1,30 @@
+"""Data preparation throughput: the tokenizer's raw ceiling vs prepare_data.py end to end at 1 and 2 workers.
+
+    python scripts/bench_prepare.py                    # 256 MB generated corpus, OLMo 2/3 tokenizer
+    python scripts/bench_prepare.py --size-mb 16       # a quick run
+
+Prints tokens/s, MB/s, peak RSS and the ratios (targets: 1 worker >= 0.9 x ceiling, 2 workers >= 1.7 x 1).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from olmo_ds.data.prepare_bench import REPO, run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokenizer", type=Path, default=REPO / ".." / "shared" / "tokenizers" / "dolma2-tokenizer.json")
+    p.add_argument("--dir", type=Path, default=Path("data/bench-prepare"), help="where the generated corpus and the shards go (corpus reused when present)")
+    p.add_argument("--size-mb", type=int, default=256, help="size of the generated corpus (default: 256)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    a = p.parse_args()
+    results = run(a.tokenizer.resolve(), a.dir, a.size_mb, a.workers)
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
