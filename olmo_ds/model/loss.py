@@ -25,35 +25,36 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, z_loss_coef: float, chunk_size: int):
         ctx.weight_dtype = weight.dtype
-        n_valid = int((labels != IGNORE_INDEX).sum())
-        denom = max(n_valid, 1)
+        # Softmax statistics in at least fp32 (bf16 logits would lose the loss's precision).
+        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        # A tensor, not a Python number: no host-device sync on the token count.
+        denom = (labels != IGNORE_INDEX).sum().clamp(min=1).to(acc_dtype)
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
-        # Softmax statistics in at least fp32 (bf16 logits would lose the loss's precision).
-        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
         ce_sum = hidden.new_zeros((), dtype=acc_dtype)
         z_sum = hidden.new_zeros((), dtype=acc_dtype)
         for start in range(0, hidden.shape[0], chunk_size):
             h = hidden[start:start + chunk_size]
             y = labels[start:start + chunk_size]
-            valid = y != IGNORE_INDEX
+            validf = (y != IGNORE_INDEX).to(acc_dtype)
+            target_ids = y.clamp(min=0)[:, None]
             logits = (h @ weight.t()).to(acc_dtype)
             lse = torch.logsumexp(logits, dim=-1)
-            target = logits.gather(1, y.clamp(min=0)[:, None]).squeeze(1)
-            validf = valid.to(acc_dtype)
+            target = logits.gather(1, target_ids).squeeze(1)
             ce_sum += ((lse - target) * validf).sum()
             z_sum += (lse.square() * validf).sum()
             if need_grad:
                 # d/dlogits of (lse - target + c * lse^2) / N = softmax * (1 + 2c * lse) - onehot, over N.
-                probs = torch.exp(logits - lse[:, None])
-                dlogits = probs * ((1.0 + 2.0 * z_loss_coef * lse) * validf / denom)[:, None]
-                dlogits.scatter_add_(1, y.clamp(min=0)[:, None], (-validf / denom)[:, None])
+                # In place on the chunk's logits: one fp32 [chunk, V] buffer per chunk.
+                dlogits = logits.sub_(lse[:, None]).exp_()
+                dlogits.mul_(((1.0 + 2.0 * z_loss_coef * lse) * validf / denom)[:, None])
+                dlogits.scatter_add_(1, target_ids, (-validf / denom)[:, None])
                 dlogits = dlogits.to(hidden.dtype)
                 if grad_hidden is not None:
-                    grad_hidden[start:start + chunk_size] = dlogits @ weight
+                    torch.matmul(dlogits, weight, out=grad_hidden[start:start + chunk_size])
                 if grad_weight is not None:
                     grad_weight += dlogits.t() @ h
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -74,7 +75,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 def fused_linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, z_loss_coef: float = 0.0,
-    chunk_size: int = 4096,
+    chunk_size: int = 2048,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, ce_loss, z_loss) of `hidden @ weight.T` against `labels`; only `loss` carries gradients.
 

@@ -224,7 +224,7 @@ class LMHead(nn.Module):
             _trunc_normal_(self.weight, init_std)
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, z_loss_coef: float = 0.0,
-                chunk_size: int = 4096):
+                chunk_size: int = 2048):
         if labels is None:
             return F.linear(hidden, self.weight)
         return ModelOutput(*fused_linear_cross_entropy(hidden, self.weight, labels, z_loss_coef, chunk_size))

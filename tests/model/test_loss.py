@@ -79,3 +79,33 @@ def _hidden(model, ids):
     for i, block in enumerate(model.blocks):
         x = block(x, *tables[model.cfg.layer_is_sliding(i)], mask)
     return x
+
+
+def test_bf16_fused_loss_is_close_to_fp32_naive():
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(4, 64, 32, generator=g)
+    weight = torch.randn(500, 32, generator=g) * 0.2
+    labels = torch.randint(0, 500, (4, 64), generator=g)
+    h, w = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    loss, _, _ = fused_linear_cross_entropy(h, w, labels, 1e-4, chunk_size=100)
+    loss.backward()
+    h32, w32 = hidden.requires_grad_(), weight.requires_grad_()
+    ref, _, _ = naive_loss(h32, w32, labels, 1e-4)
+    ref.backward()
+    assert h.grad.dtype == w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, ref, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(w.grad.float(), w32.grad, rtol=5e-2, atol=2e-4)
+    torch.testing.assert_close(h.grad.float(), h32.grad, rtol=5e-2, atol=2e-4)
+
+
+def test_fused_loss_keeps_no_logits_for_backward():
+    """Autograd holds only [tokens, d] and [V, d] sized tensors, never [tokens, V] logits."""
+    tokens, d, vocab = 256, 16, 1000
+    hidden = torch.randn(tokens, d, requires_grad=True)
+    weight = torch.randn(vocab, d, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    for fn, expect_logits in ((naive_loss, True), (fused_linear_cross_entropy, False)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            fn(hidden, weight, labels, 1e-4)
+        assert (max(saved) >= tokens * vocab) == expect_logits, (fn.__name__, max(saved))
