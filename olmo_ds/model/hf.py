@@ -311,6 +311,27 @@ def load_model_dir(directory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, state
 
 
+def load_weights_into(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy a full state dict into `model`, also when its parameters are ZeRO-3 partitioned.
+
+    For starting a run from imported weights: build the model under `deepspeed.zero.Init`, then call
+    this on every rank (collective under ZeRO-3: each parameter is gathered, overwritten on rank 0
+    and broadcast back into its partitions).
+    """
+    check_state_dict(model.cfg, state_dict, "state dict to load")
+    for name, param in model.named_parameters():  # de-duplicates tied weights
+        source = state_dict[name]
+        if hasattr(param, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if torch.distributed.get_rank() == 0:
+                    param.data.copy_(source)
+        else:
+            with torch.no_grad():
+                param.copy_(source)
+
+
 def copy_tokenizer_files(src: Path, dst: Path) -> list[Path]:
     """Copy the tokenizer files found in `src` (a directory) into `dst`."""
     import shutil

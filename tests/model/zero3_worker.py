@@ -1,7 +1,7 @@
 """Run by test_zero3.py in its own process: the model under real DeepSpeed ZeRO-3 (one CPU rank, gloo).
 
 Checks, in order: weights initialised inside `deepspeed.zero.Init` (truncated normal, norms one);
-loss and every full gradient equal a plain-PyTorch copy of the same weights, with activation
+other weights loaded into the partitioned model (`load_weights_into`); loss and every full gradient equal a plain-PyTorch copy of the same weights, with activation
 checkpointing on under ZeRO-3 and off in the copy; then one optimizer step and a real checkpoint
 through olmo_ds.train.checkpoint.save_checkpoint, whose weights are also saved for the test to
 compare the export against.
@@ -23,6 +23,7 @@ import deepspeed  # noqa: E402
 from deepspeed.utils import safe_get_full_grad  # noqa: E402
 
 from olmo_ds.model import ModelConfig, OLMo  # noqa: E402
+from olmo_ds.model.hf import load_weights_into  # noqa: E402
 from olmo_ds.train.checkpoint import save_checkpoint  # noqa: E402
 
 cfg = ModelConfig(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, mlp_hidden=96, vocab_size=100278, max_seq_len=64,
@@ -48,8 +49,13 @@ for name, w in weights.items():
         assert w.abs().max() <= 0.06 + 1e-7, f"{name} not truncated at 3 std: {w.abs().max()}"
         assert abs(w.std().item() - 0.01973) < 0.0015, f"{name} std {w.std().item()}"  # 0.02 * 0.9866 (truncation)
 
+# Starting from other weights (as from scripts/import_hf.py) must reach every partition.
+torch.manual_seed(1)
 reference = OLMo(dataclasses.replace(cfg, activation_checkpointing=False))
-reference.load_state_dict(weights)
+load_weights_into(model, reference.state_dict())
+with deepspeed.zero.GatheredParameters(list(model.parameters())):
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, reference.state_dict()[name]), f"{name} was not loaded"
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
 ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
 labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
