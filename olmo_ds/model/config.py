@@ -6,6 +6,7 @@ parameter count against the published size.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -65,7 +66,12 @@ class ModelConfig:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if isinstance(self.yarn, dict):
-            self.yarn = YarnConfig(**self.yarn)
+            try:
+                self.yarn = YarnConfig(**self.yarn)
+            except TypeError as e:
+                raise ValueError(f"model.yarn: {e}") from None
+        if self.yarn is not None and (self.yarn.factor < 1 or self.yarn.original_max_position_embeddings <= 0):
+            raise ValueError(f"model.yarn needs factor >= 1 and original_max_position_embeddings > 0, got {self.yarn}")
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "vocab_size", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -115,8 +121,14 @@ class ModelConfig:
         return body + emb + (0 if self.tie_embeddings else emb)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 * N_non-embedding + 12 * L * d * T (the PaLM/OLMo formula)."""
-        return 6 * self.num_params(include_embedding=False) + 12 * self.n_layers * self.d_model * seq_len
+        """Training FLOPs per token: 6 * N_non-embedding + 12 * d * sum over layers of the attended span.
+
+        The PaLM/OLMo formula (6N + 12 L d T); a sliding-window layer attends to at most `sliding_window`
+        keys, so it counts min(T, window) instead of T.
+        """
+        span = sum(min(seq_len, self.sliding_window) if self.layer_is_sliding(i) else seq_len
+                   for i in range(self.n_layers))
+        return 6 * self.num_params(include_embedding=False) + 12 * self.d_model * span
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -134,6 +146,8 @@ def _olmo3_pattern() -> list[bool]:
     return [True, True, True, False]
 
 
+# OLMo 3 trains at 8192 tokens without YaRN; its long-context stage turns YaRN on for the full-attention
+# layers: preset("olmo3-7b", max_seq_len=65536, yarn=YarnConfig(factor=8, original_max_position_embeddings=8192)).
 PRESETS: dict[str, ModelConfig] = {
     # Tiny: tests and the demo. Vocab is set from the tokenizer by the train config.
     "tiny": ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=192, vocab_size=4096, max_seq_len=256),
@@ -152,7 +166,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-    """A fresh copy of a named preset with field overrides."""
+    """A fresh copy of a named preset with field overrides (nothing shared with PRESETS)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
+    return dataclasses.replace(copy.deepcopy(PRESETS[name]), **overrides)

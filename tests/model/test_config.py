@@ -43,3 +43,17 @@ def test_config_round_trips_and_rejects_bad_values():
         ModelConfig(attention_backend="flash")
     with pytest.raises(ValueError, match="unknown model config key"):
         ModelConfig.from_dict({"d_model": 64, "n_layer": 2})
+
+
+def test_flops_per_token_counts_sliding_layers_at_their_window():
+    full, sliding = preset("olmo2-7b"), preset("olmo3-7b")
+    assert full.flops_per_token(4096) == 6 * full.num_params(include_embedding=False) + 12 * 32 * 4096 * 4096
+    # At T = 8192, 24 of 32 layers attend to 4096 keys, 8 to all 8192.
+    assert sliding.flops_per_token(8192) == 6 * sliding.num_params(include_embedding=False) + 12 * 4096 * (24 * 4096 + 8 * 8192)
+    assert sliding.flops_per_token(2048) == 6 * sliding.num_params(include_embedding=False) + 12 * 4096 * 32 * 2048
+
+
+def test_presets_are_copied_not_shared():
+    a = preset("olmo3-7b")
+    a.sliding_window_pattern.append(True)
+    assert preset("olmo3-7b").sliding_window_pattern == [True, True, True, False]
