@@ -15,7 +15,9 @@ the agreement between the two is checked.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,7 +119,9 @@ def _our_model(cfg, state_dict) -> torch.nn.Module:
 def _load_checkpoint(directory: Path, tokenizer: Tokenizer) -> LoadedModel:
     from olmo_ds.train.checkpoint import load_model_state
 
-    cfg, state_dict, train_state = load_model_state(directory)
+    # DeepSpeed's consolidation narrates on stdout; stdout is for the results table.
+    with contextlib.redirect_stdout(sys.stderr):
+        cfg, state_dict, train_state = load_model_state(directory)
     _check_vocab(cfg, tokenizer, directory)
     recorded = train_state.get("tokenizer_fingerprint")
     if recorded and recorded != tokenizer.fingerprint:

@@ -1,21 +1,14 @@
-"""`bash scripts/eval.sh` end to end on an exported model: one rank and two ranks give the same numbers,
-and the transformers class scores the export like our model does."""
+"""`bash scripts/eval.sh` end to end on an exported model: one rank and two ranks give the same numbers;
+bad input fails fast with the file and line. (Checkpoints and the transformers agreement:
+test_checkpoints.py.)"""
 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-
-from olmo_ds.eval.loading import load_for_eval
-from olmo_ds.eval.loglikelihood import score_requests
-from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
-from olmo_ds.eval.perplexity import evaluate_perplexity, load_source, token_byte_lengths, window_batches
-from olmo_ds.eval.tasks import load_task
 
 from eval_testlib import ARC_EASY, C4, NEOX, PIQA, export_hf
 
@@ -61,24 +54,3 @@ def test_eval_sh_reports_bad_input_before_loading(exported, tmp_path):
     assert proc.returncode == 2 and f"{bad}:1: gold index 5 is out of range for 2 choices" in proc.stderr
     proc = eval_sh([tmp_path / "nothing-here"])
     assert proc.returncode == 2 and "no such checkpoint, run or model directory" in proc.stderr
-
-
-def test_transformers_scores_the_export_like_our_model(exported, neox):
-    """Agreement: our OLMo and transformers' Olmo2ForCausalLM, same export, same log-probs."""
-    ours = load_for_eval(exported)
-    theirs = load_for_eval(exported, backend="transformers")
-    assert type(theirs.model).__name__ == "Olmo2ForCausalLM"
-    prepared = prepare_tasks(neox, [load_task(PIQA), load_task(ARC_EASY)], limit=10)
-    a = score_requests(ours.model, prepared.requests, max_len=ours.max_len)
-    b = score_requests(theirs.model, prepared.requests, max_len=theirs.max_len)
-    np.testing.assert_allclose(a.logprob, b.logprob, rtol=0, atol=1e-4)
-    ra = evaluate_tasks(ours.model, neox, prepared, 0, 1, max_len=ours.max_len)
-    rb = evaluate_tasks(theirs.model, neox, prepared, 0, 1, max_len=theirs.max_len)
-    for task in ra.tasks:
-        for m in ("acc", "acc_per_token", "acc_per_char", "acc_per_byte"):
-            assert ra.tasks[task][m] == rb.tasks[task][m]
-    source = load_source(str(C4[1]), neox, max_tokens=300)
-    table = token_byte_lengths(neox)
-    pa = evaluate_perplexity(ours.model, window_batches(source.tokens, 64, 2), table)
-    pb = evaluate_perplexity(theirs.model, window_batches(source.tokens, 64, 2), table)
-    assert abs(pa.ce_loss - pb.ce_loss) < 1e-5
