@@ -19,8 +19,8 @@ Backends (`ModelConfig.attention_backend`):
 - `flash_attn3`: FlashAttention-3 (`flash_attn_interface`, Hopper).
 - `auto`: on CPU, SDPA. On GPU, plain causal attention goes to SDPA with cuDNN first (measured 1.8x
   FlashAttention-2 on an H200, ../shared/gpu/README.md); sliding windows or documents go to the first
-  importable of FlashAttention-3, flex_attention (block-sparse, 568 causal-equivalent TFLOP/s at window
-  1024 on the same H200), flash-attn 2, and SDPA with a mask as the last resort.
+  available of FlashAttention-3 (Hopper), flex_attention compiled with triton (block-sparse, 568
+  causal-equivalent TFLOP/s at window 1024 on the same H200), flash-attn 2, and SDPA with a mask.
 The GPU-only packages are imported lazily so the CPU install never needs them.
 """
 
@@ -64,9 +64,10 @@ def resolve_backend(name: str, device: torch.device, needs_mask: bool) -> str:
         return "sdpa"
     if not needs_mask:
         return "sdpa_cudnn_first"
-    if _has_module("flash_attn_interface"):
+    hopper = torch.cuda.get_device_capability(device)[0] >= 9
+    if hopper and _has_module("flash_attn_interface"):
         return "flash_attn3"
-    if hasattr(torch, "compile"):
+    if _has_module("triton"):
         return "flex"
     if _has_module("flash_attn"):
         return "flash_attn"
