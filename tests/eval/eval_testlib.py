@@ -4,8 +4,10 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from olmo_ds.data import shards
 from olmo_ds.model import OLMo, hf, preset
 from olmo_ds.tokenizer import load_tokenizer
 
@@ -17,11 +19,14 @@ ARC_EASY = SHARED / "eval" / "arc_easy_rc_0shot"
 C4 = sorted((SHARED / "data" / "c4-sample").glob("*.json.gz"))
 
 
+def tiny_config(vocab_size: int, max_seq_len: int = 128):
+    """A small OLMo-2; init_std 0.2 so a random model's log-probs differ clearly between choices."""
+    return preset("tiny", vocab_size=vocab_size, d_model=32, n_heads=4, n_kv_heads=2, mlp_hidden=64, n_layers=2, max_seq_len=max_seq_len, init_std=0.2)
+
+
 def tiny_olmo(vocab_size: int, max_seq_len: int = 128, seed: int = 0) -> OLMo:
-    """A small random OLMo-2: weights scaled up so log-probs differ clearly between choices."""
     torch.manual_seed(seed)
-    cfg = preset("tiny", vocab_size=vocab_size, d_model=32, n_heads=4, n_kv_heads=2, mlp_hidden=64, n_layers=2, max_seq_len=max_seq_len, init_std=0.2)
-    return OLMo(cfg).eval()
+    return OLMo(tiny_config(vocab_size, max_seq_len)).eval()
 
 
 def export_hf(model: OLMo, tokenizer_path: Path, out: Path, extra: dict | None = None) -> Path:
@@ -34,3 +39,13 @@ def export_hf(model: OLMo, tokenizer_path: Path, out: Path, extra: dict | None =
     for name, obj in (extra or {}).items():
         (out / name).write_text(json.dumps(obj))
     return out
+
+
+def write_shards(directory, tokens, tokenizer, docs):
+    """`tokens` as a two-shard directory (the real writer) labelled with `tokenizer`'s fingerprint."""
+    directory.mkdir(parents=True)
+    cut = len(tokens) // 2
+    metas = [shards.write_shard(directory, i, part, np.array([0, len(part)]), vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
+             for i, part in enumerate([tokens[:cut], tokens[cut:]])]
+    shards.Manifest(num_tokens=len(tokens), num_docs=docs, shards=[m.bin for m in metas], dtype=metas[0].dtype,
+                    vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id, tokenizer_fingerprint=tokenizer.fingerprint).save(directory)

@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from olmo_ds.data import shards
 from olmo_ds.eval.perplexity import evaluate_perplexity, load_source, token_byte_lengths, window_batches
 
-from eval_testlib import C4
+from eval_testlib import C4, write_shards
 
 torch.set_num_threads(1)
 
@@ -72,18 +71,9 @@ def test_perplexity_and_bpb_equal_a_direct_computation(model, neox, tmp_path):
     assert result.text_tokens < result.tokens and result.bytes == int(sum(table[source.tokens[s + 1 : s + 64]].sum() for s in range(0, len(source.tokens), 64)))
 
 
-def _write_shards(directory, tokens, tokenizer, docs, split=2):
-    directory.mkdir(parents=True)
-    cut = len(tokens) // split
-    metas = [shards.write_shard(directory, i, part, np.array([0, len(part)]), vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
-             for i, part in enumerate([tokens[:cut], tokens[cut:]])]
-    shards.Manifest(num_tokens=len(tokens), num_docs=docs, shards=[m.bin for m in metas], dtype=metas[0].dtype,
-                    vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id, tokenizer_fingerprint=tokenizer.fingerprint).save(directory)
-
-
 def test_shard_source_equals_jsonl_source(model, neox, tmp_path):
     from_text = load_source(str(_jsonl(tmp_path, c4_texts()[:3])), neox)
-    _write_shards(tmp_path / "corpus" / "val", from_text.tokens, neox, 3)
+    write_shards(tmp_path / "corpus" / "val", from_text.tokens, neox, 3)
     from_shards = load_source(str(tmp_path / "corpus"), neox)  # the directory's val/ split
     assert (from_shards.name, from_shards.kind, from_shards.documents) == ("corpus", "shards", 3)
     np.testing.assert_array_equal(from_shards.tokens, from_text.tokens)
@@ -96,7 +86,7 @@ def test_shard_source_equals_jsonl_source(model, neox, tmp_path):
 
 def test_shards_of_another_tokenizer_are_refused(neox, dolma2, tmp_path):
     tokens = np.array(dolma2.encode(c4_texts()[0]) + [dolma2.eos_id])
-    _write_shards(tmp_path / "val", tokens, dolma2, 1)
+    write_shards(tmp_path / "val", tokens, dolma2, 1)
     with pytest.raises(ValueError, match=r"manifest.json: shards were written with tokenizer sha256:\w+, but the model's tokenizer .*gpt-neox"):
         load_source(str(tmp_path / "val"), neox)
 
