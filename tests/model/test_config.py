@@ -57,3 +57,12 @@ def test_presets_are_copied_not_shared():
     a = preset("olmo3-7b")
     a.sliding_window_pattern.append(True)
     assert preset("olmo3-7b").sliding_window_pattern == [True, True, True, False]
+
+
+def test_preset_table_prints_every_preset(capsys):
+    from olmo_ds.model.__main__ import main
+
+    main()
+    out = capsys.readouterr().out
+    assert "1,484,916,736" in out and "32,234,279,936" in out
+    assert all(name in out for name in PRESETS)
