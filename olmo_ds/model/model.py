@@ -75,9 +75,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x32).to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # one fused kernel where available
+        return (self.weight * normed).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, yarn: YarnConfig | None, device=None) -> tuple[torch.Tensor, float]:
