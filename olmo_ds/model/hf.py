@@ -176,9 +176,9 @@ def from_hf_config(hf: dict, vocab_size: int | None = None, where: str = "config
     model_type = hf.get("model_type")
     if model_type not in ("olmo2", "olmo3"):
         raise ValueError(f"{where}: model_type {model_type!r} is not an OLMo 2 or OLMo 3 model")
-    for key in ("attention_bias",):
+    for key in ("attention_bias", "clip_qkv"):
         if hf.get(key):
-            raise ValueError(f"{where}: {key}=true is not part of the OLMo 2/3 architecture")
+            raise ValueError(f"{where}: {key}={hf[key]!r} is not part of the OLMo 2/3 architecture")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r}; OLMo uses silu (SwiGLU)")
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
@@ -192,6 +192,11 @@ def from_hf_config(hf: dict, vocab_size: int | None = None, where: str = "config
             beta_slow=float(scaling.get("beta_slow") or 1),
             original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
         )
+        unsupported = {k: scaling[k] for k in ("mscale", "mscale_all_dim", "partial_rotary_factor") if scaling.get(k)}
+        if scaling.get("truncate") is False:
+            unsupported["truncate"] = False
+        if unsupported:
+            raise ValueError(f"{where}: YaRN options {unsupported} are not supported (OLMo 3 uses none of them)")
         given = scaling.get("attention_factor")
         if given is not None and not math.isclose(given, yarn.attention_factor, rel_tol=1e-6):
             raise ValueError(f"{where}: YaRN attention_factor {given} differs from 0.1*ln(factor)+1 = "
