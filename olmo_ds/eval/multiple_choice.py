@@ -151,8 +151,9 @@ def evaluate_tasks(
         metrics.update(
             primary_metric=task.primary_metric,
             primary=primary,
-            # Binomial standard error: how far apart two checkpoints must be to mean anything.
-            primary_stderr=math.sqrt(primary * (1 - primary) / count),
+            # Sample standard error of the mean (as lm-evaluation-harness reports it): how far apart
+            # two checkpoints must be to mean anything.
+            primary_stderr=math.sqrt(primary * (1 - primary) / (count - 1)) if count > 1 else float("nan"),
             bits_per_byte_corr=bpb_sum / count,
             num_questions=count,
             num_requests=cursor - start,

@@ -123,12 +123,16 @@ def evaluate_perplexity(
         input_ids = batch["input_ids"].to(device)
         labels = batch["labels"].to(device)
         logits = logits_of(model, input_ids)
-        mask = labels != IGNORE_INDEX
-        targets = labels[mask]
-        nats = -target_logprobs(logits[mask], targets).double()
-        nbytes = byte_table[targets]
-        text = nbytes > 0
-        return (float(nats.sum()), int(mask.sum()), float(nats[text].sum()), int(text.sum()), int(nbytes.sum()))
+        sums = [0.0, 0, 0.0, 0, 0]
+        for row in range(logits.shape[0]):  # row by row: never a copy of the whole batch's logits
+            mask = labels[row] != IGNORE_INDEX
+            targets = labels[row].clamp(min=0)
+            nats = -target_logprobs(logits[row], targets).double()[mask]
+            nbytes = byte_table[targets[mask]]
+            text = nbytes > 0
+            for k, v in enumerate((float(nats.sum()), int(mask.sum()), float(nats[text].sum()), int(text.sum()), int(nbytes.sum()))):
+                sums[k] += v
+        return tuple(sums)
 
     was_training = getattr(model, "training", False)
     model.eval()

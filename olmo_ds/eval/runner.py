@@ -11,6 +11,7 @@ results.json, TensorBoard and the comparison, and prints the table.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -149,6 +150,10 @@ def run(options: EvalOptions) -> list[dict]:
         if prepared is not None:
             mc = evaluate_tasks(loaded.model, tokenizer, prepared, dist_ctx.rank, dist_ctx.world, max_len=loaded.max_len, batch_tokens=batch_tokens)
             task_metrics, stats = mc.tasks, {"tasks": mc.stats}
+            if is_main and mc.stats["truncated_contexts"]:
+                per_task = ", ".join(f"{name} {r['truncated_contexts']}" for name, r in mc.tasks.items() if r["truncated_contexts"])
+                print(f"eval: warning: {mc.stats['truncated_contexts']} contexts longer than the model's window of {loaded.max_len} tokens "
+                      f"were cut from the left ({per_task})", file=sys.stderr, flush=True)
 
         target = {"path": str(loaded.path), "kind": loaded.kind, "run_dir": str(loaded.run_dir) if loaded.run_dir else None,
                   "step": loaded.step, "tokens_seen": loaded.tokens_seen, "tokenizer": str(tokenizer.path),

@@ -1,6 +1,5 @@
 """Shared pieces of the evaluation tests: the real tokenizers, tasks and text in ../shared, tiny models."""
 
-import json
 import shutil
 from pathlib import Path
 
@@ -9,7 +8,6 @@ import torch
 
 from olmo_ds.data import shards
 from olmo_ds.model import OLMo, hf, preset
-from olmo_ds.tokenizer import load_tokenizer
 
 SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
 NEOX = SHARED / "tokenizers" / "gpt-neox-olmo-dolma-v1_5.json"
@@ -29,16 +27,12 @@ def tiny_olmo(vocab_size: int, max_seq_len: int = 128, seed: int = 0) -> OLMo:
     return OLMo(tiny_config(vocab_size, max_seq_len)).eval()
 
 
-def export_hf(model: OLMo, tokenizer_path: Path, out: Path, extra: dict | None = None) -> Path:
-    """A transformers Olmo2 directory of `model`, as an exporter writes it (config, safetensors, tokenizer)."""
-    out.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(tokenizer_path)
-    hf.save_safetensors(out, hf.to_hf_state_dict(model.cfg, model.state_dict()))
-    (out / "config.json").write_text(json.dumps(hf.to_hf_config(model.cfg, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)))
-    shutil.copy(tokenizer_path, out / "tokenizer.json")
-    for name, obj in (extra or {}).items():
-        (out / name).write_text(json.dumps(obj))
-    return out
+def export_hf(model: OLMo, tokenizer_path: Path, out: Path) -> Path:
+    """`model` as scripts/export_hf.py writes it (via our model directory, as scripts/import_hf.py would)."""
+    ours = out.with_name(out.name + "-olmo")
+    hf.save_model_dir(ours, model.cfg, model.state_dict())
+    shutil.copy(tokenizer_path, ours / "tokenizer.json")
+    return hf.export_hf(ours, out)
 
 
 def write_shards(directory, tokens, tokenizer, docs):
