@@ -42,15 +42,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             validf = (y != IGNORE_INDEX).to(acc_dtype)
             target_ids = y.clamp(min=0)[:, None]
             logits = (h @ weight.t()).to(acc_dtype)
-            lse = torch.logsumexp(logits, dim=-1)
             target = logits.gather(1, target_ids).squeeze(1)
+            # logsumexp by hand so the chunk's one fp32 [chunk, V] buffer becomes the softmax in place.
+            row_max = logits.amax(dim=-1, keepdim=True)
+            exp = logits.sub_(row_max).exp_()
+            total = exp.sum(dim=-1)
+            lse = row_max.squeeze(1) + total.log()
             ce_sum += ((lse - target) * validf).sum()
             z_sum += (lse.square() * validf).sum()
             if need_grad:
                 # d/dlogits of (lse - target + c * lse^2) / N = softmax * (1 + 2c * lse) - onehot, over N.
-                # In place on the chunk's logits: one fp32 [chunk, V] buffer per chunk.
-                dlogits = logits.sub_(lse[:, None]).exp_()
-                dlogits.mul_(((1.0 + 2.0 * z_loss_coef * lse) * validf / denom)[:, None])
+                dlogits = exp.mul_(((1.0 + 2.0 * z_loss_coef * lse) * validf / (denom * total))[:, None])
                 dlogits.scatter_add_(1, target_ids, (-validf / denom)[:, None])
                 dlogits = dlogits.to(hidden.dtype)
                 if grad_hidden is not None:
