@@ -12,8 +12,8 @@ i - window < j <= i, i.e. `window` keys including itself (flash-attn `window_siz
 
 Backends (`ModelConfig.attention_backend`):
 - `sdpa`: `F.scaled_dot_product_attention`, PyTorch chooses the kernel. `sdpa_cudnn`, `sdpa_flash`,
-  `sdpa_efficient`, `sdpa_math` pin one kernel. Sliding windows and documents use a boolean mask,
-  which only the memory-efficient, cuDNN and math kernels accept.
+  `sdpa_efficient`, `sdpa_math` pin one kernel (on CPU only flash and math exist). Sliding windows and
+  documents use a boolean mask, which on CUDA only the memory-efficient, cuDNN and math kernels accept.
 - `flex`: `torch.nn.attention.flex_attention` with block masks; compiled on GPU, eager on CPU.
 - `flash_attn`: the flash-attn 2.x package (`flash_attn_func` / `flash_attn_varlen_func`).
 - `flash_attn3`: FlashAttention-3 (`flash_attn_interface`, Hopper).
@@ -49,15 +49,15 @@ def _has_module(name: str) -> bool:
 def resolve_backend(name: str, device: torch.device, needs_mask: bool) -> str:
     """The concrete backend for `name` on `device`; `needs_mask` = sliding window or documents."""
     if name != "auto":
-        if name in ("flash_attn", "flash_attn3", "sdpa_cudnn", "sdpa_flash") and device.type != "cuda":
+        if name in ("flash_attn", "flash_attn3", "sdpa_cudnn", "sdpa_efficient") and device.type != "cuda":
             raise ValueError(f"attention_backend {name!r} needs a CUDA device, got {device}; use 'auto' or 'sdpa'")
         if name == "flash_attn" and not _has_module("flash_attn"):
             raise ValueError("attention_backend 'flash_attn' needs the flash-attn package: pip install -e .[gpu]")
         if name == "flash_attn3" and not _has_module("flash_attn_interface"):
             raise ValueError("attention_backend 'flash_attn3' needs FlashAttention-3 (the flash_attn_interface "
                              "module, built from flash-attention/hopper)")
-        if name == "sdpa_flash" and needs_mask:
-            raise ValueError("attention_backend 'sdpa_flash' cannot apply sliding-window or document masks; "
+        if name == "sdpa_flash" and needs_mask and device.type == "cuda":
+            raise ValueError("attention_backend 'sdpa_flash' cannot apply sliding-window or document masks on CUDA; "
                              "use 'auto', 'flex' or 'flash_attn'")
         return name
     if device.type != "cuda":

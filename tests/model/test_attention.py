@@ -53,7 +53,7 @@ def inputs(dtype, device="cpu"):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("backend", ["sdpa", "sdpa_math", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_math", "sdpa_flash", "flex"])
 def test_cpu_backends_match_float64_reference(backend, case):
     window, doc_lens = CASES[case]
     q, k, v = inputs(torch.float64)
@@ -91,7 +91,7 @@ def test_gpu_backends_match_float64_reference(backend, case):
 def test_auto_picks_sdpa_on_cpu_and_gpu_only_backends_refuse_cpu():
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu, needs_mask=True) == "sdpa"
-    for name in ("flash_attn", "flash_attn3", "sdpa_cudnn"):
+    for name in ("flash_attn", "flash_attn3", "sdpa_cudnn", "sdpa_efficient"):
         with pytest.raises(ValueError, match="CUDA"):
             resolve_backend(name, cpu, needs_mask=False)
 
