@@ -96,17 +96,18 @@ def score_requests(
     def step(b: int) -> dict[int, float]:
         batch = batches[b]
         logits = logits_of(model, pad_rows([rows[r] for r in batch], pad_id, device))
-        scores = {}
-        for k, r in enumerate(batch):
-            members = by_row[r]
-            pos = torch.cat([torch.arange(spans[i][0], spans[i][0] + len(spans[i][1])) for i in members]).to(device)
-            tgt = torch.cat([torch.as_tensor(spans[i][1], dtype=torch.long) for i in members]).to(device)
-            lp = target_logprobs(logits[k, pos], tgt).double().cpu().numpy()
-            offset = 0
-            for i in members:
-                n = len(spans[i][1])
-                scores[i] = float(lp[offset : offset + n].sum())
-                offset += n
+        # Every scored (row, position, target) of the batch in one gather and one copy to the host.
+        members = [i for r in batch for i in by_row[r]]
+        row_idx = [k for k, r in enumerate(batch) for i in by_row[r] for _ in spans[i][1]]
+        pos_idx = [spans[i][0] + j for i in members for j in range(len(spans[i][1]))]
+        targets = [t for i in members for t in spans[i][1]]
+        picked = logits[torch.as_tensor(row_idx, device=device), torch.as_tensor(pos_idx, device=device)]
+        lp = target_logprobs(picked, torch.as_tensor(targets, device=device)).double().cpu().numpy()
+        scores, offset = {}, 0
+        for i in members:
+            n = len(spans[i][1])
+            scores[i] = float(lp[offset : offset + n].sum())
+            offset += n
         return scores
 
     was_training = getattr(model, "training", False)

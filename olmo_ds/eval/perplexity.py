@@ -120,19 +120,16 @@ def evaluate_perplexity(
 
     def step(b: int) -> tuple[float, int, float, int, int]:
         batch = batches[b]
-        input_ids = batch["input_ids"].to(device)
         labels = batch["labels"].to(device)
-        logits = logits_of(model, input_ids)
-        sums = [0.0, 0, 0.0, 0, 0]
-        for row in range(logits.shape[0]):  # row by row: never a copy of the whole batch's logits
-            mask = labels[row] != IGNORE_INDEX
-            targets = labels[row].clamp(min=0)
-            nats = -target_logprobs(logits[row], targets).double()[mask]
-            nbytes = byte_table[targets[mask]]
-            text = nbytes > 0
-            for k, v in enumerate((float(nats.sum()), int(mask.sum()), float(nats[text].sum()), int(text.sum()), int(nbytes.sum()))):
-                sums[k] += v
-        return tuple(sums)
+        logits = logits_of(model, batch["input_ids"].to(device))
+        targets = labels.clamp(min=0)
+        # Row by row, so no float32 copy of the whole batch's logits is ever made.
+        nats = -torch.stack([target_logprobs(logits[r], targets[r]) for r in range(logits.shape[0])]).double()
+        mask = labels != IGNORE_INDEX
+        nbytes = byte_table[targets] * mask
+        text = nbytes > 0
+        sums = torch.stack([(nats * mask).sum(), mask.sum().double(), (nats * text).sum(), text.sum().double(), nbytes.sum().double()]).cpu().tolist()
+        return sums[0], int(sums[1]), sums[2], int(sums[3]), int(sums[4])
 
     was_training = getattr(model, "training", False)
     model.eval()

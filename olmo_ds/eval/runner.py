@@ -67,7 +67,7 @@ def _init_distributed(device_name: str | None) -> tuple[DistContext, torch.devic
 def _default_sources(train_config: dict) -> list[str]:
     """The run's validation sources: `data.val_sources`, else each training source's `val/` split."""
     data = train_config.get("data", {})
-    specs = [f"{s.get('name') or Path(s['path']).name}={s['path']}" for s in data.get("val_sources", [])]
+    specs = [f"{s['name']}={s['path']}" if s.get("name") else s["path"] for s in data.get("val_sources", [])]
     if specs:
         return specs
     for s in data.get("sources", []):

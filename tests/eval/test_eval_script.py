@@ -54,3 +54,14 @@ def test_eval_sh_reports_bad_input_before_loading(exported, tmp_path):
     assert proc.returncode == 2 and f"{bad}:1: gold index 5 is out of range for 2 choices" in proc.stderr
     proc = eval_sh([tmp_path / "nothing-here"])
     assert proc.returncode == 2 and "no such checkpoint, run or model directory" in proc.stderr
+
+
+def test_default_sources_are_the_runs_validation_data(tmp_path):
+    from olmo_ds.eval.runner import _default_sources
+
+    assert _default_sources({"data": {"val_sources": [{"path": "d/shards/val"}, {"path": "w/val", "name": "wiki"}]}}) == ["d/shards/val", "wiki=w/val"]
+    (tmp_path / "c4" / "val").mkdir(parents=True)
+    (tmp_path / "c4" / "val" / "manifest.json").write_text("{}")
+    (tmp_path / "code").mkdir()
+    sources = {"data": {"sources": [{"path": str(tmp_path / "c4")}, {"path": str(tmp_path / "code")}]}}
+    assert _default_sources(sources) == [f"c4={tmp_path / 'c4' / 'val'}"]  # a source without val/ has nothing held out
