@@ -97,6 +97,25 @@ def check_resume(state: dict, model: ModelConfig, world_size: int, ckpt_dir: Pat
         )
 
 
+def exact_resume_optimizer(ds_config: dict) -> dict:
+    """On the CPU accelerator, train with torch's AdamW instead of DeepSpeed's CPU FusedAdam.
+
+    DeepSpeed's CPU Adam kernel keeps beta**step in C++ state, multiplying it by beta once per step,
+    and recomputes it with pow() after a restart, so the first update after a resume differs in the
+    last bits and the run drifts from the uninterrupted one. torch's AdamW derives the bias correction
+    from the step count in the optimizer state, which the checkpoint holds, so resume is bitwise exact.
+    (GPUs use DeepSpeed's CUDA FusedAdam, which also computes it from the step; CPU offload must keep
+    DeepSpeedCPUAdam, which DeepSpeed requires there.)
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    zero = ds_config["zero_optimization"]
+    offloaded = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    if get_accelerator().device_name() == "cpu" and not offloaded:
+        ds_config["optimizer"]["params"].setdefault("torch_adam", True)
+    return ds_config
+
+
 class Trainer:
     """See the module docstring."""
 
@@ -119,7 +138,7 @@ class Trainer:
         vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.loader.vocab_size
         self.model_cfg = cfg.model.build(vocab_size=vocab)
         check_run(cfg, self.model_cfg, self.loader, self.tokenizer, self.world_size)
-        self.ds_config = resolve_ds_config(cfg, self.model_cfg, self.world_size)
+        self.ds_config = exact_resume_optimizer(resolve_ds_config(cfg, self.model_cfg, self.world_size))
         self.resume_dir = ckpt.resolve_resume(resume, cfg.run_dir)
         self.resume_state = ckpt.read_train_state(self.resume_dir) if self.resume_dir else None
         if self.resume_state is not None:

@@ -100,3 +100,23 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def run(cmd: list[str], timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=launch_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_cmd(script: Path, *args: str) -> list[str]:
+    """The documented launch on one machine: the repo's hostfile (localhost slots=2), no ssh."""
+    launcher = Path(sys.executable).with_name("deepspeed")
+    return [str(launcher), "--hostfile", str(ROOT / "hostfile"), "--no_ssh_check", "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), str(script), *args]
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """Loss per step from metrics.jsonl (logging.every = 1); a resumed run's lines override older ones."""
+    return {m["step"]: m["train/loss"] for m in read_metrics(run_dir)}
