@@ -19,7 +19,7 @@ PREPARE_ARGS ?=
 RUN_DIR ?= runs/demo
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo prepare-data test test-fast bench-prepare bench-data bench-train clean
+.PHONY: help install demo prepare-data test test-fast test-faults bench-prepare bench-data bench-train clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-15s %s\n", $$1, $$2}'
@@ -45,6 +45,9 @@ test: $(STAMP) ## run the test suite (CPU; real DeepSpeed with 2 ranks)
 
 test-fast: $(STAMP) ## the test suite without the multi-rank DeepSpeed runs
 	$(BIN)/python -m pytest -q -m "not multirank" tests
+
+test-faults: $(STAMP) ## fault injection (kills, preemption, disk full, rank death, bad input), full trials; ends with the reliability table
+	OLMO_DS_FAULT_TRIALS=full $(BIN)/python -m pytest -q tests/faults $$($(BIN)/python tests/faults/coverage.py)
 
 bench-prepare: $(STAMP) ## data preparation throughput (tokens/s, MB/s, RSS) at 1 and 2 workers
 	$(BIN)/python scripts/bench_prepare.py

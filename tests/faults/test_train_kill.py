@@ -1,0 +1,187 @@
+"""Hard kills and preemption of a real 2-rank ZeRO-3 run: nothing is lost, the resume is bitwise exact.
+
+A chain is one run killed again and again: each launch (`--resume auto`) is SIGKILLed as a whole
+(both ranks at once, a node losing power) either at a random step or a random moment just after a
+checkpoint save has started; one launch per chain gets SIGTERM on every rank instead (what Slurm
+sends on preemption) and must save and exit 0. After each fault the next launch must resume from the
+newest checkpoint that was complete on disk, and every loss, gradient norm and learning rate it logs
+must equal the uninterrupted run's to the last bit; the chain's final weights must equal the
+uninterrupted run's exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from olmo_ds.train import checkpoint as ckpt
+from tests.faults.faultlib import Ranks, record, rng, trials, wait_for
+from tests.train.train_testlib import tiny_config, write_config, write_markov_shards
+
+FAULT_STEP = "SIGKILL 2-rank training at a random step"
+FAULT_SAVE = "SIGKILL 2-rank training during a checkpoint save"
+FAULT_TERM = "SIGTERM every rank (preemption)"
+MAX_STEPS = 24
+EVERY = 3
+LAUNCH_TIMEOUT = 180
+COMPARED = ("train/loss", "train/z_loss", "train/grad_norm", "train/lr", "train/tokens_seen")
+
+pytestmark = pytest.mark.multirank
+
+
+def config(tmp: Path, data: Path, run_dir: Path) -> Path:
+    cfg = tiny_config(tmp, data, run_dir=str(run_dir), max_steps=MAX_STEPS,
+                      checkpoint={"every": EVERY, "keep_last": 2}, logging={"every": 1, "tensorboard": False})
+    return write_config(tmp / f"{run_dir.name}.yaml", cfg)
+
+
+def metrics_lines(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def newest_complete(run_dir: Path) -> tuple[int, Path | None]:
+    found = ckpt.list_checkpoints(ckpt.checkpoints_dir(run_dir))
+    return found[-1] if found else (0, None)
+
+
+def started_saves(run_dir: Path, after: int) -> list[int]:
+    root = ckpt.checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return [int(d[5:]) for d in list_names(root) if d.startswith("step-") and int(d[5:]) > after]
+
+
+def list_names(root: Path) -> list[str]:
+    import os
+
+    try:
+        return os.listdir(root)
+    except FileNotFoundError:
+        return []
+
+
+def resumed_from(log: str) -> tuple[str, int] | None:
+    m = re.search(r"resumed from (\S+) at step (\d+)", log)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train_kill")
+    data = write_markov_shards(tmp / "data")
+    run_dir = tmp / "reference"
+    ranks = Ranks(config(tmp, data, run_dir), tmp / "logs-reference", args=())
+    codes = ranks.wait(LAUNCH_TIMEOUT)
+    assert codes == [0, 0], ranks.tail()
+    by_step = {m["step"]: m for m in metrics_lines(run_dir)}
+    assert sorted(by_step) == list(range(1, MAX_STEPS + 1))
+    _, weights, _ = ckpt.load_model_state(ckpt.checkpoints_dir(run_dir) / ckpt.step_tag(MAX_STEPS))
+    return tmp, data, by_step, weights
+
+
+def mismatches(lines: list[dict], expected: dict[int, dict]) -> list[str]:
+    bad = []
+    for m in lines:
+        ref = expected[m["step"]]
+        diff = [k for k in COMPARED if m[k] != ref[k]]
+        if diff:
+            bad.append(f"step {m['step']}: " + ", ".join(f"{k} {m[k]!r} != {ref[k]!r}" for k in diff))
+    return bad
+
+
+def plan(chain: int, draw) -> list[str]:
+    kills = ["save" if draw.random() < 0.5 else "step" for _ in range(trials("train_kills_per_chain"))]
+    if chain < trials("train_sigterm"):
+        kills.insert(draw.randrange(len(kills) + 1), "term")
+    return kills
+
+
+def inject(kind: str, ranks: Ranks, run_dir: Path, newest: int, draw) -> dict:
+    """Run one fault against a fresh launch; returns what happened (for the next launch's checks)."""
+    procs = ranks.procs
+    if kind == "save":
+        next_save = (newest // EVERY + 1) * EVERY
+        if next_save > MAX_STEPS:
+            kind = "step"
+        else:
+            assert wait_for(lambda: started_saves(run_dir, newest), LAUNCH_TIMEOUT, poll=0.0005, procs=procs), ranks.tail()
+            time.sleep(draw.uniform(0.0, 0.03))
+            ranks.kill()
+            ranks.wait(30)
+            saves = sorted(started_saves(run_dir, newest))
+            mid_save = any(not ckpt.is_complete(ckpt.checkpoints_dir(run_dir) / ckpt.step_tag(s)) for s in saves)
+            return {"fault": FAULT_SAVE if mid_save else FAULT_STEP}
+    target = draw.randint(newest + 1, MAX_STEPS - 2)
+    assert wait_for(lambda: last_step(run_dir) >= target, LAUNCH_TIMEOUT, poll=0.005, procs=procs), ranks.tail()
+    time.sleep(draw.uniform(0.0, 0.2))  # anywhere inside the next step, or its save
+    if kind == "step":
+        ranks.kill()
+        ranks.wait(30)
+        return {"fault": FAULT_STEP}
+    ranks.signal_each(signal.SIGTERM)
+    codes = ranks.wait(90)
+    m = re.search(r"signal received: saving a checkpoint at step (\d+)", ranks.log(0))
+    saved = int(m.group(1)) if m else None
+    ok = codes == [0, 0] and saved is not None and newest_complete(run_dir)[0] == saved
+    return {"fault": FAULT_TERM, "ok": ok, "detail": f"exit codes {codes}, saved step {saved}, newest {newest_complete(run_dir)}"}
+
+
+@pytest.mark.parametrize("chain", range(trials("train_kill_chains")))
+def test_kills_and_preemption_resume_bitwise_exact(reference, chain):
+    tmp, data, expected, ref_weights = reference
+    draw = rng(f"train_kill:{chain}")
+    run_dir = tmp / f"chain{chain}"
+    cfg = config(tmp, data, run_dir)
+    failures = []
+    pending = None  # the fault whose survival the next launch decides
+    for launch, kind in enumerate(plan(chain, draw) + ["finish"]):
+        newest, newest_dir = newest_complete(run_dir)
+        lines_before = len(metrics_lines(run_dir))
+        ranks = Ranks(cfg, tmp / f"logs-chain{chain}-{launch}")
+        if kind == "finish":
+            codes = ranks.wait(LAUNCH_TIMEOUT)
+            if codes != [0, 0]:
+                failures.append(f"final launch: exit codes {codes}\n{ranks.tail()}")
+        else:
+            outcome = inject(kind, ranks, run_dir, newest, draw)
+        log = ranks.log(0)
+        resumed = resumed_from(log)
+        expected_resume = (str(newest_dir), newest) if newest_dir else None
+        new_lines = metrics_lines(run_dir)[lines_before:]
+        bad = mismatches(new_lines, expected)
+        if pending is not None:
+            ok = resumed == expected_resume and not bad and pending.get("ok", True)
+            lost = resumed != expected_resume
+            record(pending["fault"], survived=ok, data_lost=lost)
+            if not ok:
+                failures.append(f"launch {launch} after {pending}: resumed {resumed}, expected {expected_resume}; "
+                                f"{bad[:3]}\n{ranks.tail()}")
+        pending = None if kind == "finish" else outcome
+
+    steps = {m["step"] for m in metrics_lines(run_dir)}
+    if steps != set(range(1, MAX_STEPS + 1)):
+        failures.append(f"steps logged {sorted(steps)}")
+    final = ckpt.checkpoints_dir(run_dir) / ckpt.step_tag(MAX_STEPS)
+    if ckpt.is_complete(final):
+        _, weights, _ = ckpt.load_model_state(final)
+        differ = [k for k in ref_weights if not torch.equal(weights[k], ref_weights[k])]
+        if differ:
+            failures.append(f"final weights differ from the uninterrupted run's: {differ}")
+    else:
+        failures.append(f"{final} is not complete")
+    assert not failures, "\n\n".join(failures)
