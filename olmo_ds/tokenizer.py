@@ -4,16 +4,24 @@ Data preparation, training and evaluation must agree on the ids, the EOS id and 
 and must be able to prove that two runs used the same tokenizer: hence `fingerprint`, a sha256 of
 the tokenizer's canonical content (not of the file bytes, so reformatting the JSON does not change
 it). `encode` never adds special tokens: data preparation appends EOS itself, so it is explicit.
+
+An HF tokenizer.json has two encoders: HF `tokenizers` itself, the reference every other part of
+the project uses, and `fastokens` (`backend="fast"`), which reads the same file and returns the
+same ids an order of magnitude faster. Data preparation uses the fast one only after checking it
+against the reference on its own input and on `ADVERSARIAL_TEXTS` (`first_difference`).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
+import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+import numpy as np
 import orjson
 
 # Names under which tokenizers in the wild spell their end-of-document and padding tokens, in the
@@ -30,13 +38,22 @@ class Tokenizer(ABC):
     eos_id: int
     pad_id: int | None
     fingerprint: str  # "sha256:<hex>" of the canonical content
-    kind: str  # "hf" | "sentencepiece"
+    kind: str  # "hf" | "sentencepiece": the file format
+    backend: str  # the library that encodes: "tokenizers" | "fastokens" | "sentencepiece"
 
     @abstractmethod
     def encode(self, text: str) -> list[int]: ...
 
     @abstractmethod
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def encode_batch_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """All ids of a batch in one uint32 array, and int64 offsets (len(texts) + 1) into it:
+        the form bulk tokenization wants, without a Python int per token where the backend allows."""
+        batch = self.encode_batch(texts)
+        offsets = np.zeros(len(batch) + 1, dtype=np.int64)
+        np.cumsum([len(ids) for ids in batch], out=offsets[1:])
+        return np.array(list(itertools.chain.from_iterable(batch)), dtype=np.uint32), offsets
 
     @abstractmethod
     def decode(self, ids) -> str: ...
@@ -55,6 +72,7 @@ class HFTokenizer(Tokenizer):
     """A `tokenizers` `tokenizer.json`. Batch encoding uses `encode_batch_fast` (no offsets)."""
 
     kind = "hf"
+    backend = "tokenizers"
 
     def __init__(self, path: Path):
         import tokenizers
@@ -103,10 +121,48 @@ class HFTokenizer(Tokenizer):
         return value if isinstance(value, str) else None
 
 
+class FastBackendError(Exception):
+    """The fast library cannot load this tokenizer (a feature it lacks); the reference still can."""
+
+
+class FastHFTokenizer(HFTokenizer):
+    """The same tokenizer.json encoded by `fastokens`; everything but encoding stays HF's.
+
+    `fastokens` starts a helper thread per batch unless told otherwise; data preparation runs one
+    process per core, so `single_thread` pins it to the calling thread (set before first use).
+    """
+
+    backend = "fastokens"
+
+    def __init__(self, path: Path, single_thread: bool = True):
+        super().__init__(path)
+        if single_thread:
+            os.environ["RAYON_NUM_THREADS"] = "1"
+            os.environ["FASTOKENS_BPE_THREADS"] = "1"
+        import fastokens
+
+        try:
+            self._fast = fastokens.Tokenizer.from_json_str(self._raw.decode("utf-8"))
+        except Exception as e:  # fastokens raises plain exceptions naming the unsupported part
+            raise FastBackendError(f"{self.path}: fastokens cannot load it: {e}") from e
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._fast.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        flat, offsets = self.encode_batch_flat(texts)
+        return [flat[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+
+    def encode_batch_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        ids, offsets = self._fast.encode_batch_flat(list(texts), add_special_tokens=False)
+        return np.frombuffer(ids, dtype="<u4"), np.frombuffer(offsets, dtype="<u8").astype(np.int64)
+
+
 class SentencePieceTokenizer(Tokenizer):
     """A sentencepiece `.model`; its EOS/PAD ids come from the model's own trainer settings."""
 
     kind = "sentencepiece"
+    backend = "sentencepiece"
 
     def __init__(self, path: Path):
         import sentencepiece as spm
@@ -173,15 +229,23 @@ def _find_token(tok: Tokenizer, configured: str | None, candidates: tuple[str, .
     return None
 
 
-def load_tokenizer(path, eos_token: str | None = None) -> Tokenizer:
+def load_tokenizer(path, eos_token: str | None = None, backend: str = "hf") -> Tokenizer:
     """Load an HF tokenizer.json (or a directory holding one) or a sentencepiece .model.
 
     The EOS id is `eos_token`'s id when given, else the tokenizer's own (tokenizer_config.json's
     `eos_token`, the sentencepiece model's eos, or a conventional name such as `<|endoftext|>`).
     A tokenizer without an identifiable EOS is refused: documents could not be separated.
+    `backend="fast"` encodes an HF tokenizer.json with `fastokens` (raises `FastBackendError` if it
+    cannot); a sentencepiece model always uses its own encoder.
     """
+    if backend not in ("hf", "fast"):
+        raise ValueError(f"tokenizer backend {backend!r}: expected 'hf' or 'fast'")
     path = _resolve_path(Path(path))
-    tok: Tokenizer = SentencePieceTokenizer(path) if path.suffix == ".model" else HFTokenizer(path)
+    tok: Tokenizer
+    if path.suffix == ".model":
+        tok = SentencePieceTokenizer(path)
+    else:
+        tok = FastHFTokenizer(path) if backend == "fast" else HFTokenizer(path)
     if eos_token is not None:
         eos = tok.token_to_id(eos_token)
         if eos is None:
@@ -228,3 +292,36 @@ def train_bpe_tokenizer(texts, vocab_size: int, output: Path, min_frequency: int
     output.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(output))
     return load_tokenizer(output)
+
+
+# Text that breaks tokenizers that are almost right: literal special-token text, whitespace runs
+# long enough to hit GPT-NeoX's added whitespace tokens, text that NFC normalization changes, mixed
+# scripts, emoji sequences, control and invisible characters, digit runs, and very long words and
+# documents. A fast backend must agree with HF tokenizers on every one before it is used. (Lone
+# surrogates are not here: no encoder accepts them, and the readers skip them as invalid UTF-8.)
+ADVERSARIAL_TEXTS = [
+    "<|endoftext|>", "a<|endoftext|>b", "x <|pad|> <|padding|> y", "<|im_start|>user\nhi<|im_end|>",
+    "|||PHONE_NUMBER||| |||EMAIL_ADDRESS||| |||IP_ADDRESS|||", "<|endoftext", "<|extra_id_0|><|fim_prefix|>",
+    *(" " * n + "x" for n in range(1, 41)), "x" + " " * 24, "\t" * 30 + "y", "\n" * 50, "a \n\n  \t \r\n b",
+    "e\u0301 cafe\u0301 caf\u00e9", "\u212b \u00c5 A\u030a", "\ufb01 \u1100\u1161\u11a8 \uac01", "\uff26\uff55\uff4c\uff4c",
+    "Hello мир 世界 مرحبا שלום नमस्ते ελληνικά 日本語のテキスト", "👨‍👩‍👧‍👦 🏳️‍🌈 🇺🇸🇫🇷 👍🏽 ❤️",
+    "\u200b\ufeff\x00\x01\x7f\u202e abc \u2028 \u00a0", "x\r\ny\r\n", "'s 't 're 've 'm 'll 'd 'S 'LL",
+    "1234567890" * 50, "१२३ ٣٤٥ ０１２", "a" * 20000, "Aa1!" * 5000,
+    "def f(x):\n\tif x:\n\t\treturn {'k': [1, 2]}  # комментарий\n" * 200,
+    "".join(chr(c) for c in range(0x20, 0x3000, 7)),
+]
+
+
+def first_difference(candidate: Tokenizer, reference: Tokenizer, texts: list[str], labels: list[str]) -> str | None:
+    """None if `candidate` gives `reference`'s ids for every text, else where and how they first differ."""
+    got, got_off = candidate.encode_batch_flat(texts)
+    want, want_off = reference.encode_batch_flat(texts)
+    if np.array_equal(got_off, want_off) and np.array_equal(got, want):
+        return None
+    for i, label in enumerate(labels):
+        a, b = got[got_off[i] : got_off[i + 1]], want[want_off[i] : want_off[i + 1]]
+        if not np.array_equal(a, b):
+            n = min(len(a), len(b))
+            k = int(np.argmax(a[:n] != b[:n])) if n and np.any(a[:n] != b[:n]) else n
+            return f"{label}: ids differ from token {k} ({a[k:k + 4].tolist()} vs HF's {b[k:k + 4].tolist()})"
+    raise AssertionError("flat outputs differ but no document does")

@@ -19,6 +19,7 @@ each followed by EOS, whatever the number of workers. Hence the design:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
@@ -34,7 +35,7 @@ import numpy as np
 
 import olmo_ds
 from olmo_ds.data import readers, shards
-from olmo_ds.tokenizer import load_tokenizer
+from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastBackendError, first_difference, load_tokenizer
 
 # A position in the input is (file index, line) packed into one int, so positions compare in input order.
 _LINE_BITS = 40
@@ -69,6 +70,7 @@ class PrepareConfig:
     verbose: bool = False
     strict: bool = False
     overwrite: bool = False
+    tokenizer_backend: str = "auto"  # "auto" | "fast" | "hf"; see _select_backend
     chunk_bytes: int = readers.CHUNK_BYTES
     progress: bool | None = None  # None: a progress bar only when stderr is a terminal
 
@@ -79,6 +81,8 @@ class PrepareConfig:
             raise PrepareError(f"--shard-tokens must be >= 1, got {self.shard_tokens}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise PrepareError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.tokenizer_backend not in ("auto", "fast", "hf"):
+            raise PrepareError(f"--tokenizer-backend must be auto, fast or hf, got {self.tokenizer_backend!r}")
         if not self.text_field:
             raise PrepareError("--text-field must not be empty")
 
@@ -131,28 +135,37 @@ class PrepareResult:
     run_tokens: int  # tokens produced by this run (less than the totals after a resume)
     resumed_from: str | None = None
     already_complete: bool = False
+    backend: str = ""  # the library that encoded: fastokens, tokenizers or sentencepiece
 
 
 # ---------------------------------------------------------------------------------------------
 # Worker side: parse and tokenize one block.
 
-_worker: dict = {}
+# Per worker process: the loaded tokenizer for a `_Spec`, so each worker loads it once.
+_loaded: dict = {}
 
 
-def _init_worker(tokenizer: str, eos_token: str | None, text_field: str, val_fraction: float) -> None:
-    # One process per core: the tokenizer library must not start threads of its own.
+@dataclass(frozen=True)
+class _Spec:
+    """What a worker needs to tokenize a block the same way as every other worker."""
+
+    tokenizer: str
+    eos_token: str | None
+    backend: str  # "hf" | "fast": which encoder `load_tokenizer` builds
+    text_field: str
+    val_fraction: float
+
+
+def _single_threaded() -> None:
+    # One process per core: tokenizer libraries must not start threads of their own.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _use_tokenizer(load_tokenizer(tokenizer, eos_token), text_field, val_fraction)
+    os.environ["RAYON_NUM_THREADS"] = "1"
 
 
-def _use_tokenizer(tok, text_field: str, val_fraction: float) -> None:
-    _worker.update(
-        tok=tok,
-        eos=tok.eos_id,
-        dtype=shards.dtype_for_vocab(tok.vocab_size),
-        text_field=text_field,
-        val_threshold=int(val_fraction * 2**64) if val_fraction > 0 else None,
-    )
+def _tokenizer_for(spec: _Spec):
+    if spec not in _loaded:
+        _loaded[spec] = load_tokenizer(spec.tokenizer, spec.eos_token, backend=spec.backend)
+    return _loaded[spec]
 
 
 @dataclass
@@ -171,31 +184,27 @@ def val_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
 
 
-def _process_chunk(file_index: int, first_line: int, data: bytes, text_file: bool) -> ChunkResult:
-    w = _worker
-    records = readers.parse_chunk(data, first_line, text_file, w["text_field"])
+def _process_chunk(spec: _Spec, file_index: int, first_line: int, data: bytes, text_file: bool) -> ChunkResult:
+    tok = _tokenizer_for(spec)
+    records = readers.parse_chunk(data, first_line, text_file, spec.text_field)
     base = position(file_index, 0)
     texts = [text for _, text, _ in records if text is not None]
     positions = np.array([base + line for line, text, _ in records if text is not None], dtype=np.int64)
     skips = [(base + line, reason) for line, text, reason in records if text is None]
-    ids = w["tok"].encode_batch(texts) if texts else []
-    eos = w["eos"]
-    flat: list[int] = []
-    for doc in ids:
-        flat += doc
-        flat.append(eos)
+    ids, offsets = tok.encode_batch_flat(texts) if texts else (np.zeros(0, np.uint32), np.zeros(1, np.int64))
+    # Each document's ids followed by EOS, in the shard dtype: document i moves right by i slots.
+    doc_lens = np.diff(offsets) + 1
+    ends = np.cumsum(doc_lens)
+    tokens = np.empty(len(ids) + len(texts), dtype=shards.dtype_for_vocab(tok.vocab_size))
+    is_eos = np.zeros(len(tokens), dtype=bool)
+    is_eos[ends - 1] = True
+    tokens[is_eos] = tok.eos_id
+    tokens[~is_eos] = ids
     is_val = None
-    if w["val_threshold"] is not None:
-        is_val = np.array([val_hash(t) < w["val_threshold"] for t in texts], dtype=bool)
-    return ChunkResult(
-        file_index=file_index,
-        tokens=np.array(flat, dtype=w["dtype"]),
-        doc_lens=np.fromiter((len(doc) + 1 for doc in ids), dtype=np.int64, count=len(ids)),
-        positions=positions,
-        is_val=is_val,
-        skips=skips,
-        text_bytes=len(data),
-    )
+    if spec.val_fraction > 0:
+        threshold = int(spec.val_fraction * 2**64)
+        is_val = np.array([val_hash(t) < threshold for t in texts], dtype=bool)
+    return ChunkResult(file_index, tokens, doc_lens, positions, is_val, skips, len(data))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,26 +319,74 @@ def _complete_shards(directory: Path) -> list[dict]:
     return metas
 
 
-def _ordered_results(tasks: Iterator[tuple], cfg: PrepareConfig, tok) -> Iterator[tuple]:
-    """Yield `(extra, ChunkResult)` for each `(extra, task_args)` in order, through a bounded pool."""
-    if cfg.workers == 1:  # no pool: one worker means one core, this one
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        _use_tokenizer(tok, cfg.text_field, cfg.val_fraction)
+def _ordered_results(tasks: Iterator[tuple], spec: _Spec, pool, workers: int) -> Iterator[tuple]:
+    """Yield `(extra, ChunkResult)` for each `(extra, task_args)` in input order.
+
+    Without a pool the blocks are tokenized here (one worker is one core: this one). With one, at
+    most two blocks per worker are in flight, so memory does not depend on the input's size.
+    """
+    if pool is None:
         for extra, args in tasks:
-            yield extra, _process_chunk(*args)
+            yield extra, _process_chunk(spec, *args)
         return
-    initargs = (str(cfg.tokenizer), cfg.eos_token, cfg.text_field, cfg.val_fraction)
-    # fork: workers start in milliseconds; the parent has started no threads at this point.
-    with mp.get_context("fork").Pool(cfg.workers, _init_worker, initargs) as pool:
-        pending: deque = deque()
-        for extra, args in tasks:
-            pending.append((extra, pool.apply_async(_process_chunk, args)))
-            if len(pending) >= 2 * cfg.workers:
-                extra0, fut = pending.popleft()
-                yield extra0, fut.get()
-        while pending:
+    pending: deque = deque()
+    for extra, args in tasks:
+        pending.append((extra, pool.apply_async(_process_chunk, (spec, *args))))
+        if len(pending) >= 2 * workers:
             extra0, fut = pending.popleft()
             yield extra0, fut.get()
+    while pending:
+        extra0, fut = pending.popleft()
+        yield extra0, fut.get()
+
+
+def _guard_sample(files: list[Path], cfg: PrepareConfig, budget: int = 2 << 20) -> tuple[list[str], list[str]]:
+    """Documents (and their file:line) from the start of up to 8 input files spread over the input."""
+    picks = sorted({round(i * (len(files) - 1) / 7) for i in range(8)}) if len(files) > 8 else range(len(files))
+    texts, labels = [], []
+    for fi in picks:
+        first = next(readers.iter_chunks(files[fi], budget // len(picks)), None)
+        if first is None:
+            continue
+        first_line, data, _ = first
+        for line, text, _ in readers.parse_chunk(data, first_line, readers.is_text_file(files[fi]), cfg.text_field):
+            if text is not None:
+                texts.append(text)
+                labels.append(f"{files[fi]}:{line}")
+    return texts, labels
+
+
+def _select_backend(cfg: PrepareConfig, files: list[Path], reference, log: Callable[[str], None]) -> tuple[object, dict]:
+    """The encoder to use and what the manifest records about it.
+
+    `fast` is used only when it gives HF's ids on a sample of this input and `ADVERSARIAL_TEXTS`;
+    otherwise `auto` falls back to HF with a warning naming the first difference and `fast` stops.
+    """
+    if reference.kind == "sentencepiece":
+        return reference, {"name": "sentencepiece", "version": _version("sentencepiece"), "requested": cfg.tokenizer_backend}
+    hf = {"name": "tokenizers", "version": _version("tokenizers"), "requested": cfg.tokenizer_backend}
+    if cfg.tokenizer_backend == "hf":
+        return reference, hf
+    try:
+        fast = load_tokenizer(cfg.tokenizer, cfg.eos_token, backend="fast")
+        sample, labels = _guard_sample(files, cfg)
+        texts = ADVERSARIAL_TEXTS + sample
+        labels = [f"adversarial text {i} {t[:24]!r}" for i, t in enumerate(ADVERSARIAL_TEXTS)] + labels
+        difference = first_difference(fast, reference, texts, labels)
+    except (FastBackendError, ImportError) as e:
+        difference = str(e)
+    if difference is None:
+        return fast, {"name": "fastokens", "version": _version("fastokens"), "requested": cfg.tokenizer_backend, "checked_against_hf": len(texts)}
+    if cfg.tokenizer_backend == "fast":
+        raise PrepareError(f"--tokenizer-backend fast: fastokens does not match HF tokenizers: {difference}; use --tokenizer-backend hf (or auto)")
+    log(f"warning: fastokens does not match HF tokenizers ({difference}); falling back to HF tokenizers (exact, slower)")
+    return reference, {**hf, "fallback_reason": difference}
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
 
 
 def _tasks(files: list[Path], start: int, chunk_bytes: int) -> Iterator[tuple]:
@@ -360,6 +417,20 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
         log(f"{out}: already complete ({m.num_docs} documents, {m.num_tokens} tokens in {len(m.shards)} shards); nothing to do")
         return PrepareResult(out, file_stats, m.num_docs, m.num_tokens, 0, 0, len(m.shards), SkipLog.from_dict(m.extra["skipped"]), 0.0, 0, 0, already_complete=True)
 
+    _single_threaded()
+    with contextlib.ExitStack() as stack:
+        # The pool is forked before the guard runs the fast tokenizer here: a child forked after a
+        # library has started its thread pool would inherit a pool without threads.
+        pool = stack.enter_context(mp.get_context("fork").Pool(cfg.workers)) if cfg.workers > 1 else None
+        encoder, backend = _select_backend(cfg, files, tok, log)
+        spec = _Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if backend["name"] == "fastokens" else "hf", cfg.text_field, cfg.val_fraction)
+        _loaded[spec] = encoder
+        return _run(cfg, files, tok, identity, file_stats, spec, pool, backend, log)
+
+
+def _run(cfg: PrepareConfig, files: list[Path], tok, identity: dict, file_stats: list[FileStats], spec: _Spec, pool, backend: dict, log: Callable[[str], None]) -> PrepareResult:
+    """Resume or start the output, stream every block through the pool into the shards, write the manifests."""
+    out = Path(cfg.output)
     splits: dict[str, _SplitWriter] = {}
     skiplog = SkipLog()
     start = 0
@@ -392,7 +463,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     bar = _progress_bar(sum(s.bytes for s in file_stats), disk_done, cfg.progress)
     reported = split_position(start)[0]
     try:
-        for (fi, consumed), res in _ordered_results(_tasks(files, start, cfg.chunk_bytes), cfg, tok):
+        for (fi, consumed), res in _ordered_results(_tasks(files, start, cfg.chunk_bytes), spec, pool, cfg.workers):
             while cfg.verbose and reported < fi:
                 _log_file(log, file_stats[reported])
                 reported += 1
@@ -422,15 +493,16 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     seconds = time.perf_counter() - t0
 
     if cfg.dry_run:
-        return PrepareResult(None, file_stats, totals["docs"], totals["tokens"], 0, 0, 0, skiplog, seconds, totals["text_bytes"], totals["tokens"])
+        return PrepareResult(None, file_stats, totals["docs"], totals["tokens"], 0, 0, 0, skiplog, seconds, totals["text_bytes"], totals["tokens"], backend=backend["name"])
 
     manifests = {}
     for name in (["val"] if "val" in splits else []) + ["train"]:  # the top-level manifest last
-        manifests[name] = _write_manifest(splits[name].directory, cfg, files, tok, skiplog, name, manifests.get("val"))
+        manifests[name] = _write_manifest(splits[name].directory, cfg, files, tok, skiplog, name, manifests.get("val"), backend)
     train, val = manifests["train"], manifests.get("val")
     return PrepareResult(
         out, file_stats, train.num_docs, train.num_tokens, val.num_docs if val else 0, val.num_tokens if val else 0,
         len(train.shards) + (len(val.shards) if val else 0), skiplog, seconds, totals["text_bytes"], totals["tokens"], resumed_from,
+        backend=backend["name"],
     )
 
 
@@ -469,7 +541,7 @@ def _where(files: list[Path], pos: int) -> str:
     return f"{files[fi]}:{line}"
 
 
-def _write_manifest(directory: Path, cfg: PrepareConfig, files: list[Path], tok, skiplog: SkipLog, split: str, val: shards.Manifest | None) -> shards.Manifest:
+def _write_manifest(directory: Path, cfg: PrepareConfig, files: list[Path], tok, skiplog: SkipLog, split: str, val: shards.Manifest | None, backend: dict) -> shards.Manifest:
     metas = [shards.ShardMeta.load(p.with_suffix(".json")) for p in shards.list_shards(directory)]
     extra = {
         "split": split,
@@ -485,6 +557,7 @@ def _write_manifest(directory: Path, cfg: PrepareConfig, files: list[Path], tok,
         "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
         "skipped": skiplog.to_dict(),
         "pad_id": tok.pad_id,
+        "tokenizer_backend": backend,
     }
     if val is not None:
         extra["val"] = {"dir": VAL_DIR, "num_docs": val.num_docs, "num_tokens": val.num_tokens, "shards": len(val.shards)}
@@ -535,6 +608,7 @@ def format_summary(r: PrepareResult, dry_run: bool = False) -> str:
         if r.val_docs or r.val_tokens:
             lines.append(f"val             {r.val_docs:,} docs, {r.val_tokens:,} tokens")
         lines.append(f"shards          {r.num_shards:,}")
+    lines.append(f"tokenizer       {r.backend}")
     lines.append(f"skipped         {sum(r.skipped.counts.values()):,} records")
     for reason, n in sorted(r.skipped.counts.items()):
         lines.append(f"  {reason:<22}{n:>10,}   e.g. {', '.join(r.skipped.examples.get(reason, [])[:3])}")

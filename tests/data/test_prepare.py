@@ -250,7 +250,8 @@ def test_rerun_after_sigkill_is_byte_identical(tmp_path):
 
     raw = tmp_path / "raw"
     write_corpus_with_bad_records(raw, copies=25)
-    args = ["--input", str(raw), "--tokenizer", str(NEOX), "--shard-tokens", "2000", "--workers", "2", "--no-progress"]
+    # The HF backend is the slower one: the run must still be going when it is killed.
+    args = ["--input", str(raw), "--tokenizer", str(NEOX), "--shard-tokens", "2000", "--workers", "2", "--no-progress", "--tokenizer-backend", "hf"]
     ref = tmp_path / "ref"
     subprocess.run([sys.executable, "scripts/prepare_data.py", *args, "--output", str(ref)], cwd=REPO, check=True, capture_output=True)
     out = tmp_path / "out"
@@ -265,3 +266,36 @@ def test_rerun_after_sigkill_is_byte_identical(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "resumed from" in proc.stdout
     assert dir_bytes(out) == dir_bytes(ref)
+
+
+def test_backends_write_identical_shards(tmp_path):
+    outs = {}
+    for backend in ("hf", "fast"):
+        result = run([C4_DIR], tmp_path / backend, DOLMA2, tokenizer_backend=backend, shard_tokens=3000, val_fraction=0.2)
+        assert result.backend == {"hf": "tokenizers", "fast": "fastokens"}[backend]
+        assert shards.Manifest.load(tmp_path / backend).extra["tokenizer_backend"]["name"] == result.backend
+        outs[backend] = {k: v for k, v in dir_bytes(tmp_path / backend).items() if not k.endswith("manifest.json")}
+    assert outs["hf"] == outs["fast"] and len(outs["hf"]) > 6
+
+
+def neox_variant(tmp_path, normalizer: dict) -> Path:
+    d = json.loads(NEOX.read_text())
+    d["normalizer"] = normalizer
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(d))
+    return path
+
+
+def test_fast_backend_falls_back_to_hf_with_a_warning(tmp_path):
+    tok = neox_variant(tmp_path, {"type": "NFKC"})  # a normalizer fastokens does not implement
+    messages = []
+    result = prepare(PrepareConfig(inputs=[str(C4_DIR)], output=tmp_path / "out", tokenizer=str(tok), progress=False), log=messages.append)
+    assert result.backend == "tokenizers"
+    assert any(m.startswith("warning: fastokens does not match HF tokenizers") and "NFKC" in m for m in messages)
+    recorded = shards.Manifest.load(tmp_path / "out").extra["tokenizer_backend"]
+    assert recorded["requested"] == "auto" and "fastokens cannot load it" in recorded["fallback_reason"]
+    ref = tokenizers.Tokenizer.from_file(str(tok))
+    assert read_all(tmp_path / "out")[0].tolist() == [i for t in c4_texts() for i in ref.encode(t, add_special_tokens=False).ids + [50279]]
+    with pytest.raises(PrepareError, match="--tokenizer-backend fast: fastokens does not match HF tokenizers: .*NFKC"):
+        run([C4_DIR], tmp_path / "fast", tok, tokenizer_backend="fast")
+    assert not (tmp_path / "fast").exists()

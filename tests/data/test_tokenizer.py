@@ -83,3 +83,57 @@ def test_sentencepiece(tmp_path):
     texts = c4_texts()[:5]
     assert tok.encode_batch(texts) == [reference.encode(t) for t in texts]
     assert tok.fingerprint.startswith("sha256:")
+
+
+def code_and_prose() -> list[str]:
+    """Real code and prose: standard library modules and their docstrings."""
+    import ast
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = []
+    for name in ("json/decoder.py", "textwrap.py", "argparse.py", "difflib.py", "fractions.py", "email/utils.py"):
+        source = (root / name).read_text()
+        texts.append(source)
+        texts += [d for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and (d := ast.get_docstring(n))]
+    return texts
+
+
+@pytest.mark.parametrize("path", [DOLMA2, NEOX])
+def test_fast_backend_matches_hf(path):
+    from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, first_difference
+
+    hf, fast = load_tokenizer(path), load_tokenizer(path, backend="fast")
+    assert (hf.backend, fast.backend) == ("tokenizers", "fastokens")
+    assert (fast.vocab_size, fast.eos_id, fast.pad_id, fast.fingerprint) == (hf.vocab_size, hf.eos_id, hf.pad_id, hf.fingerprint)
+    reference = tokenizers.Tokenizer.from_file(str(path))
+    for texts in (c4_texts(), code_and_prose(), ADVERSARIAL_TEXTS):
+        expected = [reference.encode(t, add_special_tokens=False).ids for t in texts]
+        assert fast.encode_batch(texts) == expected
+        flat, offsets = fast.encode_batch_flat(texts)
+        assert flat.tolist() == [i for ids in expected for i in ids] and offsets[-1] == len(flat)
+        assert first_difference(fast, hf, texts, [str(i) for i in range(len(texts))]) is None
+    assert fast.encode(ADVERSARIAL_TEXTS[1]) == hf.encode(ADVERSARIAL_TEXTS[1]) == reference.encode("a<|endoftext|>b", add_special_tokens=False).ids
+
+
+def variant(tmp_path, name: str, normalizer: dict) -> Path:
+    """The OLMo 1 tokenizer with another normalizer: a feature fastokens lacks, or one it gets wrong."""
+    d = json.loads(NEOX.read_text())
+    d["normalizer"] = normalizer
+    out = tmp_path / name / "tokenizer.json"
+    out.parent.mkdir()
+    out.write_text(json.dumps(d))
+    return out
+
+
+def test_fast_backend_refusal_and_difference_are_reported(tmp_path):
+    from olmo_ds.tokenizer import FastBackendError, first_difference
+
+    with pytest.raises(FastBackendError, match="fastokens cannot load it.*NFKC"):
+        load_tokenizer(variant(tmp_path, "nfkc", {"type": "NFKC"}), backend="fast")
+    # fastokens matched HF on every tokenizer feature it loads that we tried, so the report is
+    # checked on two tokenizers that really differ: the first differing text, token and ids.
+    texts = ["same in both: 1", "Hello world", "naïve"]
+    report = first_difference(load_tokenizer(DOLMA2, backend="fast"), load_tokenizer(NEOX), texts, ["a.jsonl:1", "a.jsonl:2", "a.jsonl:3"])
+    got, want = (tokenizers.Tokenizer.from_file(str(p)).encode(texts[0], add_special_tokens=False).ids for p in (DOLMA2, NEOX))
+    assert report == f"a.jsonl:1: ids differ from token 0 ({got[:4]} vs HF's {want[:4]})"
