@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from olmo_ds.eval.scoring import DistContext
 from olmo_ds.tokenizer import Tokenizer, load_tokenizer
 
 HF_MODEL_TYPES = ("olmo2", "olmo3")
@@ -74,10 +75,12 @@ def run_dir_of(checkpoint: Path) -> Path | None:
 
 
 def load_for_eval(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                  backend: str = "olmo", tokenizer: Tokenizer | None = None) -> LoadedModel:
+                  backend: str = "olmo", tokenizer: Tokenizer | None = None, dist_ctx: DistContext | None = None) -> LoadedModel:
     """The model (in eval mode, on `device`, in `dtype`), its tokenizer and what is known of its provenance.
 
     `tokenizer`: the target's tokenizer when the caller already loaded it (`target_tokenizer`).
+    With several ranks (`dist_ctx`) only rank 0 reads and consolidates the weights and broadcasts
+    them: eight ranks of one node would otherwise hold eight fp32 copies in host memory at once.
     """
     kind, directory = resolve_target(path)
     if backend not in ("olmo", "transformers"):
@@ -85,13 +88,47 @@ def load_for_eval(path: str | Path, *, device: str | torch.device = "cpu", dtype
     if backend == "transformers" and kind != "hf":
         raise ValueError(f"{directory}: backend 'transformers' needs an exported transformers directory (scripts/export_hf.py)")
     tokenizer = tokenizer or target_tokenizer(directory)
-    if kind == "checkpoint":
-        loaded = _load_checkpoint(directory, tokenizer)
-    elif kind == "hf":
-        loaded = _load_hf(directory, tokenizer, backend)
-    else:
-        loaded = _load_model_dir(directory, tokenizer)
+    dist_ctx = dist_ctx or DistContext()
+    if dist_ctx.world > 1 and backend == "olmo":
+        return _load_broadcast(kind, directory, tokenizer, device, dtype, dist_ctx)
+    loaded = _load(kind, directory, tokenizer, backend)
     loaded.model.to(device=device, dtype=dtype).eval()
+    return loaded
+
+
+def _load(kind: str, directory: Path, tokenizer: Tokenizer, backend: str) -> LoadedModel:
+    if kind == "checkpoint":
+        return _load_checkpoint(directory, tokenizer)
+    if kind == "hf":
+        return _load_hf(directory, tokenizer, backend)
+    return _load_model_dir(directory, tokenizer)
+
+
+def _load_broadcast(kind: str, directory: Path, tokenizer: Tokenizer, device, dtype: torch.dtype, dist_ctx: DistContext) -> LoadedModel:
+    from olmo_ds.model import ModelConfig, OLMo
+
+    loaded, error = None, None
+    if dist_ctx.rank == 0:
+        try:
+            loaded = _load(kind, directory, tokenizer, "olmo")
+            loaded.model.to(device=device, dtype=dtype)
+        except (ValueError, FileNotFoundError) as e:
+            error = e
+    # Everything but the weights, as plain objects; an error on rank 0 stops every rank alike.
+    header = [None if loaded is None else {k: getattr(loaded, k) for k in ("max_len", "path", "kind", "run_dir", "step", "tokens_seen", "model_config", "train_config")}, error]
+    torch.distributed.broadcast_object_list(header, src=0)
+    fields, error = header
+    if error is not None:
+        raise error
+    if dist_ctx.rank != 0:
+        with torch.device("meta"):  # no random initialisation of weights about to be overwritten
+            model = OLMo(ModelConfig.from_dict(fields["model_config"])).to(dtype)
+        model = model.to_empty(device=device)
+        loaded = LoadedModel(model=model, tokenizer=tokenizer, **fields)
+    with torch.no_grad():
+        for tensor in loaded.model.state_dict().values():
+            torch.distributed.broadcast(tensor, src=0)
+    loaded.model.eval()
     return loaded
 
 

@@ -136,7 +136,7 @@ def run(options: EvalOptions) -> list[dict]:
         if not sources and not tasks:
             raise ValueError(f"{directory}: nothing to evaluate: give --data (validation shards or JSON lines) and/or --tasks")
 
-        loaded = loading.load_for_eval(directory, device=device, dtype=dtype, backend=options.backend, tokenizer=tokenizer)
+        loaded = loading.load_for_eval(directory, device=device, dtype=dtype, backend=options.backend, tokenizer=tokenizer, dist_ctx=dist_ctx)
         seq_len = options.seq_len or loaded.max_len
         if seq_len > loaded.max_len:
             raise ValueError(f"--seq-len {seq_len} exceeds the model's window {loaded.max_len}")

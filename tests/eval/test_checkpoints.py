@@ -16,6 +16,7 @@ from olmo_ds.data import shards
 from olmo_ds.eval.loading import load_for_eval, resolve_target
 from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
 from olmo_ds.eval.loglikelihood import score_requests
+from olmo_ds.eval.perplexity import evaluate_perplexity, load_source, token_byte_lengths, window_batches
 from olmo_ds.eval.tasks import load_task
 from olmo_ds.tokenizer import load_tokenizer
 
@@ -23,7 +24,7 @@ from eval_testlib import ARC_EASY, C4, NEOX, PIQA
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "train"))
-from train_testlib import run, tiny_config, torchrun_cmd, write_config  # noqa: E402
+from train_testlib import launch_env, run, tiny_config, torchrun_cmd, write_config  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -53,18 +54,26 @@ def trained_run(tmp_path_factory):
 
 
 def test_every_checkpoint_of_a_run_tensorboard_and_comparison(trained_run):
-    proc = run(["bash", "scripts/eval.sh", str(trained_run), "--all-checkpoints", "--tasks", str(ARC_EASY), "--limit", "8"])
+    # Two ranks: rank 0 consolidates each checkpoint and broadcasts it (the single-rank path is below).
+    proc = subprocess.run(["bash", "scripts/eval.sh", str(trained_run), "--all-checkpoints", "--tasks", str(ARC_EASY), "--limit", "8"],
+                          env={**launch_env(), "NPROC": "2"}, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Processing zero checkpoint" not in proc.stdout  # DeepSpeed's narration goes to stderr
     steps = {}
     for step in (3, 6):
         r = json.loads((trained_run / "eval" / f"step-{step:07d}" / "results.json").read_text())
         assert (r["step"], r["kind"], r["tokens_seen"]) == (step, "checkpoint", step * 4 * 64)
+        assert r["config"]["eval"]["world_size"] == 2
         assert r["perplexity"]["c4"]["path"].endswith("c4/val")  # the run's validation split by default
         assert r["config"]["train"]["data"]["sources"][0]["path"].endswith("c4")
         assert 0 <= r["tasks"]["arc_easy"]["acc"] <= 1
         steps[step] = r
     assert steps[6]["perplexity"]["c4"]["ce_loss"] < steps[3]["perplexity"]["c4"]["ce_loss"]  # training helps
+    # One process on the same rows: bitwise the numbers the two ranks produced.
+    one = load_for_eval(trained_run)
+    tokens = load_source(str(trained_run.parent / "c4" / "val"), one.tokenizer).tokens
+    single = evaluate_perplexity(one.model, window_batches(tokens, 64, 4096 // 64), token_byte_lengths(one.tokenizer))
+    assert (single.ce_loss, single.bits_per_byte) == (steps[6]["perplexity"]["c4"]["ce_loss"], steps[6]["perplexity"]["c4"]["bits_per_byte"])
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
