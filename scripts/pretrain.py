@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from olmo_ds.train.config import ConfigError, load_config
-from olmo_ds.train.trainer import NonFiniteLossError, Trainer
+from olmo_ds.train.trainer import CheckpointSaveError, NonFiniteLossError, Trainer
 
 
 def main() -> int:
@@ -24,7 +24,7 @@ def main() -> int:
     try:
         trainer = Trainer(load_config(args.config, args.overrides), resume=args.resume)
         trainer.fit()
-    except (ConfigError, NonFiniteLossError) as e:
+    except (ConfigError, NonFiniteLossError, CheckpointSaveError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

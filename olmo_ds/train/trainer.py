@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import signal
 import time
 import warnings
@@ -28,7 +29,8 @@ from olmo_ds.data.loader import DataLoader
 from olmo_ds.model.config import ModelConfig
 from olmo_ds.train import checkpoint as ckpt
 from olmo_ds.train.config import ConfigError, TrainConfig
-from olmo_ds.train.ds_config import resolve_ds_config
+from olmo_ds.train.ds_config import check_batch_divisible, resolve_ds_config
+from olmo_ds.train.evaluation import InLoopEvaluator
 from olmo_ds.train.launch import detect_environment, init_distributed, normalize_cuda_arch_list
 from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops, setup_console_logging
 from olmo_ds.train.optim import param_groups, set_lr
@@ -36,13 +38,17 @@ from olmo_ds.train.schedule import lr_at
 
 log = logging.getLogger("olmo_ds")
 
-# DeepSpeed 0.19 calls this deprecated torch API on every ZeRO reduce-scatter; one warning per
-# micro-batch would bury the progress lines, and there is nothing a user can do about it.
-warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*deprecated", category=FutureWarning)
+# DeepSpeed 0.19 calls these deprecated torch collectives on every ZeRO gather/reduce-scatter; one
+# warning per call would bury the progress lines, and there is nothing a user can do about it.
+warnings.filterwarnings("ignore", message=r".*(reduce_scatter_tensor|all_gather_into_tensor).*deprecated", category=FutureWarning)
 
 
 class NonFiniteLossError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient: the run has diverged."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed (disk full, quota, I/O error); the previous complete one is untouched."""
 
 
 def seed_everything(seed: int) -> None:
@@ -130,11 +136,18 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
 
         # Everything below up to the engine is cheap and checks the run before any heavy work.
-        self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
-        self.loader = DataLoader(
-            cfg.data, seq_len=cfg.batch.seq_len, global_batch_size=cfg.batch.loader_schedule(),
-            dp_rank=self.rank, dp_world_size=self.world_size,
-        )
+        check_batch_divisible(cfg, self.world_size)
+        try:
+            self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"{cfg.source}: tokenizer: {e}") from None
+        try:
+            self.loader = DataLoader(
+                cfg.data, seq_len=cfg.batch.seq_len, global_batch_size=cfg.batch.loader_schedule(),
+                dp_rank=self.rank, dp_world_size=self.world_size,
+            )
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"{cfg.source}: data: {e}") from None
         vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.loader.vocab_size
         self.model_cfg = cfg.model.build(vocab_size=vocab)
         check_run(cfg, self.model_cfg, self.loader, self.tokenizer, self.world_size)
@@ -143,6 +156,7 @@ class Trainer:
         self.resume_state = ckpt.read_train_state(self.resume_dir) if self.resume_dir else None
         if self.resume_state is not None:
             check_resume(self.resume_state, self.model_cfg, self.world_size, self.resume_dir)
+        self.evaluator = InLoopEvaluator(cfg, self.tokenizer, vocab, self.rank, self.world_size) if cfg.eval.every else None
 
         configure_determinism(cfg.deterministic)
         init_distributed()
@@ -281,7 +295,21 @@ class Trainer:
         if not self.weights_finite():
             raise NonFiniteLossError(f"step {self.step}: the weights hold non-finite values; refusing to save them over good checkpoints")
         t0 = time.perf_counter()
-        path = ckpt.save_checkpoint(self.engine, self.run_dir, self.step, self.train_state(), rank=self.rank, tokenizer_path=self.cfg.tokenizer)
+        try:
+            path = ckpt.save_checkpoint(self.engine, self.run_dir, self.step, self.train_state(), rank=self.rank, tokenizer_path=self.cfg.tokenizer)
+        except (OSError, RuntimeError) as e:
+            # The half-written directory has no train_state.json, so resume skips it and the next save of
+            # this step replaces it; say so, because a raw traceback from torch.save reads like corruption.
+            # torch.save reports a full disk as a RuntimeError without errno, hence the free space.
+            root = ckpt.checkpoints_dir(self.run_dir)
+            previous = ckpt.latest_checkpoint(root)
+            free = shutil.disk_usage(root).free / 2**30 if root.is_dir() else float("nan")
+            raise CheckpointSaveError(
+                f"rank {self.rank}: saving {root / ckpt.step_tag(self.step)} failed: {type(e).__name__}: {e} "
+                f"({free:.2f} GiB free there; a full disk or quota?). "
+                + (f"The previous checkpoint {previous} is intact; " if previous else "No earlier checkpoint exists; ")
+                + "free space and rerun with --resume auto"
+            ) from e
         if self.rank == 0:
             c = self.cfg.checkpoint
             pruned = ckpt.prune_checkpoints(ckpt.checkpoints_dir(self.run_dir), c.keep_last, c.keep_every, protect=path)
@@ -307,9 +335,10 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, enabled=self.rank == 0, tensorboard=cfg.logging.tensorboard,
                                wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
         peak = peak_tflops(cfg.logging.peak_tflops)
-        log.info("FLOPs per token = 6 x %s non-embedding params + 12 x %d layers x %d d_model x %d seq_len = %.3g (MFU vs %s)",
+        log.info("FLOPs/token = 6 x %s non-embedding params + 12 x %d layers x %d d_model x %d seq_len = %.3g; %s",
                  f"{self.model_cfg.num_params(False):,}", self.model_cfg.n_layers, self.model_cfg.d_model, cfg.batch.seq_len,
-                 self.flops_per_token, f"{peak:g} TFLOP/s peak" if peak else "no known peak: MFU not reported")
+                 self.flops_per_token,
+                 f"MFU against {peak:g} TFLOP/s per device" if peak else "MFU not reported (unknown device peak; set logging.peak_tflops)")
         last_saved = self.step if self.resume_dir else None
         window = {"t": time.perf_counter(), "wait": self.loader.wait_seconds, "tokens": 0, "steps": 0, "loss": 0.0}
         status = "done"
@@ -326,15 +355,28 @@ class Trainer:
                 if self.step % cfg.logging.every == 0 or self.step == cfg.max_steps:
                     self._log(logger, m, window, peak)
                     window = {"t": time.perf_counter(), "wait": self.loader.wait_seconds, "tokens": 0, "steps": 0, "loss": 0.0}
+                paused = time.perf_counter()
+                if self.evaluator is not None and (self.step % cfg.eval.every == 0 or self.step == cfg.max_steps):
+                    self.evaluate(logger)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.save()
                     last_saved = self.step
+                window["t"] += time.perf_counter() - paused  # throughput and ETA count training time only
             if (status == "preempted" or cfg.checkpoint.save_final) and last_saved != self.step:
                 self.save()
         finally:
             self.loader.close()
             logger.close()
         return status
+
+    def evaluate(self, logger: MetricsLogger) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics = self.evaluator(self.engine)
+        logger.log(self.step, metrics)
+        shown = " | ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in metrics.items()
+                           if k.endswith(("/loss", "/ppl", "/bpb", "/acc_per_char")))
+        log.info("eval step %d | %s | %.1fs", self.step, shown, time.perf_counter() - t0)
+        return metrics
 
     def _log(self, logger: MetricsLogger, m: dict, window: dict, peak: float | None) -> None:
         elapsed = max(time.perf_counter() - window["t"], 1e-9)
