@@ -15,15 +15,16 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from olmo_ds.eval import loading
 from olmo_ds.eval import results as res
-from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
-from olmo_ds.eval.perplexity import evaluate_perplexity, load_source, token_byte_lengths, window_batches
+from olmo_ds.eval.multiple_choice import PreparedTasks, evaluate_tasks, prepare_tasks
+from olmo_ds.eval.perplexity import TextSource, evaluate_perplexity, load_source, token_byte_lengths, window_batches
 from olmo_ds.eval.scoring import DistContext
-from olmo_ds.eval.tasks import load_task, resolve_task
+from olmo_ds.eval.tasks import Task, load_task, resolve_task
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TASK_DIRS = [REPO_ROOT.parent / "shared" / "eval"]
@@ -101,11 +102,55 @@ def _dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 def _out_dir(options: EvalOptions, kind: str, directory: Path, multiple: bool) -> Path:
-    if options.out and not multiple:
-        return Path(options.out)
+    """`--out` (a step-N folder in it per checkpoint when there are several); else RUN/eval/step-N
+    for a checkpoint of a run, else DIR/eval."""
+    if options.out:
+        return Path(options.out) / directory.name if multiple else Path(options.out)
     run_dir = loading.run_dir_of(directory) if kind == "checkpoint" else None
-    base = Path(options.out) if options.out else (run_dir / res.EVAL_DIR if run_dir else directory / res.EVAL_DIR)
-    return base / directory.name if (multiple or run_dir) else base
+    return run_dir / res.EVAL_DIR / directory.name if run_dir else directory / res.EVAL_DIR
+
+
+@dataclass
+class _Inputs:
+    """Everything tokenized for one tokenizer, reused by every checkpoint that shares it."""
+
+    sources: list[TextSource]
+    tasks: PreparedTasks | None
+    token_bytes: np.ndarray
+
+
+def _prepare_inputs(options: EvalOptions, kind: str, directory: Path, tokenizer, tasks: list[Task]) -> _Inputs:
+    specs = options.data
+    if not specs and kind == "checkpoint":
+        specs = _default_sources(loading.read_train_config(directory))
+    sources = [load_source(s, tokenizer, max_tokens=options.max_tokens, text_field=options.text_field) for s in specs]
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--data: two sources are named alike ({', '.join(names)}); name them with NAME=PATH")
+    if not sources and not tasks:
+        raise ValueError(f"{directory}: nothing to evaluate: give --data (validation shards or JSON lines) and/or --tasks")
+    prepared = prepare_tasks(tokenizer, tasks, uncond=options.uncond, limit=options.limit) if tasks else None
+    return _Inputs(sources, prepared, token_byte_lengths(tokenizer))
+
+
+def _evaluate(loaded: loading.LoadedModel, inputs: _Inputs, options: EvalOptions, dist_ctx: DistContext, batch_tokens: int) -> tuple[dict, dict, dict]:
+    """(perplexity per source, metrics per task, stats) of one loaded model."""
+    seq_len = options.seq_len or loaded.max_len
+    if seq_len > loaded.max_len:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's window {loaded.max_len}")
+    ppl = {}
+    for source in inputs.sources:
+        batches = window_batches(source.tokens, seq_len, max(1, batch_tokens // seq_len))
+        r = evaluate_perplexity(loaded.model, batches, inputs.token_bytes, dist_ctx=dist_ctx).to_dict()
+        ppl[source.name] = {**r, "path": str(source.path), "kind": source.kind, "documents": source.documents, "seq_len": seq_len}
+    if inputs.tasks is None:
+        return ppl, {}, {}
+    mc = evaluate_tasks(loaded.model, loaded.tokenizer, inputs.tasks, dist_ctx.rank, dist_ctx.world, max_len=loaded.max_len, batch_tokens=batch_tokens)
+    if dist_ctx.rank == 0 and mc.stats["truncated_contexts"]:
+        per_task = ", ".join(f"{name} {r['truncated_contexts']}" for name, r in mc.tasks.items() if r["truncated_contexts"])
+        print(f"eval: warning: {mc.stats['truncated_contexts']} contexts longer than the model's window of {loaded.max_len} tokens "
+              f"were cut from the left ({per_task})", file=sys.stderr, flush=True)
+    return ppl, mc.tasks, {"tasks": mc.stats}
 
 
 def run(options: EvalOptions) -> list[dict]:
@@ -118,42 +163,14 @@ def run(options: EvalOptions) -> list[dict]:
     targets = _targets(options)
     task_paths = [resolve_task(t, [Path(d) for d in options.task_dirs]) for t in options.tasks]
     tasks = [load_task(p) for p in task_paths]  # every record checked before any weight is loaded
-    prepared_for: dict[str, tuple] = {}  # tokenizer fingerprint -> (sources, prepared tasks, byte table)
+    inputs_for: dict[str, _Inputs] = {}  # by tokenizer fingerprint: nothing is tokenized twice
     documents = []
     for kind, directory in targets:
         tokenizer = loading.target_tokenizer(directory)
-        if tokenizer.fingerprint not in prepared_for:
-            specs = options.data
-            if not specs and kind == "checkpoint":
-                specs = _default_sources(loading.read_train_config(directory))
-            sources = [load_source(s, tokenizer, max_tokens=options.max_tokens, text_field=options.text_field) for s in specs]
-            names = [s.name for s in sources]
-            if len(set(names)) != len(names):
-                raise ValueError(f"--data: two sources are named alike ({', '.join(names)}); name them with NAME=PATH")
-            prepared = prepare_tasks(tokenizer, tasks, uncond=options.uncond, limit=options.limit) if tasks else None
-            prepared_for[tokenizer.fingerprint] = (sources, prepared, token_byte_lengths(tokenizer))
-        sources, prepared, byte_table = prepared_for[tokenizer.fingerprint]
-        if not sources and not tasks:
-            raise ValueError(f"{directory}: nothing to evaluate: give --data (validation shards or JSON lines) and/or --tasks")
-
+        if tokenizer.fingerprint not in inputs_for:
+            inputs_for[tokenizer.fingerprint] = _prepare_inputs(options, kind, directory, tokenizer, tasks)
         loaded = loading.load_for_eval(directory, device=device, dtype=dtype, backend=options.backend, tokenizer=tokenizer, dist_ctx=dist_ctx)
-        seq_len = options.seq_len or loaded.max_len
-        if seq_len > loaded.max_len:
-            raise ValueError(f"--seq-len {seq_len} exceeds the model's window {loaded.max_len}")
-
-        ppl = {}
-        for source in sources:
-            batches = window_batches(source.tokens, seq_len, max(1, batch_tokens // seq_len))
-            r = evaluate_perplexity(loaded.model, batches, byte_table, dist_ctx=dist_ctx).to_dict()
-            ppl[source.name] = {**r, "path": str(source.path), "kind": source.kind, "documents": source.documents, "seq_len": seq_len}
-        task_metrics, stats = {}, {}
-        if prepared is not None:
-            mc = evaluate_tasks(loaded.model, tokenizer, prepared, dist_ctx.rank, dist_ctx.world, max_len=loaded.max_len, batch_tokens=batch_tokens)
-            task_metrics, stats = mc.tasks, {"tasks": mc.stats}
-            if is_main and mc.stats["truncated_contexts"]:
-                per_task = ", ".join(f"{name} {r['truncated_contexts']}" for name, r in mc.tasks.items() if r["truncated_contexts"])
-                print(f"eval: warning: {mc.stats['truncated_contexts']} contexts longer than the model's window of {loaded.max_len} tokens "
-                      f"were cut from the left ({per_task})", file=sys.stderr, flush=True)
+        ppl, task_metrics, stats = _evaluate(loaded, inputs_for[tokenizer.fingerprint], options, dist_ctx, batch_tokens)
 
         target = {"path": str(loaded.path), "kind": loaded.kind, "run_dir": str(loaded.run_dir) if loaded.run_dir else None,
                   "step": loaded.step, "tokens_seen": loaded.tokens_seen, "tokenizer": str(tokenizer.path),
@@ -163,8 +180,7 @@ def run(options: EvalOptions) -> list[dict]:
                   "model": loaded.model_config, "train": loaded.train_config}
         document = res.build_results(target=target, perplexity=ppl, tasks=task_metrics, stats=stats, config=config)
         if is_main:
-            out_dir = _out_dir(options, kind, directory, len(targets) > 1)
-            path = res.write_results(out_dir, document)
+            path = res.write_results(_out_dir(options, kind, directory, len(targets) > 1), document)
             if options.tensorboard and loaded.run_dir is not None and loaded.step is not None:
                 res.write_tensorboard(loaded.run_dir / res.TB_DIR, loaded.step, res.scalars(ppl, task_metrics))
             print(res.markdown(document), flush=True)
@@ -172,9 +188,8 @@ def run(options: EvalOptions) -> list[dict]:
         documents.append(document)
         del loaded
 
-    run_dirs = {Path(d["run_dir"]) for d in documents if d["run_dir"]}
     if is_main and not options.out:
-        for run_dir in sorted(run_dirs):
+        for run_dir in sorted({Path(d["run_dir"]) for d in documents if d["run_dir"]}):
             table, png = res.compare_run(run_dir)
             if png is not None:
                 print(f"\n**{run_dir}: evaluated checkpoints**\n\n{table}\n\nplot: {png}", flush=True)
