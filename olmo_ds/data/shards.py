@@ -14,6 +14,7 @@ then renamed), so a crash never leaves a half-written shard that looks whole.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -132,6 +133,17 @@ def write_shard(directory: Path, index: int, tokens: np.ndarray, doc_offsets: np
     return meta
 
 
+@contextlib.contextmanager
+def _naming(path: Path):
+    """Put the file's name into a write error: a bare "[Errno 28] No space left on device" names nothing."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
+
+
 class ShardWriter:
     """Streams one shard to disk with memory bounded by the batch appended, not by the shard size.
 
@@ -163,18 +175,21 @@ class ShardWriter:
         if len(doc_lens) == 0:
             return
         raw = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
-        self._bin.write(raw)
-        self._hash.update(raw)
         ends = self.num_tokens + np.cumsum(doc_lens, dtype=np.int64)
-        self._off.write(ends.astype("<i8").tobytes())
+        with _naming(self._bin_tmp):
+            self._bin.write(raw)
+        with _naming(self._off_tmp):
+            self._off.write(ends.astype("<i8").tobytes())
+        self._hash.update(raw)
         self.num_tokens = int(ends[-1])
         self.num_docs += len(doc_lens)
         self.max_token_id = max(self.max_token_id, int(tokens.max()))
 
     def close(self, extra: dict | None = None) -> ShardMeta:
-        for f in (self._bin, self._off):
-            f.flush()
-            os.fsync(f.fileno())
+        for f, path in ((self._bin, self._bin_tmp), (self._off, self._off_tmp)):
+            with _naming(path):
+                f.flush()
+                os.fsync(f.fileno())
             f.close()
         os.replace(self._bin_tmp, bin_path(self.directory, self.index))
         offsets = np.memmap(self._off_tmp, dtype="<i8", mode="r") if self.num_docs else np.zeros(1, dtype="<i8")
@@ -205,9 +220,14 @@ class ShardWriter:
         return meta
 
     def abort(self) -> None:
-        """Close and delete the temporary files (the shard never appears)."""
+        """Close and delete the temporary files (the shard never appears).
+
+        Runs after a failed write, typically a full disk, where closing flushes the buffer and fails
+        again; that data is being thrown away, so the error must not stop the clean-up or hide the first.
+        """
         for f, path in ((self._bin, self._bin_tmp), (self._off, self._off_tmp)):
-            f.close()
+            with contextlib.suppress(OSError):
+                f.close()
             path.unlink(missing_ok=True)
 
 
