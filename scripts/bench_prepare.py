@@ -1,9 +1,11 @@
-"""Data preparation throughput: the tokenizer's raw ceiling vs prepare_data.py end to end at 1 and 2 workers.
+"""Data preparation throughput: each tokenizer backend's raw ceiling vs prepare_data.py + validate_shards.py
+end to end at 1 and 2 workers, and where the fast path's time goes.
 
-    python scripts/bench_prepare.py                    # 256 MB generated corpus, OLMo 2/3 tokenizer
-    python scripts/bench_prepare.py --size-mb 16       # a quick run
+    python scripts/bench_prepare.py                          # 256 MB generated corpus, OLMo 2/3 tokenizer, both backends
+    python scripts/bench_prepare.py --size-mb 16             # a quick run
+    python scripts/bench_prepare.py --backends fast          # only fastokens
 
-Prints tokens/s, MB/s, peak RSS and the ratios (targets: 1 worker >= 0.9 x ceiling, 2 workers >= 1.7 x 1).
+Prints tokens/s, MB/s, peak RSS and the ratios against the targets.
 """
 
 import argparse
@@ -19,9 +21,10 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=Path("data/bench-prepare"), help="where the generated corpus and the shards go (corpus reused when present)")
     p.add_argument("--size-mb", type=int, default=256, help="size of the generated corpus (default: 256)")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--backends", nargs="+", choices=("hf", "fast"), default=["hf", "fast"])
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = p.parse_args()
-    results = run(a.tokenizer.resolve(), a.dir, a.size_mb, a.workers)
+    results = run(a.tokenizer.resolve(), a.dir, a.size_mb, a.workers, a.backends)
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
 

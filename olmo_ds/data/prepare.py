@@ -184,6 +184,18 @@ def val_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
 
 
+def append_eos(ids: np.ndarray, offsets: np.ndarray, eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Flat ids of a batch (`encode_batch_flat`) → each document's ids followed by EOS, in the
+    shard dtype, and the documents' lengths including EOS. Document i moves right by i slots."""
+    doc_lens = np.diff(offsets) + 1
+    tokens = np.empty(len(ids) + len(doc_lens), dtype=dtype)
+    is_eos = np.zeros(len(tokens), dtype=bool)
+    is_eos[np.cumsum(doc_lens) - 1] = True
+    tokens[is_eos] = eos_id
+    tokens[~is_eos] = ids
+    return tokens, doc_lens
+
+
 def _process_chunk(spec: _Spec, file_index: int, first_line: int, data: bytes, text_file: bool) -> ChunkResult:
     tok = _tokenizer_for(spec)
     records = readers.parse_chunk(data, first_line, text_file, spec.text_field)
@@ -192,14 +204,7 @@ def _process_chunk(spec: _Spec, file_index: int, first_line: int, data: bytes, t
     positions = np.array([base + line for line, text, _ in records if text is not None], dtype=np.int64)
     skips = [(base + line, reason) for line, text, reason in records if text is None]
     ids, offsets = tok.encode_batch_flat(texts) if texts else (np.zeros(0, np.uint32), np.zeros(1, np.int64))
-    # Each document's ids followed by EOS, in the shard dtype: document i moves right by i slots.
-    doc_lens = np.diff(offsets) + 1
-    ends = np.cumsum(doc_lens)
-    tokens = np.empty(len(ids) + len(texts), dtype=shards.dtype_for_vocab(tok.vocab_size))
-    is_eos = np.zeros(len(tokens), dtype=bool)
-    is_eos[ends - 1] = True
-    tokens[is_eos] = tok.eos_id
-    tokens[~is_eos] = ids
+    tokens, doc_lens = append_eos(ids, offsets, tok.eos_id, shards.dtype_for_vocab(tok.vocab_size))
     is_val = None
     if spec.val_fraction > 0:
         threshold = int(spec.val_fraction * 2**64)
@@ -340,7 +345,7 @@ def _ordered_results(tasks: Iterator[tuple], spec: _Spec, pool, workers: int) ->
         yield extra0, fut.get()
 
 
-def _guard_sample(files: list[Path], cfg: PrepareConfig, budget: int = 2 << 20) -> tuple[list[str], list[str]]:
+def _guard_sample(files: list[Path], cfg: PrepareConfig, budget: int = 1 << 20) -> tuple[list[str], list[str]]:
     """Documents (and their file:line) from the start of up to 8 input files spread over the input."""
     picks = sorted({round(i * (len(files) - 1) / 7) for i in range(8)}) if len(files) > 8 else range(len(files))
     texts, labels = [], []

@@ -1,9 +1,11 @@
 """Data preparation throughput against the tokenizer's own ceiling (`scripts/bench_prepare.py`).
 
 The question users ask is how much of the tokenizer's speed the pipeline keeps: so one run
-measures the raw ceiling (HF `tokenizers` batch-encoding the corpus's texts, already in memory,
-on one thread) and `scripts/prepare_data.py` end to end (read, decompress, parse, tokenize, write,
-checksum) at 1 and 2 workers on the same corpus, each in a fresh process, and prints the ratios.
+measures, for each backend (HF `tokenizers`, `fastokens`), the raw ceiling (the encoder alone on
+the corpus's texts, already in memory, one thread) and `scripts/prepare_data.py` followed by
+`scripts/validate_shards.py` (read, parse, tokenize, write, checksum, verify) at 1 and 2 workers on
+the same corpus, each in a fresh process, prints the ratios, and splits the fast path's CPU time
+into its stages, since once tokenizing is fast the rest of the pipeline is what is left.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import gzip
 import json
 import os
 import random
-import resource
+import shutil
+import tempfile
 import subprocess
 import sys
 import sysconfig
@@ -92,9 +95,10 @@ def generate_corpus(directory: Path, size_mb: int, files: int = 8) -> Path:
 _CEILING = r"""
 import os, sys, time, json
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
-import orjson, tokenizers
 from pathlib import Path
-tok = tokenizers.Tokenizer.from_file(sys.argv[1])
+import orjson
+from olmo_ds.tokenizer import load_tokenizer
+tok = load_tokenizer(sys.argv[1], backend=sys.argv[3])  # the fast backend pins itself to one thread
 texts = []
 for f in sorted(Path(sys.argv[2]).glob("part-*.jsonl")):
     with open(f, "rb") as fh:
@@ -103,64 +107,126 @@ nbytes = sum(len(t.encode()) for t in texts)
 t0 = time.perf_counter(); c0 = time.process_time()
 n = 0
 for i in range(0, len(texts), 256):
-    n += sum(len(e.ids) for e in tok.encode_batch_fast(texts[i:i + 256], add_special_tokens=False))
+    if sys.argv[3] == "hf":  # HF tokenizers' fastest batch call, as a user would write it
+        n += sum(len(e.ids) for e in tok._tok.encode_batch_fast(texts[i:i + 256], add_special_tokens=False))
+    else:
+        n += len(tok.encode_batch_flat(texts[i:i + 256])[0])
 print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0, "tokens": n, "text_bytes": nbytes, "docs": len(texts)}))
 """
 
 
-def measure_ceiling(tokenizer: Path, corpus: Path) -> dict:
-    """HF `tokenizers`' `encode_batch_fast` on one thread over the corpus, texts already in memory."""
-    proc = subprocess.run([sys.executable, "-c", _CEILING, str(tokenizer), str(corpus)], capture_output=True, text=True, check=True)
+def measure_ceiling(tokenizer: Path, corpus: Path, backend: str) -> dict:
+    """The encoder alone on one thread over the corpus, texts already in memory (fresh process)."""
+    proc = subprocess.run([sys.executable, "-c", _CEILING, str(tokenizer), str(corpus), backend], capture_output=True, text=True, check=True)
     r = json.loads(proc.stdout)
     r["tokens_per_s"] = r["tokens"] / r["seconds"]
+    r["tokens_per_cpu_s"] = r["tokens"] / r["cpu_seconds"]
     r["mb_per_s"] = r["text_bytes"] / r["seconds"] / 1e6
     return r
 
 
-def measure_prepare(tokenizer: Path, corpus: Path, output: Path, workers: int, extra_args: list[str] = ()) -> dict:
-    """`scripts/prepare_data.py` end to end in a fresh process; wall and CPU time, largest process RSS."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cmd = [
+def _timed(cmd: list[str]) -> dict:
+    """Run a command to completion: wall seconds, CPU seconds and peak RSS of it and its workers."""
+    with tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        # wait4 reports the child's own usage plus that of the children it reaped (the pool
+        # workers); ru_maxrss is the largest of those processes' peaks (KiB on Linux).
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            err.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{err.read().decode()}")
+    return {"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024}
+
+
+def measure_prepare(tokenizer: Path, corpus: Path, output: Path, workers: int, backend: str) -> dict:
+    """`prepare_data.py`, then `validate_shards.py` on its output, each in a fresh process."""
+    prep = _timed([
         sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--input", str(corpus), "--output", str(output),
-        "--tokenizer", str(tokenizer), "--workers", str(workers), "--overwrite", "--no-progress", *extra_args,
-    ]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"prepare_data.py failed:\n{proc.stderr}")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        "--tokenizer", str(tokenizer), "--workers", str(workers), "--overwrite", "--no-progress", "--tokenizer-backend", backend,
+    ])
+    val = _timed([sys.executable, str(REPO / "scripts" / "validate_shards.py"), str(output), "--tokenizer", str(tokenizer), "--workers", str(workers)])
     manifest = json.loads((Path(output) / "manifest.json").read_text())
+    ran = manifest["tokenizer_backend"]["name"]
+    if (backend == "fast") != (ran == "fastokens"):
+        raise RuntimeError(f"asked for backend {backend}, prepare_data.py ran {ran}")
+    seconds = prep["seconds"] + val["seconds"]
     return {
-        "workers": workers,
-        "seconds": seconds,
-        "cpu_seconds": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
-        "tokens": manifest["num_tokens"],
-        "docs": manifest["num_docs"],
+        "backend": backend, "workers": workers, "tokens": manifest["num_tokens"], "docs": manifest["num_docs"],
+        "prepare_seconds": prep["seconds"], "validate_seconds": val["seconds"], "seconds": seconds,
+        "cpu_seconds": prep["cpu_seconds"] + val["cpu_seconds"], "peak_rss_mb": max(prep["peak_rss_mb"], val["peak_rss_mb"]),
         "tokens_per_s": manifest["num_tokens"] / seconds,
+        "tokens_per_cpu_s": manifest["num_tokens"] / (prep["cpu_seconds"] + val["cpu_seconds"]),
         "input_mb_per_s": sum(i["bytes"] for i in manifest["inputs"]) / seconds / 1e6,
-        # ru_maxrss is the largest single descendant's peak (KiB on Linux): the main process or a worker.
-        "peak_rss_mb": after.ru_maxrss / 1024,
     }
 
 
-def run(tokenizer: Path, corpus_dir: Path, size_mb: int, workers: list[int], log=print) -> dict:
+def measure_stages(tokenizer: Path, corpus: Path, output: Path) -> dict:
+    """Where one worker's time goes on the fast path: read+split, JSON parse, tokenize, EOS/dtype, write+hash."""
+    from olmo_ds.data import readers, shards
+    from olmo_ds.data.prepare import append_eos
+    from olmo_ds.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer, backend="fast")
+    dtype = shards.dtype_for_vocab(tok.vocab_size)
+    shutil.rmtree(output, ignore_errors=True)
+    output.mkdir(parents=True)
+    writer = shards.ShardedWriter(output, 100_000_000, vocab_size=tok.vocab_size, eos_id=tok.eos_id)
+    t = dict.fromkeys(("read", "parse", "tokenize", "assemble", "write"), 0.0)
+    clock = time.process_time
+    for f in sorted(corpus.glob("part-*.jsonl")):
+        c = clock()
+        for first_line, data, _ in readers.iter_chunks(f):
+            c1 = clock()
+            t["read"] += c1 - c
+            texts = [x for _, x, _ in readers.parse_chunk(data, first_line, False) if x is not None]
+            c2 = clock()
+            ids, offsets = tok.encode_batch_flat(texts)
+            c3 = clock()
+            tokens, lens = append_eos(ids, offsets, tok.eos_id, dtype)
+            c4 = clock()
+            writer.add(tokens, lens)
+            c = clock()
+            t["parse"] += c2 - c1
+            t["tokenize"] += c3 - c2
+            t["assemble"] += c4 - c3
+            t["write"] += c - c4
+    c = clock()
+    writer.finish()
+    t["write"] += clock() - c
+    total = sum(t.values())
+    return {k: {"cpu_seconds": v, "share": v / total} for k, v in t.items()}
+
+
+def run(tokenizer: Path, corpus_dir: Path, size_mb: int, workers: list[int], backends: list[str], log=print) -> dict:
     corpus = generate_corpus(corpus_dir, size_mb)
     mb = sum(f.stat().st_size for f in corpus.glob("part-*.jsonl")) / 1e6
     log(f"corpus: {corpus} ({mb:,.0f} MB of JSON lines), tokenizer: {tokenizer}, cpus: {os.cpu_count()}")
-    ceiling = measure_ceiling(tokenizer, corpus)
-    log(f"raw ceiling (encode_batch_fast, 1 thread, in memory): {ceiling['tokens_per_s'] / 1e6:.3f}M tokens/s, {ceiling['mb_per_s']:.2f} MB/s of text")
-    results = {"corpus_mb": mb, "tokenizer": str(tokenizer), "ceiling": ceiling, "prepare": []}
-    for w in workers:
-        r = measure_prepare(tokenizer, corpus, corpus_dir / f"shards-w{w}", w)
-        r["vs_ceiling"] = r["tokens_per_s"] / ceiling["tokens_per_s"]
-        results["prepare"].append(r)
-        log(
-            f"prepare_data --workers {w}: {r['seconds']:.1f} s, {r['tokens_per_s'] / 1e6:.3f}M tokens/s, {r['input_mb_per_s']:.2f} MB/s, "
-            f"peak RSS {r['peak_rss_mb']:.0f} MB, {r['vs_ceiling']:.2f}x ceiling"
-        )
-    by_w = {r["workers"]: r for r in results["prepare"]}
-    if 1 in by_w and 2 in by_w:
-        results["scaling_2_over_1"] = by_w[2]["tokens_per_s"] / by_w[1]["tokens_per_s"]
-        log(f"2 workers / 1 worker: {results['scaling_2_over_1']:.2f}x (target >= 1.7); 1 worker / ceiling: {by_w[1]['vs_ceiling']:.2f} (target >= 0.9)")
+    results = {"corpus_mb": mb, "tokenizer": str(tokenizer), "ceiling": {}, "prepare": []}
+    for backend in backends:
+        c = results["ceiling"][backend] = measure_ceiling(tokenizer, corpus, backend)
+        log(f"ceiling {backend:4s} (1 thread, texts in memory): {c['tokens_per_s'] / 1e6:.3f}M tokens/s wall, {c['tokens_per_cpu_s'] / 1e6:.3f}M per CPU-s, {c['mb_per_s']:.1f} MB/s")
+    for backend in backends:
+        for w in workers:
+            r = measure_prepare(tokenizer, corpus, corpus_dir / f"shards-{backend}-w{w}", w, backend)
+            r["vs_ceiling"] = r["tokens_per_s"] / results["ceiling"][backend]["tokens_per_s"]
+            results["prepare"].append(r)
+            log(
+                f"prepare+validate {backend:4s} --workers {w}: {r['seconds']:.1f} s ({r['prepare_seconds']:.1f} + {r['validate_seconds']:.1f}), "
+                f"{r['tokens_per_s'] / 1e6:.3f}M tokens/s, {r['input_mb_per_s']:.1f} MB/s, {r['tokens_per_cpu_s'] / 1e6:.3f}M per CPU-s, "
+                f"peak RSS {r['peak_rss_mb']:.0f} MB, {r['vs_ceiling']:.2f}x its ceiling"
+            )
+    by = {(r["backend"], r["workers"]): r for r in results["prepare"]}
+    for backend in backends:
+        if (backend, 1) in by and (backend, 2) in by:
+            results[f"scaling_{backend}_2_over_1"] = s = by[backend, 2]["tokens_per_s"] / by[backend, 1]["tokens_per_s"]
+            log(f"{backend}: 2 workers / 1 worker = {s:.2f}x (target >= 1.7); 1 worker / ceiling = {by[backend, 1]['vs_ceiling']:.2f}")
+    if ("fast", 1) in by and "hf" in results["ceiling"]:
+        results["fast_1_worker_over_hf_ceiling"] = x = by["fast", 1]["tokens_per_s"] / results["ceiling"]["hf"]["tokens_per_s"]
+        log(f"fast, 1 worker, end to end / HF encode_batch_fast ceiling = {x:.1f}x (target >= 6)")
+    if "fast" in backends:
+        results["stages_fast_1_worker"] = st = measure_stages(tokenizer, corpus, corpus_dir / "shards-stages")
+        log("fast path, one worker, CPU share: " + ", ".join(f"{k} {v['share']:.0%}" for k, v in st.items()))
     return results
