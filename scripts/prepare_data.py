@@ -39,6 +39,10 @@ def main(argv=None) -> int:
     except PrepareError as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # mid-run: a full disk, a vanished input; what was written so far stays valid
+        print(f"prepare_data: error: {e}. Complete shards in {a.output} are kept: fix this and rerun the same "
+              f"command to resume", file=sys.stderr)
+        return 1
     if not result.already_complete:
         print(format_summary(result, dry_run=a.dry_run))
     return 0
