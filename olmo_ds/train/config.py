@@ -112,8 +112,11 @@ class LoggingConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = 0  # in-loop validation perplexity every N steps (0 = never)
-    max_batches: int = 8
+    every: int = 0  # in-loop evaluation every N steps and at the end (0 = never)
+    max_batches: int = 8  # validation batches (of batch.micro_batch_size rows) per rank and source
+    tasks: list[str] = field(default_factory=list)  # task directories/files, or names under task_dirs
+    task_dirs: list[str] = field(default_factory=list)  # where task names are looked up (default ../shared/eval)
+    task_limit: int = 200  # first N questions of each task (0 = all)
 
 
 @dataclass
@@ -192,6 +195,8 @@ class TrainConfig:
         c = self.checkpoint
         if c.every < 0 or c.keep_last < 1 or c.keep_every < 0:
             raise ConfigError(f"{where}: checkpoint.every >= 0, checkpoint.keep_last >= 1, checkpoint.keep_every >= 0 required")
+        if self.eval.every < 0 or self.eval.max_batches < 1 or self.eval.task_limit < 0:
+            raise ConfigError(f"{where}: eval.every >= 0, eval.max_batches >= 1, eval.task_limit >= 0 required")
         if self.logging.every <= 0:
             raise ConfigError(f"{where}: logging.every must be > 0")
         if not self.data.sources:

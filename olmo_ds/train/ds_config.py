@@ -46,6 +46,17 @@ def zero3_knobs(d_model: int) -> dict[str, Any]:
     }
 
 
+def check_batch_divisible(cfg: TrainConfig, dp_world_size: int) -> None:
+    """Every global batch size of the run splits into whole micro-batches on every rank."""
+    b = cfg.batch
+    for size in sorted({b.global_batch_size} | {ramp.global_batch_size for ramp in b.schedule}):
+        if size % (b.micro_batch_size * dp_world_size):
+            raise ConfigError(
+                f"{cfg.source}: global batch size {size} is not divisible by batch.micro_batch_size "
+                f"{b.micro_batch_size} x data-parallel size {dp_world_size} = {b.micro_batch_size * dp_world_size}"
+            )
+
+
 class _Resolver:
     def __init__(self, ds: dict, ds_path: str, cfg: TrainConfig):
         self.ds = ds
@@ -85,13 +96,7 @@ def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, 
     if not isinstance(zero, dict) or zero.get("stage") not in (1, 2, 3):
         raise ConfigError(f"{ds_path}: zero_optimization.stage must be 1, 2 or 3 (olmo-ds trains with ZeRO)")
 
-    sizes = {b.global_batch_size} | {ramp.global_batch_size for ramp in b.schedule}
-    for size in sorted(sizes):
-        if size % (b.micro_batch_size * dp_world_size):
-            raise ConfigError(
-                f"{cfg.source}: global batch size {size} is not divisible by batch.micro_batch_size "
-                f"{b.micro_batch_size} x data-parallel size {dp_world_size} = {b.micro_batch_size * dp_world_size}"
-            )
+    check_batch_divisible(cfg, dp_world_size)
     first = b.global_batch_size_at(0)
     r.fill(ds, "train_batch_size", b.global_batch_size, "batch.global_batch_size")
     ds["train_batch_size"] = first  # a batch-size schedule starts smaller; the trainer steps it up

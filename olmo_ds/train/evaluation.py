@@ -1,0 +1,87 @@
+"""In-loop evaluation: validation loss / perplexity / bits-per-byte and downstream tasks during training.
+
+Everything is read, tokenized and checked when the trainer starts (a missing validation split or a
+misspelt task name fails before step one), and the same fixed batches are scored at every
+evaluation so the curve compares like with like. Each rank scores its own share of the validation
+rows and the evaluators gather the sums (olmo_ds/eval/), so the numbers do not depend on the world
+size and every ZeRO-3 forward is matched on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+
+from olmo_ds.data.config import SourceConfig
+from olmo_ds.train.config import ConfigError, TrainConfig
+
+DEFAULT_TASK_DIRS = [Path(__file__).resolve().parents[2].parent / "shared" / "eval"]
+
+
+def _val_sources(cfg: TrainConfig) -> list[SourceConfig]:
+    """`data.val_sources`, else each training source's `val/` split where prepare_data wrote one."""
+    if cfg.data.val_sources:
+        return cfg.data.val_sources
+    return [SourceConfig(path=str(Path(s.path) / "val"), name=f"{s.name or Path(s.path).name}") for s in cfg.data.sources
+            if (Path(s.path) / "val" / "manifest.json").is_file()]
+
+
+class InLoopEvaluator:
+    """Called every `eval.every` steps with the engine; returns flat metrics like `eval/<source>/ppl`."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer, vocab_size: int, rank: int, world_size: int):
+        from olmo_ds.data.loader import validation_batches
+        from olmo_ds.eval.multiple_choice import prepare_tasks
+        from olmo_ds.eval.perplexity import token_byte_lengths
+        from olmo_ds.eval.tasks import load_task, resolve_task
+
+        e = cfg.eval
+        self.seq_len = cfg.batch.seq_len
+        self.tokenizer = tokenizer
+        # Without a tokenizer there are no byte lengths: bits-per-byte is then not reported.
+        self.token_bytes = token_byte_lengths(tokenizer) if tokenizer is not None else np.zeros(vocab_size, dtype=np.int64)
+        self.val: list[tuple[str, list[dict]]] = []
+        for src in _val_sources(cfg):
+            name = src.name or Path(src.path).name
+            try:
+                stream = validation_batches(src, self.seq_len, cfg.batch.micro_batch_size, rank, world_size)
+            except (FileNotFoundError, ValueError) as err:
+                raise ConfigError(f"{cfg.source}: eval: validation source {src.path}: {err}") from None
+            # Every rank gets the same number of batches from validation_batches; a prefix keeps that.
+            self.val.append((name, list(islice(stream, e.max_batches))))
+        self.tasks = None
+        if e.tasks:
+            if tokenizer is None:
+                raise ConfigError(f"{cfg.source}: eval.tasks needs `tokenizer` set (tasks are text)")
+            try:
+                loaded = [load_task(resolve_task(t, [Path(d) for d in e.task_dirs] or DEFAULT_TASK_DIRS)) for t in e.tasks]
+            except (FileNotFoundError, ValueError) as err:
+                raise ConfigError(f"{cfg.source}: eval.tasks: {err}") from None
+            self.tasks = prepare_tasks(tokenizer, loaded, limit=e.task_limit or None)
+        if not self.val and not self.tasks:
+            raise ConfigError(
+                f"{cfg.source}: eval.every is {e.every} but there is nothing to evaluate: set data.val_sources "
+                f"(or prepare the data with a validation split) and/or eval.tasks"
+            )
+
+    def __call__(self, engine) -> dict[str, float]:
+        from olmo_ds.eval.multiple_choice import evaluate_tasks
+        from olmo_ds.eval.perplexity import evaluate_perplexity
+
+        metrics: dict[str, float] = {}
+        for name, batches in self.val:
+            r = evaluate_perplexity(engine, batches, self.token_bytes, split=False)
+            metrics[f"eval/{name}/loss"] = r.ce_loss
+            metrics[f"eval/{name}/ppl"] = r.perplexity
+            if math.isfinite(r.bits_per_byte):
+                metrics[f"eval/{name}/bpb"] = r.bits_per_byte
+        if self.tasks is not None:
+            result = evaluate_tasks(engine, self.tokenizer, self.tasks, max_len=self.seq_len)
+            for task, values in result.tasks.items():
+                for key, value in values.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        metrics[f"eval/{task}/{key}"] = float(value)
+        return metrics

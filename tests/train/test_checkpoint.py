@@ -1,0 +1,40 @@
+"""Checkpoint bookkeeping on disk: which directories count as complete, resume choice, retention."""
+
+import pytest
+
+from olmo_ds.train.checkpoint import (TRAIN_STATE, latest_checkpoint, list_checkpoints, prune_checkpoints, resolve_resume,
+                                      step_tag)
+
+
+def make(root, step, complete=True):
+    d = root / "checkpoints" / step_tag(step)
+    d.mkdir(parents=True)
+    (d / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"x")
+    if complete:
+        (d / TRAIN_STATE).write_text("{}")
+    return d
+
+
+def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
+    assert resolve_resume("auto", tmp_path) is None  # a fresh run
+    make(tmp_path, 10)
+    newest = make(tmp_path, 20)
+    partial = make(tmp_path, 30, complete=False)  # a save interrupted by a crash
+    assert resolve_resume("auto", tmp_path) == newest == latest_checkpoint(tmp_path / "checkpoints")
+    assert resolve_resume(str(newest), tmp_path) == newest
+    with pytest.raises(ValueError, match="incomplete checkpoint"):
+        resolve_resume(str(partial), tmp_path)
+    with pytest.raises(FileNotFoundError):
+        resolve_resume(str(tmp_path / "nope"), tmp_path)
+
+
+def test_retention_keeps_last_n_and_every_mth_and_clears_old_partials(tmp_path):
+    root = tmp_path / "checkpoints"
+    for s in (100, 200, 300, 400, 500):
+        make(tmp_path, s)
+    stale = make(tmp_path, 250, complete=False)
+    in_flight = make(tmp_path, 600, complete=False)  # newer than every complete one: maybe being written now
+    removed = prune_checkpoints(root, keep_last=2, keep_every=200)
+    assert [s for s, _ in list_checkpoints(root)] == [200, 400, 500]
+    assert not stale.exists() and in_flight.exists()
+    assert sorted(p.name for p in removed) == ["step-0000100", "step-0000250", "step-0000300"]

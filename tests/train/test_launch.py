@@ -1,0 +1,42 @@
+"""Launcher detection and the environment fix-ups done before DeepSpeed starts."""
+
+import logging
+import os
+
+import pytest
+
+from olmo_ds.train.launch import detect_environment, first_slurm_host, normalize_cuda_arch_list
+
+
+@pytest.mark.parametrize("value, expected", [("9.0a", "9.0"), ("8.0;9.0a", "8.0;9.0"), ("8.6 9.0a+PTX", "8.6;9.0+PTX"), ("9.0", "9.0")])
+def test_cuda_arch_list_suffixes_are_dropped(monkeypatch, caplog, value, expected):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", value)
+    with caplog.at_level(logging.INFO, logger="olmo_ds"):
+        normalize_cuda_arch_list()
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == expected
+    assert ("normalised" in caplog.text) == (value != expected)
+
+
+def test_deepspeed_env_and_torchrun_env_are_used_as_is():
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
+    d = detect_environment(env)
+    assert (d.launcher, d.rank, d.local_rank, d.world_size) == ("deepspeed", 3, 3, 8)
+    assert detect_environment({**env, "TORCHELASTIC_RUN_ID": "x"}).launcher == "torchrun"
+
+
+def test_slurm_srun_env_is_translated():
+    env = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[007-010,012]", "SLURM_JOB_ID": "4242"}
+    d = detect_environment(env)
+    assert (d.launcher, d.rank, d.local_rank, d.world_size) == ("slurm", 9, 1, 16)
+    assert env["MASTER_ADDR"] == "gpu007" and env["MASTER_PORT"] == str(20000 + 4242) and env["RANK"] == "9"
+
+
+def test_plain_python_is_one_rank():
+    env = {}
+    d = detect_environment(env)
+    assert (d.launcher, d.rank, d.world_size) == ("single", 0, 1) and env["MASTER_ADDR"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("nodelist, first", [("node1", "node1"), ("gpu[007-010,012],login1", "gpu007"), ("a-b[3,5]", "a-b3")])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
