@@ -63,32 +63,77 @@ def score_requests(
     pad_id: int = 0,
     dist_ctx: DistContext | None = None,
     where: list[str] | None = None,
+    share_contexts: bool = True,
 ) -> ScoredRequests:
     """Sum of continuation log-probs for each (context ids, continuation ids) request.
 
-    `max_len` is the model's window; `where[i]` names request i in errors (e.g. "file: doc 12").
+    `max_len` is the model's window; `where[i]` names request i in errors (e.g. "file:12").
     With `dist_ctx` the rows are split across ranks and every rank returns all scores.
+    `share_contexts`: with our OLMo (or a DeepSpeed engine around it), run each distinct context
+    once and its continuations from a copy of its KV cache (see `_score_shared_contexts`); other
+    models, and requests whose context had to be truncated, take the row-per-input path.
     """
     dist_ctx = dist_ctx or DistContext.current()
-    inputs: list[tuple[int, ...]] = []
-    spans: list[tuple[int, tuple[int, ...]]] = []  # (first scored position, continuation ids)
     truncated = np.zeros(len(requests), dtype=bool)
     for i, (ctx, cont) in enumerate(requests):
         if not cont:
             raise ValueError(f"{where[i] if where else f'request {i}'}: empty continuation (nothing to score)")
         if len(cont) > max_len:
             raise ValueError(f"{where[i] if where else f'request {i}'}: continuation of {len(cont)} tokens does not fit the model's window of {max_len}")
-        full = list(ctx) + list(cont)
-        if len(full) - 1 > max_len:
-            full = full[-(max_len + 1) :]
-            truncated[i] = True
+        truncated[i] = len(ctx) + len(cont) - 1 > max_len
+
+    olmo = _olmo_of(model) if share_contexts else None
+    shared = [i for i in range(len(requests)) if olmo is not None and not truncated[i] and requests[i][0]]
+    taken = set(shared)
+    plain = [i for i in range(len(requests)) if i not in taken]
+
+    was_training = getattr(model, "training", False)
+    model.eval()
+    try:
+        scores, rows, tokens = {}, 0, 0
+        # Both parts are decided from the requests alone, so every rank runs them in the same order.
+        if plain:
+            part, r, t = _score_rows(model, requests, plain, max_len, batch_tokens, pad_id, dist_ctx)
+            scores.update(part)
+            rows, tokens = rows + r, tokens + t
+        if shared:
+            part, r, t = _score_shared_contexts(model, olmo, requests, shared, batch_tokens, pad_id, dist_ctx)
+            scores.update(part)
+            rows, tokens = rows + r, tokens + t
+    finally:
+        if was_training:
+            model.train()
+    return ScoredRequests(
+        logprob=np.array([scores[i] for i in range(len(requests))], dtype=np.float64),
+        num_tokens=np.array([len(c) for _, c in requests], dtype=np.int64),
+        truncated=truncated,
+        forward_rows=rows,
+        forward_tokens=tokens,
+    )
+
+
+def _olmo_of(model):
+    """Our OLMo behind `model` (itself, or a DeepSpeed engine's module), else None."""
+    from olmo_ds.model import OLMo
+
+    inner = getattr(model, "module", model)
+    return inner if isinstance(inner, OLMo) else None
+
+
+def _score_rows(model, requests, idx: list[int], max_len: int, batch_tokens: int, pad_id: int, dist_ctx: DistContext):
+    """One model row per distinct input (context + continuation minus its last token), prefix-shared."""
+    inputs: list[tuple[int, ...]] = []
+    spans: dict[int, tuple[int, tuple[int, ...]]] = {}  # request -> (first scored position, continuation ids)
+    for i in idx:
+        ctx, cont = requests[i]
+        full = (list(ctx) + list(cont))[-(max_len + 1) :]  # truncated from the left when too long
         row = tuple(full[:-1])
         inputs.append(row)
-        spans.append((len(row) - len(cont), tuple(cont)))
+        spans[i] = (len(row) - len(cont), tuple(cont))
 
     rows, host = _host_rows(inputs)
     by_row: list[list[int]] = [[] for _ in rows]
-    for i, r in enumerate(host):
+    for i, r in zip(idx, host):
         by_row[r].append(i)
     batches = length_batches([len(r) for r in rows], batch_tokens)
     device = model_device(model)
@@ -103,29 +148,97 @@ def score_requests(
         targets = [t for i in members for t in spans[i][1]]
         picked = logits[torch.as_tensor(row_idx, device=device), torch.as_tensor(pos_idx, device=device)]
         lp = target_logprobs(picked, torch.as_tensor(targets, device=device)).double().cpu().numpy()
-        scores, offset = {}, 0
-        for i in members:
-            n = len(spans[i][1])
-            scores[i] = float(lp[offset : offset + n].sum())
-            offset += n
-        return scores
+        return _sums(members, [len(spans[i][1]) for i in members], lp)
 
-    was_training = getattr(model, "training", False)
-    if hasattr(model, "eval"):
-        model.eval()
-    try:
-        results = run_split(len(batches), step, dist_ctx)
-    finally:
-        if was_training:
-            model.train()
-    logprob = np.empty(len(requests), dtype=np.float64)
-    for part in results:
-        for i, v in part.items():
-            logprob[i] = v
-    return ScoredRequests(
-        logprob=logprob,
-        num_tokens=np.array([len(c) for _, c in spans], dtype=np.int64),
-        truncated=truncated,
-        forward_rows=len(rows),
-        forward_tokens=sum(len(r) for r in rows),
-    )
+    scores = {}
+    for part in run_split(len(batches), step, dist_ctx):
+        scores.update(part)
+    return scores, len(rows), sum(len(r) for r in rows)
+
+
+def _sums(keys: list, lengths: list[int], values: np.ndarray) -> dict:
+    out, offset = {}, 0
+    for key, n in zip(keys, lengths):
+        out[key] = float(values[offset : offset + n].sum())
+        offset += n
+    return out
+
+
+def _score_shared_contexts(model, olmo, requests, idx: list[int], batch_tokens: int, pad_id: int, dist_ctx: DistContext):
+    """Each distinct context run once; its continuations run on a copy of its keys and values.
+
+    The first continuation token is scored from the context's last position; the rest from one row
+    per distinct continuation (its tokens but the last) attending to the copied cache. Contexts of
+    one batch have one length (the cache has one position counter), so batches are formed by
+    length, longest first. Every batch is two forward passes, also when no continuation has a
+    second token, to keep ZeRO-3 ranks in step.
+    """
+    from olmo_ds.model import KVCache
+
+    contexts: dict[tuple[int, ...], int] = {}
+    continuations: list[dict[tuple[int, ...], int]] = []
+    key_of: dict[int, tuple[int, int]] = {}
+    for i in idx:
+        ctx, cont = tuple(requests[i][0]), tuple(requests[i][1])
+        c = contexts.setdefault(ctx, len(contexts))
+        if c == len(continuations):
+            continuations.append({})
+        key_of[i] = (c, continuations[c].setdefault(cont, len(continuations[c])))
+    ctx_list = list(contexts)
+    conts = [list(d) for d in continuations]
+
+    batches: list[list[int]] = []
+    current, width, n_rows = [], 0, 0
+    for c in sorted(range(len(ctx_list)), key=lambda c: (-len(ctx_list[c]), c)):
+        tails = [len(k) - 1 for k in conts[c] if len(k) > 1]
+        new_width, new_rows = max([width, *tails]), n_rows + len(tails)
+        fits = (len(current) + 1) * len(ctx_list[c]) + new_rows * new_width <= batch_tokens
+        if current and (len(ctx_list[current[0]]) != len(ctx_list[c]) or not fits):
+            batches.append(current)
+            current, new_width, new_rows = [], max([0, *tails]), len(tails)
+        current.append(c)
+        width, n_rows = new_width, new_rows
+    if current:
+        batches.append(current)
+
+    device = model_device(model)
+    dtype = next(olmo.parameters()).dtype
+    n_layers = olmo.cfg.n_layers
+
+    def step(b: int) -> dict[tuple[int, int], float]:
+        batch = batches[b]
+        length = len(ctx_list[batch[0]])
+        cache = KVCache(olmo.cfg, len(batch), length, device, dtype)
+        ctx_logits = logits_of(model, torch.as_tensor([ctx_list[c] for c in batch], device=device), cache=cache)
+        tails = [(pos, c, k) for pos, c in enumerate(batch) for k, cont in enumerate(conts[c]) if len(cont) > 1]
+        tail_inputs = [list(conts[c][k][:-1]) for _, c, k in tails] or [[pad_id]]
+        owner = torch.as_tensor([pos for pos, _, _ in tails] or [0], device=device)
+        tail_cache = KVCache(olmo.cfg, len(tail_inputs), length + max(len(t) for t in tail_inputs), device, dtype)
+        for layer in range(n_layers):
+            tail_cache.keys[layer][:, :length] = cache.keys[layer][owner]
+            tail_cache.values[layer][:, :length] = cache.values[layer][owner]
+        tail_cache.pos = length
+        tail_logits = logits_of(model, pad_rows(tail_inputs, pad_id, device), cache=tail_cache)
+
+        keys = [(c, k) for c in batch for k in range(len(conts[c]))]
+        first = [pos for pos, c in enumerate(batch) for _ in conts[c]]
+        row_of = {(c, k): r for r, (_, c, k) in enumerate(tails)}
+        picked = [ctx_logits[torch.as_tensor(first, device=device), length - 1]]
+        targets = [conts[c][k][0] for c, k in keys]
+        rest_rows = [row_of[key] for key in keys for _ in conts[key[0]][key[1]][1:]]
+        rest_pos = [j for key in keys for j in range(len(conts[key[0]][key[1]]) - 1)]
+        if rest_rows:
+            picked.append(tail_logits[torch.as_tensor(rest_rows, device=device), torch.as_tensor(rest_pos, device=device)])
+            targets += [t for c, k in keys for t in conts[c][k][1:]]
+        # Order the scored tokens by key: the first token of every key, then the rest key by key.
+        lp = target_logprobs(torch.cat(picked), torch.as_tensor(targets, device=device)).double().cpu().numpy()
+        first_lp, rest_lp = lp[: len(keys)], lp[len(keys) :]
+        rest = _sums(keys, [len(conts[c][k]) - 1 for c, k in keys], rest_lp)
+        return {key: float(first_lp[n]) + rest[key] for n, key in enumerate(keys)}
+
+    scores: dict[tuple[int, int], float] = {}
+    for part in run_split(len(batches), step, dist_ctx):
+        scores.update(part)
+    tokens = sum(len(c) for c in ctx_list) + sum(len(k) - 1 for ks in conts for k in ks)
+    rows = len(ctx_list) + sum(1 for ks in conts for k in ks if len(k) > 1)
+    return {i: scores[key_of[i]] for i in idx}, rows, tokens

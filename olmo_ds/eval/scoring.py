@@ -58,9 +58,9 @@ def model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
-def logits_of(model, input_ids: torch.Tensor) -> torch.Tensor:
+def logits_of(model, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
     """Logits `[B, T, V]` from our OLMo (returns a tensor) or a transformers model (returns an output)."""
-    out = model(input_ids)
+    out = model(input_ids, **kwargs)
     return out if isinstance(out, torch.Tensor) else out.logits
 
 

@@ -22,16 +22,25 @@ torch.set_num_threads(1)
 
 
 class RowCounter(torch.nn.Module):
-    """The model, counting the rows it is run on."""
+    """The model, counting the rows it is run on (an opaque model: scored one row per input)."""
 
     def __init__(self, model):
         super().__init__()
-        self.model, self.rows, self.calls = model, 0, 0
+        self.inner, self.rows, self.context_rows = model, 0, 0
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, cache=None):
         self.rows += input_ids.shape[0]
-        self.calls += 1
-        return self.model(input_ids)
+        if cache is not None and cache.pos == 0:
+            self.context_rows += input_ids.shape[0]
+        return self.inner(input_ids, cache=cache)
+
+
+class EngineLike(RowCounter):
+    """Our OLMo behind `.module`, as a DeepSpeed engine holds it: contexts share their KV cache."""
+
+    @property
+    def module(self):
+        return self.inner
 
 
 @torch.no_grad()
@@ -59,8 +68,14 @@ def test_scores_equal_brute_force_and_each_distinct_input_runs_once(model, neox,
     inputs = {tuple((list(c) + list(k))[:-1]) for c, k in prepared.requests}
     maximal = [s for s in inputs if not any(len(o) > len(s) and o[: len(s)] == s for o in inputs)]
     assert scored.forward_rows == counter.rows == len(maximal) < len(inputs) < len(prepared.requests)
-    # 24 piqa+arc questions share 3 unconditional contexts ("Answer:") and one context per question
+    # 24 piqa+arc questions: one context each, plus the unconditional "Answer:" they all share
     assert prepared.distinct_contexts == 24 + 1
+
+    engine = EngineLike(model)
+    shared = score_requests(engine, prepared.requests, max_len=128, batch_tokens=1024)
+    np.testing.assert_allclose(shared.logprob, expected, rtol=0, atol=2e-4)
+    assert engine.context_rows == len({tuple(c) for c, _ in prepared.requests}) == 25  # each context run once
+    assert shared.forward_tokens < scored.forward_tokens
 
 
 def test_metrics_follow_from_the_scores(model, neox, tasks):
