@@ -1,19 +1,19 @@
-"""log p(continuation | context) for many requests, each distinct model input run once.
+"""log p(continuation | context) for many requests, each distinct context run through the model once.
 
-A request is (context ids, continuation ids). The model input is (context + continuation)[:-1] and
-the scored positions are the last len(continuation) ones. Many requests share work:
+A request is (context ids, continuation ids); its score is the sum of log-probs of the continuation
+tokens given everything before them, exactly what lm-evaluation-harness computes request by request.
+The choices of a question share its context, so most of that work is repeated. Two ways to share it:
 
-- choices of one question share the context, and for one-token continuations the model input is
-  *identical* across choices (it is just the context);
-- more generally, when one request's model input is a prefix of another's, the longer row's logits
-  already hold every position the shorter one needs (the model is causal).
+- Our OLMo (also inside a DeepSpeed engine): each distinct context is run once into a KV cache; the
+  first continuation token is read at its last position, and every distinct continuation runs
+  only its own tokens against a copy of that cache. On piqa + arc_easy this halves the tokens run.
+- Any other model (e.g. transformers', for agreement checks): one row per distinct model input
+  (context + continuation)[:-1]. Inputs that are a prefix of another are read from the longer
+  row's logits (the model is causal), so one-token answers to one question cost a single row.
 
-So the unique inputs are sorted, each input that is a prefix of another is attached to the longest
-row extending it, and only those "host" rows are run: every distinct context is scored once.
-This is the same result lm-evaluation-harness computes request by request, at a fraction of the cost.
-
-A context longer than the window is truncated from the left (the continuation always kept whole) and
-counted; a continuation that does not fit the window is an error, since its score would be wrong.
+A context longer than the window is truncated from the left (the continuation always kept whole),
+counted, and scored on the row path; a continuation that does not fit the window is an error, since
+its score would be wrong.
 """
 
 from __future__ import annotations
