@@ -3,7 +3,7 @@
 One evaluation of one checkpoint writes `results.json` (by default in `RUN/eval/step-NNNNNNN/`,
 beside, not inside, the checkpoint, so pruning checkpoints never loses their scores) and adds its
 scalars to the run's TensorBoard directory `RUN/tb` at the checkpoint's step, under the same tags
-the training loop's evaluations use (`scalars`). `compare_run` then reads every `results.json` of
+the training loop's evaluator uses (`scalars`). `compare_run` then reads every `results.json` of
 the run into one metric-vs-step table and plot.
 """
 
@@ -22,7 +22,7 @@ EVAL_DIR = "eval"
 TB_DIR = "tb"
 COMPARISON_MD = "comparison.md"
 COMPARISON_PNG = "comparison.png"
-PPL_METRICS = ("bits_per_byte", "ce_loss", "perplexity")
+PPL_TAGS = {"ce_loss": "loss", "perplexity": "ppl", "bits_per_byte": "bpb"}
 
 
 def versions() -> dict[str, str]:
@@ -76,15 +76,17 @@ def _finite(obj):
 
 
 def scalars(perplexity: dict[str, dict], tasks: dict[str, dict]) -> dict[str, float]:
-    """TensorBoard tags -> values: `eval/<source>/<metric>`, `eval/downstream/<task>/<metric>`."""
+    """TensorBoard tags -> values, the tags the training loop's evaluator writes
+    (olmo_ds/train/evaluation.py), so offline and in-loop points share one chart:
+    `eval/<source>/{loss,ppl,bpb}` and `eval/<task>/<metric>` for every numeric task metric."""
     out = {}
     for source, r in perplexity.items():
-        for m in PPL_METRICS:
-            out[f"eval/{source}/{m}"] = r[m]
+        for metric, tag in PPL_TAGS.items():
+            out[f"eval/{source}/{tag}"] = r[metric]
     for task, r in tasks.items():
-        for m, v in r.items():
-            if m.startswith("acc") or m in ("primary", "bits_per_byte_corr"):
-                out[f"eval/downstream/{task}/{m}"] = v
+        for metric, value in r.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[f"eval/{task}/{metric}"] = float(value)
     return out
 
 
