@@ -47,6 +47,7 @@ def main() -> int:
     g.add_argument("--deepcompile", action="store_true", help="DeepSpeed DeepCompile (engine.compile with deepcompile on)")
     g.add_argument("--engine-compile", action="store_true", help="engine.compile(): torch.compile under DeepSpeed's hooks")
     g.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--profile-dir", default=None, help="profile two extra steps of each path; op tables go here")
     p.add_argument("--json", type=Path, default=None, help="also write the full result as JSON here")
     p.add_argument("--sweep", default=None, metavar="V1,V2,...",
                    help=f"run named variants, one process each, and print a table; known: {', '.join(VARIANTS)}")
@@ -75,6 +76,7 @@ def main() -> int:
             preset=args.preset, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
             ds_config=args.ds_config, ds_set=args.ds_set, model_set=args.model_set, precision=args.precision,
             warmup=args.warmup, steps=args.steps, reference=args.reference, deepspeed=args.deepspeed, work_dir=args.work_dir,
+            profile_dir=args.profile_dir,
             experiments=Experiments(compile_pointwise=args.compile_pointwise, compile_blocks=args.compile_blocks,
                                     loss_chunk=args.loss_chunk, deepcompile=args.deepcompile,
                                     engine_compile=args.engine_compile, compile_backend=args.compile_backend),

@@ -84,6 +84,7 @@ class BenchOptions:
     reference: bool = True
     deepspeed: bool = True
     work_dir: str = str(ROOT / "out" / "bench-train")  # shards (reused) and the resolved DeepSpeed JSON
+    profile_dir: str | None = None  # profile two extra steps of each path and write op tables here
     experiments: Experiments = field(default_factory=Experiments)
 
 
@@ -341,7 +342,7 @@ def run_reference(cfg, model_cfg, opts: BenchOptions, flops: dict, peak: float |
         return (loss_sum / n_micro).item()  # synchronises, as the trainer's step does
 
     try:
-        result = _time_steps(step, loader, opts, flops, peak, cfg.batch.global_batch_size * cfg.batch.seq_len)
+        result = _time_steps(step, loader, opts, flops, peak, cfg.batch.global_batch_size * cfg.batch.seq_len, "reference")
     finally:
         loader.close()
     del model, optimizer
@@ -351,7 +352,33 @@ def run_reference(cfg, model_cfg, opts: BenchOptions, flops: dict, peak: float |
     return result
 
 
-def _time_steps(step, loader, opts: BenchOptions, flops: dict, peak: float | None, tokens_per_step: int) -> dict:
+def _profile(step, name: str, opts: BenchOptions) -> dict:
+    """Two more steps under torch.profiler: the op table goes to `profile_dir`, and the share of wall
+    time the device spent in kernels (well under 1 means the host or a synchronisation starves it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    _sync()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step()
+        _sync()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    # Kernels only: operator rows repeat the time of the kernels they launch.
+    kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    device_us = sum(e.self_device_time_total for e in kernels)
+    sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    directory = Path(opts.profile_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"profile_{name}.txt").write_text(
+        events.table(sort_by=sort, row_limit=40, max_name_column_width=70) + "\n"
+        + events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    return {"profile_wall_s": wall, "device_busy_fraction": device_us / 1e6 / wall if torch.cuda.is_available() else None}
+
+
+def _time_steps(step, loader, opts: BenchOptions, flops: dict, peak: float | None, tokens_per_step: int, name: str = "") -> dict:
     losses = [step() for _ in range(opts.warmup)]
     _sync()
     _peak_memory_reset()
@@ -362,7 +389,10 @@ def _time_steps(step, loader, opts: BenchOptions, flops: dict, peak: float | Non
         losses.append(step())
         _sync()
         times.append(time.perf_counter() - t0)
-    return _summarise(times, loader.wait_seconds - wait0, tokens_per_step, flops, peak, losses)
+    result = _summarise(times, loader.wait_seconds - wait0, tokens_per_step, flops, peak, losses)
+    if opts.profile_dir:
+        result.update(_profile(step, name, opts))
+    return result
 
 
 def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> dict:
@@ -376,7 +406,7 @@ def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> d
     init_s = time.perf_counter() - t0
     try:
         result = _time_steps(lambda: trainer.train_step(trainer.loader.next_batch())["loss"], trainer.loader, opts, flops, peak,
-                             cfg.batch.global_batch_size * cfg.batch.seq_len)
+                             cfg.batch.global_batch_size * cfg.batch.seq_len, "deepspeed")
     finally:
         trainer.loader.close()
     result["init_s"] = init_s
@@ -479,6 +509,9 @@ def format_report(r: dict) -> str:
             f"{100 * m['data_wait_fraction']:>8.2f}% {m['peak_alloc_gib']:>8.1f} {m['loss_first']:>6.3f}->{m['loss_last']:<6.3f}"
         )
     for key in ("reference", "deepspeed"):
+        if r.get(key, {}).get("device_busy_fraction") is not None:
+            lines.append(f"{key}: device busy {100 * r[key]['device_busy_fraction']:.1f}% of wall time over 2 profiled steps "
+                         f"(op table in {o['profile_dir']})")
         if r.get(key, {}).get("counters"):
             lines.append(f"{key} patched-path counts: {r[key]['counters']}")
     if "ratio_deepspeed_to_reference" in r:
@@ -498,16 +531,25 @@ VARIANTS: dict[str, list[str]] = {
     "persist_all": PERSIST_ALL,
     "prefetch_big": ["--ds-set", "zero_optimization.stage3_prefetch_bucket_size=500000000"],
     "no_overlap": ["--ds-set", "zero_optimization.overlap_comm=false"],
+    "big_buckets": ["--ds-set", "zero_optimization.reduce_bucket_size=500000000"],
+    # zero.Init replaces torch.nn.functional.linear process-wide with DeepSpeed's own autograd function
+    # (memory_efficient_linear, on by default), which torch.compile cannot fuse through.
+    "plain_linear": ["--ds-set", "zero_optimization.memory_efficient_linear=false"],
     "attn_flash": ["--model-set", "attention_backend=sdpa_flash"],
     "attn_flex": ["--model-set", "attention_backend=flex"],
     "compile_pointwise": ["--compile-pointwise"],
     "compile_blocks": ["--compile-blocks", *PERSIST_ALL],
-    "loss_chunk_16k": ["--loss-chunk", "16384"],
+    "loss_chunk_1k": ["--loss-chunk", "1024"],
     "loss_chunk_2k": ["--loss-chunk", "2048"],
+    "loss_chunk_4k": ["--loss-chunk", "4096"],
+    "loss_chunk_8k": ["--loss-chunk", "8192"],
     "mb2": ["--micro-batch-size", "2"],
     "mb8": ["--micro-batch-size", "8"],
     "accum8": ["--grad-accum", "8"],
     "noref": ["--no-reference"],
+    # The levers that helped on one H200 (BENCHMARKS.md), together.
+    "tuned": ["--compile-blocks", *PERSIST_ALL, "--ds-set", "zero_optimization.reduce_bucket_size=500000000",
+              "--ds-set", "zero_optimization.memory_efficient_linear=false"],
     "deepcompile": ["--deepcompile"],
     "engine_compile": ["--engine-compile"],
 }

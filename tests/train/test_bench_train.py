@@ -23,7 +23,7 @@ TINY = ["--preset", "tiny", "--seq-len", "64", "--micro-batch-size", "2", "--gra
 def sweep(tmp_path_factory):
     work = tmp_path_factory.mktemp("bench")
     out = work / "rows.json"
-    proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(work), "--sweep", "baseline", "--json", str(out)], timeout=120)
+    proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(work), "--sweep", "baseline", "--json", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text()), work
 
@@ -55,7 +55,7 @@ def test_experiment_switches_keep_the_loss(sweep):
     out = work / "switches.json"
     proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(work), "--compile-pointwise", "--compile-blocks",
                 "--compile-backend", "eager", "--loss-chunk", "48",
-                "--ds-set", "zero_optimization.stage3_param_persistence_threshold=1000000000000", "--json", str(out)], timeout=120)
+                "--ds-set", "zero_optimization.stage3_param_persistence_threshold=1000000000000", "--json", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["experiments_applied"] == ["compile_pointwise(eager)", "compile_blocks(eager)", "loss_chunk=48"]
@@ -70,6 +70,6 @@ def test_experiment_switches_keep_the_loss(sweep):
 
 def test_bad_ds_override_is_reported(tmp_path):
     proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(tmp_path), "--no-reference",
-                "--ds-set", "zero_optimization.stage=5"], timeout=120)
+                "--ds-set", "zero_optimization.stage=5"], timeout=300)
     assert proc.returncode == 2
     assert "zero_optimization.stage must be 1, 2 or 3" in proc.stderr
