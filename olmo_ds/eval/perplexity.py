@@ -188,7 +188,7 @@ class TextSource:
     path: Path
     kind: str  # "shards" | "jsonl"
     tokens: np.ndarray
-    documents: int
+    documents: int  # whole documents among `tokens`
 
 
 def parse_source_spec(spec: str) -> tuple[str | None, Path]:
@@ -205,11 +205,11 @@ def load_source(spec: str, tokenizer, *, max_tokens: int | None = None, text_fie
     if path.is_dir() and not (path / shards.MANIFEST).exists() and (path / "val" / shards.MANIFEST).exists():
         path = path / "val"
     if path.is_dir() and (path / shards.MANIFEST).exists():
-        tokens, docs = _shard_tokens(path, tokenizer, max_tokens)
+        tokens = _shard_tokens(path, tokenizer, max_tokens)
         kind = "shards"
         default_name = path.parent.name if path.name == "val" else path.name
     elif path.is_file() and path.name.endswith(JSONL_SUFFIXES):
-        tokens, docs = _jsonl_tokens(path, tokenizer, max_tokens, text_field)
+        tokens = _jsonl_tokens(path, tokenizer, max_tokens, text_field)
         kind = "jsonl"
         default_name = path.name.split(".")[0]
     elif path.exists():
@@ -218,10 +218,11 @@ def load_source(spec: str, tokenizer, *, max_tokens: int | None = None, text_fie
         raise FileNotFoundError(f"{path}: no such evaluation data")
     if len(tokens) < 2:
         raise ValueError(f"{path}: holds {len(tokens)} tokens; at least 2 are needed for one prediction")
-    return TextSource(name or default_name, path, kind, tokens, docs)
+    # Every document ends with EOS, so this also counts right when --max-tokens cut the source short.
+    return TextSource(name or default_name, path, kind, tokens, int((tokens == tokenizer.eos_id).sum()))
 
 
-def _shard_tokens(directory: Path, tokenizer, max_tokens: int | None) -> tuple[np.ndarray, int]:
+def _shard_tokens(directory: Path, tokenizer, max_tokens: int | None) -> np.ndarray:
     source = TokenSource(directory)  # checks the manifest against every shard's metadata and size
     if source.tokenizer_fingerprint != tokenizer.fingerprint:
         raise ValueError(
@@ -233,11 +234,11 @@ def _shard_tokens(directory: Path, tokenizer, max_tokens: int | None) -> tuple[n
         raise ValueError(f"{directory}: token id {source.max_token_id} >= the tokenizer's vocab size {tokenizer.vocab_size}")
     tokens = np.empty(min(source.num_tokens, max_tokens or source.num_tokens), dtype=np.int64)
     source.read(0, tokens)
-    return tokens, source.manifest.num_docs
+    return tokens
 
 
-def _jsonl_tokens(path: Path, tokenizer, max_tokens: int | None, text_field: str) -> tuple[np.ndarray, int]:
-    pieces, docs, total, chunk = [], 0, 0, []
+def _jsonl_tokens(path: Path, tokenizer, max_tokens: int | None, text_field: str) -> np.ndarray:
+    pieces, total, chunk = [], 0, []
 
     def flush() -> int:
         n = 0
@@ -249,7 +250,6 @@ def _jsonl_tokens(path: Path, tokenizer, max_tokens: int | None, text_field: str
 
     for text in read_texts(path, text_field):
         chunk.append(text)
-        docs += 1
         if len(chunk) == 256:
             total += flush()
             if max_tokens is not None and total >= max_tokens:
@@ -257,4 +257,4 @@ def _jsonl_tokens(path: Path, tokenizer, max_tokens: int | None, text_field: str
     if chunk:
         flush()
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    return (tokens[:max_tokens] if max_tokens is not None else tokens), docs
+    return tokens[:max_tokens] if max_tokens is not None else tokens
