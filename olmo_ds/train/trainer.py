@@ -13,6 +13,7 @@ the accumulation boundary; a step whose loss or gradients are not finite is skip
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -377,6 +378,19 @@ class Trainer:
                            if k.endswith(("/loss", "/ppl", "/bpb", "/acc_per_char")))
         log.info("eval step %d | %s | %.1fs", self.step, shown, time.perf_counter() - t0)
         return metrics
+
+    def close(self) -> None:
+        """End of the process's training: stop the data thread, tear down the process group.
+
+        Also freezes the garbage collector: the interpreter's shutdown runs a full collection per
+        module it unloads, and with DeepSpeed, TensorBoard and their imports loaded that re-scans
+        every live object hundreds of times (~10 s per rank on 2 CPU cores) for nothing.
+        """
+        self.loader.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+        gc.freeze()
 
     def _log(self, logger: MetricsLogger, m: dict, window: dict, peak: float | None) -> None:
         elapsed = max(time.perf_counter() - window["t"], 1e-9)
