@@ -6,9 +6,11 @@ Also runs under torchrun, Slurm's srun, or plain `python` (one rank). See olmo_d
 """
 
 import argparse
+import os
 import sys
 
 from olmo_ds.train.config import ConfigError, load_config
+from olmo_ds.train.launch import collective_failure, lost_ranks
 from olmo_ds.train.trainer import CheckpointSaveError, NonFiniteLossError, Trainer
 
 
@@ -27,6 +29,15 @@ def main() -> int:
     except (ConfigError, NonFiniteLossError, CheckpointSaveError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        lost = lost_ranks() if collective_failure(e) else []
+        if not lost:
+            raise
+        print(f"error: rank {os.environ.get('RANK', '0')}: rank {', '.join(map(str, lost))} died or stopped responding "
+              f"({str(e).splitlines()[0][:200]}); stopping. Restart the run with --resume auto", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(3)  # a normal exit tears down the process group, which can block on the dead rank's sockets
+    trainer.close()
     return 0
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import socket
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger("olmo_ds")
@@ -96,3 +97,42 @@ def init_distributed() -> DistEnv:
         torch.cuda.set_device(dist_env.local_rank)
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), auto_mpi_discovery=False)
     return dist_env
+
+
+def lost_ranks(wait_s: float = 10.0) -> list[int]:
+    """After a collective failed: the ranks that do not check in on the rendezvous store within `wait_s`.
+
+    gloo and NCCL report a dead peer as "Connection reset by peer [addr]:port", never as a rank, and
+    the deepspeed launcher names the last rank it started rather than the one that died. So every
+    surviving rank writes a key of its own to the store that the ranks met at, and waits; the ranks
+    whose keys never appear are dead or hung. Under the deepspeed launcher (env:// rendezvous) rank 0
+    hosts that store, so a store that cannot be reached means rank 0 is gone.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1:
+        return []
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
+                              timeout=timedelta(seconds=wait_s), wait_for_workers=False)
+        prefix = "olmo_ds/roll-call/"
+        store.set(f"{prefix}{rank}", "here")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(world) if not store.check([f"{prefix}{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.2)
+    except (RuntimeError, KeyError, ValueError):  # DistStoreError is a RuntimeError: the store's host is gone
+        return [0] if rank != 0 else []
+
+
+def collective_failure(e: BaseException) -> bool:
+    """Whether an exception is a failed collective (a peer gone), not an error of this rank's own."""
+    import torch.distributed as dist
+
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "NCCL", "Connection reset", "Connection closed"))
