@@ -10,18 +10,17 @@ into its stages, since once tokenizing is fast the rest of the pipeline is what 
 
 from __future__ import annotations
 
-import ast
 import gzip
+import hashlib
 import json
 import os
 import random
 import shutil
-import tempfile
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import orjson
@@ -29,38 +28,41 @@ import orjson
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _pool_documents() -> list[str]:
-    """Real prose and code that every Python installation carries: docstrings and module sources
-    of the standard library, plus the C4 web sample when ../shared is present."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    docs = []
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
-        try:
-            source = path.read_text(encoding="utf-8")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        docs.append(source)
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) >= 200:
-                    docs.append(doc)
+def _unique_documents(limit: int) -> list[str]:
+    """Real code and prose that every installation of the project carries, no text twice: the
+    Python sources (code with docstrings) and the .md/.rst/.txt files of the standard library and
+    the installed packages, plus the C4 web sample when ../shared is present; up to `limit` bytes.
+
+    Repeated documents would flatter any tokenizer with a cache, so a document is taken once.
+    """
+    seen, docs, total = set(), [], 0
     c4 = REPO / ".." / "shared" / "data" / "c4-sample"
     for f in sorted(c4.glob("*.json.gz")):
         with gzip.open(f, "rt") as fh:
             docs += [json.loads(line)["text"] for line in fh]
+    roots = {Path(sysconfig.get_paths()[k]) for k in ("stdlib", "purelib")}
+    paths = sorted({p for root in roots for p in root.rglob("*") if p.suffix in (".py", ".md", ".rst", ".txt") and p.is_file()})
+    random.Random(0).shuffle(paths)  # mix code and prose, and packages with each other
+    for path in paths:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
+        if len(text) < 200 or digest in seen:
+            continue
+        seen.add(digest)
+        docs.append(text)
+        total += len(text.encode())
+        if total >= limit:
+            break
     return docs
 
 
 def generate_corpus(directory: Path, size_mb: int, files: int = 8) -> Path:
-    """JSON-lines files holding about `size_mb` MB of text; reused when already there.
+    """JSON-lines files holding about `size_mb` MB of distinct real documents; reused when present.
 
-    The pool of real documents (~tens of MB) is repeated in seeded random orders to reach the size.
+    If the installation holds less text than asked for, the corpus is what there is (it says so).
     """
     directory = Path(directory)
     marker = directory / f"corpus-{size_mb}mb.done"
@@ -69,25 +71,11 @@ def generate_corpus(directory: Path, size_mb: int, files: int = 8) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     for old in directory.glob("part-*.jsonl"):
         old.unlink()
-    pool = _pool_documents()
-    rng = random.Random(0)
-    target = size_mb * 1_000_000
-    per_file = target // files
-    written, part = 0, 0
-    out = open(directory / f"part-{part:03d}.jsonl", "wb")
-    while written < target:
-        rng.shuffle(pool)
-        for doc in pool:
-            line = orjson.dumps({"text": doc}) + b"\n"
-            out.write(line)
-            written += len(line)
-            if written >= per_file * (part + 1) and part + 1 < files:
-                out.close()
-                part += 1
-                out = open(directory / f"part-{part:03d}.jsonl", "wb")
-            if written >= target:
-                break
-    out.close()
+    lines = [orjson.dumps({"text": d}) + b"\n" for d in _unique_documents(size_mb * 1_000_000)]
+    per_file = -(-len(lines) // files)
+    for i in range(files):
+        with open(directory / f"part-{i:03d}.jsonl", "wb") as out:
+            out.writelines(lines[i * per_file : (i + 1) * per_file])
     marker.touch()
     return directory
 
