@@ -74,8 +74,7 @@ class ShardMeta:
 
     @classmethod
     def load(cls, path: Path) -> "ShardMeta":
-        with open(path) as f:
-            d = json.load(f)
+        d = _read_json_object(path, "shard metadata")
         names = {f.name for f in dataclasses.fields(cls)}
         missing = names - set(d) - {"format_version"}
         if missing:
@@ -299,7 +298,24 @@ def open_tokens(path: Path, meta: ShardMeta) -> np.memmap:
 
 
 def load_offsets(path: Path) -> np.ndarray:
-    return np.load(path, mmap_mode="r")
+    try:
+        offsets = np.load(path, mmap_mode="r")
+    except (ValueError, EOFError) as e:  # empty, truncated or not an .npy file: numpy's message names no file
+        raise ValueError(f"{path}: unreadable document offsets ({e}); the shard is corrupt, rerun prepare_data.py") from None
+    if offsets.ndim != 1:
+        raise ValueError(f"{path}: document offsets have shape {offsets.shape}, expected one dimension")
+    return offsets
+
+
+def _read_json_object(path: Path, what: str) -> dict:
+    """A JSON object from `path`; an empty, truncated or foreign file is a ValueError naming it."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: {what} is not valid JSON ({e}); the file is truncated or corrupt") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: {what} must be a JSON object, got {type(d).__name__}")
+    return d
 
 
 @dataclass
@@ -319,8 +335,7 @@ class Manifest:
         path = Path(directory) / MANIFEST
         if not path.exists():
             raise FileNotFoundError(f"{path}: no manifest; is {directory} a shard directory written by scripts/prepare_data.py?")
-        with open(path) as f:
-            d = json.load(f)
+        d = _read_json_object(path, "manifest")
         names = [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
         missing = [n for n in names if n not in d and n != "format_version"]
         if missing:

@@ -106,7 +106,7 @@ def check_shard(directory: Path, bin_name: str, prefix: str = "") -> ShardReport
         report.errors.append(f"missing offsets {meta.offsets}")
         return report
     try:
-        offsets = np.load(offsets_file, mmap_mode="r")
+        offsets = shards.load_offsets(offsets_file)
     except ValueError as e:
         report.errors.append(f"unreadable offsets {meta.offsets}: {e}")
         return report
