@@ -1,7 +1,7 @@
 """Run by test_in_loop.py under torchrun: the in-loop evaluators on a real DeepSpeed ZeRO-3 engine.
 
 Every parameter is partitioned, so each forward is a collective; the task rows are deliberately
-split unevenly across ranks, (9 batches of rows for 2 ranks), so this hangs unless every rank runs the same number of forwards.
+split unevenly across ranks, (7 batches of contexts for 2 ranks), so this hangs unless every rank runs the same number of forwards.
 Rank 0 writes the metrics and the gathered weights for the test to recompute on one process.
 
     python -m torch.distributed.run --nproc_per_node 2 inloop_worker.py OUT_DIR VAL_SHARDS

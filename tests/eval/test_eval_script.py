@@ -27,6 +27,7 @@ def eval_sh(args, nproc=1, cwd=None):
     return proc
 
 
+@pytest.mark.multirank
 def test_eval_sh_one_and_two_ranks_agree(exported, tmp_path):
     args = [exported, "--data", f"c4={C4[0]}", "--tasks", PIQA, ARC_EASY, "--limit", "10", "--seq-len", "64", "--batch-tokens", "512"]
     one = eval_sh(args + ["--out", tmp_path / "one"], cwd=tmp_path)

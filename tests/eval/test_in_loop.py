@@ -29,7 +29,7 @@ def test_zero3_in_loop_evaluation_matches_one_process(neox, tmp_path):
     texts = [json.loads(line)["text"] for line in gzip.open(C4[2], "rt")][:3]
     tokens = np.array([i for t in texts for i in neox.encode(t) + [neox.eos_id]])
     write_shards(tmp_path / "val", tokens, neox, len(texts))
-    proc = run(torchrun_cmd(Path(__file__).with_name("inloop_worker.py"), str(tmp_path), str(tmp_path / "val")), timeout=180)
+    proc = run(torchrun_cmd(Path(__file__).with_name("inloop_worker.py"), str(tmp_path), str(tmp_path / "val")), timeout=400)
     assert proc.returncode == 0 and proc.stdout.count("INLOOP OK") == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
     got = json.loads((tmp_path / "metrics.json").read_text())
 
