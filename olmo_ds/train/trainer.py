@@ -226,8 +226,12 @@ class Trainer:
 
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # ce, z, non-finite micro-batches
         n_micro = rows // micro
+        assert engine.gradient_accumulation_steps() == n_micro, "engine accumulation out of step with the batch"
         for i in range(n_micro):
             mb = {k: v[i * micro:(i + 1) * micro].to(self.device, non_blocking=True) for k, v in batch.items()}
+            # Said explicitly: DeepSpeed would infer the boundary from its running micro-step count, which
+            # a change of the batch size (and so of the accumulation steps) puts out of phase.
+            engine.set_gradient_accumulation_boundary(i == n_micro - 1)
             out = engine(mb["input_ids"], labels=mb["labels"], doc_lens=mb.get("doc_lens"), z_loss_coef=cfg.optim.z_loss)
             engine.backward(out.loss)
             engine.step()  # applies the update only at the accumulation boundary
