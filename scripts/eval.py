@@ -3,6 +3,7 @@
     python scripts/eval.py runs/demo                                    # newest checkpoint, run's val shards
     python scripts/eval.py runs/demo/checkpoints/step-0000200 --tasks piqa_rc_0shot arc_easy_rc_0shot
     python scripts/eval.py runs/demo --all-checkpoints                  # every checkpoint + comparison plot
+    python scripts/eval.py runs/demo --all-checkpoints --skip-evaluated # only the new ones, then compare all
     python scripts/eval.py exported/ --data c4=data/c4-val.jsonl.gz     # a transformers directory, raw text
     torchrun --nproc_per_node 8 scripts/eval.py RUN --tasks ...         # split across GPUs, same numbers
 
@@ -26,6 +27,7 @@ def parse_args(argv=None) -> EvalOptions:
                    help=f"where task names are looked up (default: {', '.join(str(d) for d in DEFAULT_TASK_DIRS)})")
     p.add_argument("--out", help="where results.json goes (default: RUN/eval/step-N/, or DIR/eval/ for an exported model)")
     p.add_argument("--all-checkpoints", action="store_true", help="evaluate every complete checkpoint of the run, then compare them")
+    p.add_argument("--skip-evaluated", action="store_true", help="with --all-checkpoints: only checkpoints without a results.json yet")
     p.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len)")
     p.add_argument("--batch-tokens", type=int, help="padded tokens per forward pass (default: 4096 on CPU, 32768 on GPU)")
     p.add_argument("--max-tokens", type=int, help="evaluate at most this many tokens of each perplexity source")
@@ -39,7 +41,7 @@ def parse_args(argv=None) -> EvalOptions:
     a = p.parse_args(argv)
     return EvalOptions(
         target=a.target, data=a.data, tasks=a.tasks, task_dirs=a.task_dirs or [str(d) for d in DEFAULT_TASK_DIRS], out=a.out,
-        all_checkpoints=a.all_checkpoints, seq_len=a.seq_len, batch_tokens=a.batch_tokens, max_tokens=a.max_tokens, limit=a.limit,
+        all_checkpoints=a.all_checkpoints, skip_evaluated=a.skip_evaluated, seq_len=a.seq_len, batch_tokens=a.batch_tokens, max_tokens=a.max_tokens, limit=a.limit,
         uncond=a.uncond, device=a.device, dtype=a.dtype, backend=a.backend, text_field=a.text_field, tensorboard=a.tensorboard,
     )
 

@@ -38,6 +38,7 @@ class EvalOptions:
     task_dirs: list[str] = field(default_factory=lambda: [str(d) for d in DEFAULT_TASK_DIRS])
     out: str | None = None
     all_checkpoints: bool = False
+    skip_evaluated: bool = False  # with all_checkpoints: leave out checkpoints that already have results.json
     seq_len: int | None = None  # default: the model's max_seq_len
     batch_tokens: int | None = None  # padded tokens per forward; default by device
     max_tokens: int | None = None  # per perplexity source
@@ -88,7 +89,10 @@ def _targets(options: EvalOptions) -> list[tuple[str, Path]]:
         found = ckpt.list_checkpoints(ckpt.checkpoints_dir(path))
         if not found:
             raise FileNotFoundError(f"{path}: no complete checkpoint under {ckpt.CHECKPOINTS}/")
-        return [("checkpoint", d) for _, d in found]
+        targets = [("checkpoint", d) for _, d in found]
+        if options.skip_evaluated:
+            targets = [(k, d) for k, d in targets if not (_out_dir(options, k, d, True) / res.RESULTS).is_file()]
+        return targets
     return [loading.resolve_target(path)]
 
 
@@ -161,6 +165,8 @@ def run(options: EvalOptions) -> list[dict]:
     is_main = dist_ctx.rank == 0
 
     targets = _targets(options)
+    if not targets and is_main:
+        print("eval: every checkpoint of the run already has results (--skip-evaluated)", file=sys.stderr, flush=True)
     task_paths = [resolve_task(t, [Path(d) for d in options.task_dirs]) for t in options.tasks]
     tasks = [load_task(p) for p in task_paths]  # every record checked before any weight is loaded
     inputs_for: dict[str, _Inputs] = {}  # by tokenizer fingerprint: nothing is tokenized twice
@@ -189,7 +195,8 @@ def run(options: EvalOptions) -> list[dict]:
         del loaded
 
     if is_main and not options.out:
-        for run_dir in sorted({Path(d["run_dir"]) for d in documents if d["run_dir"]}):
+        run_dirs = {Path(d["run_dir"]) for d in documents if d["run_dir"]} | ({Path(options.target)} if options.all_checkpoints else set())
+        for run_dir in sorted(run_dirs):
             table, png = res.compare_run(run_dir)
             if png is not None:
                 print(f"\n**{run_dir}: evaluated checkpoints**\n\n{table}\n\nplot: {png}", flush=True)

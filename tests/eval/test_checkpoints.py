@@ -91,6 +91,16 @@ def test_every_checkpoint_of_a_run_tensorboard_and_comparison(trained_run):
     assert "plot:" in proc.stdout
 
 
+def test_skip_evaluated_leaves_out_checkpoints_with_results(trained_run, tmp_path):
+    from olmo_ds.eval.runner import EvalOptions, _targets
+
+    options = EvalOptions(target=str(trained_run), all_checkpoints=True, skip_evaluated=True, out=str(tmp_path))
+    assert [d.name for _, d in _targets(options)] == ["step-0000003", "step-0000006"]
+    (tmp_path / "step-0000003").mkdir()
+    (tmp_path / "step-0000003" / "results.json").write_text("{}")
+    assert [d.name for _, d in _targets(options)] == ["step-0000006"]
+
+
 def test_run_dir_resolves_to_its_newest_complete_checkpoint(trained_run, tmp_path):
     assert resolve_target(trained_run) == ("checkpoint", trained_run / "checkpoints" / "step-0000006")
     broken = trained_run / "checkpoints" / "step-0000009"
