@@ -494,7 +494,8 @@ def format_report(r: dict) -> str:
         f"({r['tokens_per_step']:,} tokens/step), {r['precision']}, {r['environment']['device']}, "
         f"torch {r['environment']['torch']}, deepspeed {r['environment']['deepspeed']}",
         r["formula"],
-        f"MFU vs {r['peak_tflops']} TFLOP/s peak" if r["peak_tflops"] else "MFU: no known peak for this device",
+        f"MFU vs {r['peak_tflops']} TFLOP/s peak" if r["peak_tflops"] else
+        "MFU: no known peak for this device" + ("; CPU timings show only that the path runs" if r["environment"]["device"] == "cpu" else ""),
         f"experiments: {', '.join(r['experiments_applied']) or 'none'}; ds overrides: {', '.join(o['ds_set']) or 'none'}; "
         f"model overrides: {', '.join(o['model_set']) or 'none'}",
         f"{'run':<28} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'MFU+head':>8} {'step ms':>8} {'data wait':>9} {'peak GiB':>8} {'loss':>14}",
