@@ -1,9 +1,66 @@
-"""Bad-input kinds that the owners' tests already cover, by pytest node id (parametrised ids count
-every case). `make test-faults` runs them with the fault suite and the report counts them."""
+"""Faults and bad input that the owners' tests already cover, by pytest node id (a parametrised test
+counts each case). `make test-faults` runs them with the fault suite and the report counts them; the
+fault suite itself covers only what they do not."""
 
 from __future__ import annotations
 
-OWNER_TESTS: dict[str, list[str]] = {}
+OWNER_TESTS: dict[str, list[str]] = {
+    "crash/SIGKILL of prepare_data (fixed points)": [
+        "tests/data/test_prepare.py::test_rerun_after_a_crash_at_any_point_is_byte_identical",
+        "tests/data/test_prepare.py::test_rerun_after_sigkill_is_byte_identical",
+    ],
+    "bad input: corrupt shard (flipped byte, no EOS, offsets)": [
+        "tests/data/test_validate.py::test_flipped_byte_and_missing_eos",
+        "tests/data/test_validate.py::test_bad_offsets",
+        "tests/data/test_validate.py::test_corrupt_val_split",
+        "tests/data/test_loader.py::test_document_index_that_does_not_span_its_shard_is_named",
+    ],
+    "bad input: truncated shard": [
+        "tests/data/test_validate.py::test_truncated_bin",
+        "tests/data/test_loader.py::test_truncated_bin_is_named",
+        "tests/data/test_shards.py::test_truncated_shard_is_refused",
+    ],
+    "bad input: out-of-range token id": [
+        "tests/data/test_validate.py::test_out_of_range_id",
+        "tests/data/test_loader.py::test_an_id_beyond_the_tokenizer_is_named",
+    ],
+    "bad input: manifest disagrees with shards (validate)": [
+        "tests/data/test_validate.py::test_manifest_shard_mismatch",
+        "tests/data/test_validate.py::test_missing_shard_and_unlisted_shard",
+        "tests/data/test_loader.py::test_missing_shard_is_named",
+    ],
+    "bad input: two tokenizers in one source": [
+        "tests/data/test_loader.py::test_mixed_dtypes_and_tokenizers_in_one_source_are_refused",
+        "tests/data/test_loader.py::test_sources_of_different_tokenizers_are_refused",
+        "tests/data/test_validate.py::test_wrong_tokenizer",
+        "tests/data/test_prepare.py::test_output_of_another_tokenizer_or_settings_is_refused",
+    ],
+    "bad input: raw records and input paths (prepare)": [
+        "tests/data/test_prepare.py::test_every_bad_record_kind_is_skipped_counted_and_located",
+        "tests/data/test_prepare.py::test_clear_errors_before_any_work",
+    ],
+    "bad input: YAML typo'd key / wrong type": [
+        "tests/train/test_config.py::test_config_errors_name_the_key",
+        "tests/train/test_config.py::test_missing_file_is_named",
+    ],
+    "bad input: ds config contradicts train config": [
+        "tests/train/test_ds_config.py::test_concrete_value_that_agrees_is_kept_and_one_that_disagrees_names_both",
+        "tests/train/test_ds_config.py::test_structural_errors",
+    ],
+    "bad input: model/vocab/batch cross-checks": [
+        "tests/train/test_preflight.py::test_vocab_and_tokenizer_checks",
+        "tests/train/test_preflight.py::test_shape_batch_and_deepspeed_checks",
+        "tests/train/test_preflight.py::test_resume_refuses_another_model_or_world_size",
+    ],
+    "bad input: interrupted checkpoint save on disk": [
+        "tests/train/test_checkpoint.py::test_resume_auto_takes_the_newest_complete_checkpoint",
+        "tests/train/test_checkpoint.py::test_retention_keeps_last_n_and_every_mth_and_clears_old_partials",
+    ],
+    "bad input: malformed eval task records": [
+        "tests/eval/test_tasks.py::test_plain_jsonl_errors_name_file_and_line",
+        "tests/eval/test_tasks.py::test_olmes_errors",
+    ],
+}
 
 
 if __name__ == "__main__":  # the node ids, for `make test-faults` to run with the fault suite

@@ -18,6 +18,7 @@ import gzip
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -80,6 +81,22 @@ def format_table(rows: list[Row]) -> str:
     for r in rows:
         lines.append(f"{r.fault:<{width}}  {r.trials:>6}  {r.survived:>8}  {r.data_lost:>9}  {r.source}")
     return "\n".join(lines)
+
+
+def check(fault: str, action, pattern: str, untouched: Path | None = None, errors=(ValueError, FileNotFoundError)) -> None:
+    """`action()` must raise one of `errors` whose message matches `pattern`; `untouched` keeps its bytes."""
+    before = dir_bytes(untouched) if untouched is not None and untouched.exists() else None
+    message = None
+    try:
+        action()
+    except errors as e:
+        message = str(e)
+    intact = before is None or dir_bytes(untouched) == before
+    ok = message is not None and re.search(pattern, message) is not None
+    record(fault, survived=ok and intact, data_lost=not intact)
+    assert message is not None, f"{fault}: no error"
+    assert ok, f"{fault}: message {message!r} does not match {pattern!r}"
+    assert intact, f"{fault}: {untouched} changed"
 
 
 # --- files ---------------------------------------------------------------------------------------

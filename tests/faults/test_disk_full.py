@@ -66,7 +66,8 @@ def grow(path: Path, size: int) -> None:
     subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True)
 
 
-MECHANISMS = ["rlimit", pytest.param("tmpfs", marks=pytest.mark.skipif(not can_mount(), reason="needs root and mount"))]
+MECHANISMS = ["rlimit", pytest.param("tmpfs", marks=[pytest.mark.skipif(MODE != "full", reason="make test-faults"),
+                                                      pytest.mark.skipif(not can_mount(), reason="needs root and mount")])]
 
 
 def complete_shards(directory: Path) -> dict[str, bytes]:

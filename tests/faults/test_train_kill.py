@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +24,7 @@ import pytest
 import torch
 
 from olmo_ds.train import checkpoint as ckpt
-from tests.faults.faultlib import Ranks, record, rng, trials, wait_for
+from tests.faults.faultlib import MODE, ROOT, Ranks, base_env, check, record, rng, trials, wait_for
 from tests.train.train_testlib import tiny_config, write_config, write_markov_shards
 
 FAULT_STEP = "SIGKILL 2-rank training at a random step"
@@ -185,3 +188,40 @@ def test_kills_and_preemption_resume_bitwise_exact(reference, chain):
     else:
         failures.append(f"{final} is not complete")
     assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.skipif(MODE != "full", reason="one more launch: make test-faults")
+def test_resume_from_a_checkpoint_of_another_model_shape(reference, tmp_path):
+    """A real checkpoint, a config with another d_model: refused before any weight is touched."""
+    tmp, _, _, _ = reference
+    source = ckpt.checkpoints_dir(tmp / "reference") / ckpt.step_tag(MAX_STEPS)
+    run_dir = tmp_path / "other"
+
+    def resume():
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--config", str(tmp / "reference.yaml"),
+                               "--set", "model.d_model=64", "--set", f"run_dir={run_dir}", "--resume", str(source)],
+                              cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=180)
+        if proc.returncode != 2:
+            raise AssertionError(f"exit code {proc.returncode}\n{proc.stderr[-3000:]}")
+        raise ValueError(proc.stderr)
+
+    check("bad input: checkpoint of another model shape", resume,
+          rf"{source}: the checkpoint's model differs from the configured one \(d_model: checkpoint 32, config 64", untouched=source.parent)
+    assert not (run_dir / "checkpoints").exists(), "the refused run wrote checkpoints"
+
+
+def test_latest_pointing_at_a_missing_step(reference, tmp_path):
+    """`latest` is a convenience: resume and eval pick the newest complete checkpoint by scanning."""
+    from olmo_ds.eval.loading import resolve_target
+
+    tmp, _, _, _ = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ckpt.checkpoints_dir(tmp / "reference"), ckpt.checkpoints_dir(run_dir))
+    (ckpt.checkpoints_dir(run_dir) / ckpt.LATEST).write_text("step-0000999\n")
+    newest = ckpt.checkpoints_dir(run_dir) / ckpt.step_tag(MAX_STEPS)
+    picked = (ckpt.resolve_resume("auto", run_dir), resolve_target(run_dir)[1])
+    record("bad input: `latest` names a missing step", survived=picked == (newest, newest))
+    assert picked == (newest, newest)
+    missing = str(ckpt.checkpoints_dir(run_dir) / "step-0000999")
+    check("bad input: `latest` names a missing step", lambda: ckpt.resolve_resume(missing, run_dir),
+          rf"--resume {missing}: no such checkpoint directory", untouched=ckpt.checkpoints_dir(run_dir))
