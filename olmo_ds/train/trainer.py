@@ -153,8 +153,11 @@ class Trainer:
         self.model_cfg = cfg.model.build(vocab_size=vocab)
         check_run(cfg, self.model_cfg, self.loader, self.tokenizer, self.world_size)
         self.ds_config = exact_resume_optimizer(resolve_ds_config(cfg, self.model_cfg, self.world_size))
-        self.resume_dir = ckpt.resolve_resume(resume, cfg.run_dir)
-        self.resume_state = ckpt.read_train_state(self.resume_dir) if self.resume_dir else None
+        try:
+            self.resume_dir = ckpt.resolve_resume(resume, cfg.run_dir)
+            self.resume_state = ckpt.read_train_state(self.resume_dir) if self.resume_dir else None
+        except (FileNotFoundError, ValueError) as e:  # a bad --resume path, an interrupted save, a damaged train_state.json
+            raise ConfigError(str(e)) from None
         if self.resume_state is not None:
             check_resume(self.resume_state, self.model_cfg, self.world_size, self.resume_dir)
         self.evaluator = InLoopEvaluator(cfg, self.tokenizer, vocab, self.rank, self.world_size) if cfg.eval.every else None

@@ -64,6 +64,8 @@ def test_shape_batch_and_deepspeed_checks(tmp_path, one_rank):
     fails({**base, "eval": {"every": 5, "tasks": ["arc_easy_rc_0shot"]}}, r"eval.tasks needs `tokenizer` set", tmp_path)
     fails({**base, "eval": {"every": 5}}, r"eval.every is 5 but there is nothing to evaluate", tmp_path)
     fails({**base, "data": {"sources": [{"path": str(tmp_path / "missing")}]}}, rf"run.yaml: data: data source {tmp_path}/missing: no such directory", tmp_path)
+    with pytest.raises(ConfigError, match=r"--resume .*nope: no such checkpoint directory"):
+        Trainer(config_from_dict(base, source="run.yaml"), resume=str(tmp_path / "nope"))
     one_rank.setenv("WORLD_SIZE", "3")
     fails(base, r"global batch size 8 is not divisible by batch.micro_batch_size 2 x data-parallel size 3 = 6", tmp_path)
 
