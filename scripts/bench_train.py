@@ -43,6 +43,8 @@ def main() -> int:
     g.add_argument("--compile-pointwise", action="store_true", help="torch.compile RMSNorm, RoPE and SwiGLU math")
     g.add_argument("--compile-blocks", action="store_true",
                    help="torch.compile whole blocks as functions of their weights (needs persistent ZeRO-3 parameters)")
+    g.add_argument("--z3-leaf-blocks", action="store_true",
+                   help="ZeRO-3 gathers each block's weights as one unit (set_z3_leaf_modules), for --compile-blocks")
     g.add_argument("--loss-chunk", type=int, default=None, help="tokens per chunk of the fused head + loss")
     g.add_argument("--deepcompile", action="store_true", help="DeepSpeed DeepCompile (engine.compile with deepcompile on)")
     g.add_argument("--engine-compile", action="store_true", help="engine.compile(): torch.compile under DeepSpeed's hooks")
@@ -77,7 +79,7 @@ def main() -> int:
             ds_config=args.ds_config, ds_set=args.ds_set, model_set=args.model_set, precision=args.precision,
             warmup=args.warmup, steps=args.steps, reference=args.reference, deepspeed=args.deepspeed, work_dir=args.work_dir,
             profile_dir=args.profile_dir,
-            experiments=Experiments(compile_pointwise=args.compile_pointwise, compile_blocks=args.compile_blocks,
+            experiments=Experiments(compile_pointwise=args.compile_pointwise, compile_blocks=args.compile_blocks, z3_leaf_blocks=args.z3_leaf_blocks,
                                     loss_chunk=args.loss_chunk, deepcompile=args.deepcompile,
                                     engine_compile=args.engine_compile, compile_backend=args.compile_backend),
         )

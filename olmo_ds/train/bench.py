@@ -60,6 +60,10 @@ class Experiments:
     # torch.compile each whole block as a function of its weights, taken only while ZeRO-3 has every
     # weight of the block gathered (pair it with a persistence threshold above the largest matrix).
     compile_blocks: bool = False
+    # Mark each block a ZeRO-3 "leaf" module (deepspeed.utils.set_z3_leaf_modules): DeepSpeed then
+    # gathers all of a block's weights in the block's own forward and backward hooks and sets none on
+    # its children, so compiled blocks need no persistence threshold and weights stay sharded.
+    z3_leaf_blocks: bool = False
     # Tokens per chunk of the fused output-projection + cross-entropy (the model's default is 4096).
     loss_chunk: int | None = None
     # DeepSpeed's DeepCompile: `"compile": {"deepcompile": true}` and `engine.compile()` after init.
@@ -179,6 +183,18 @@ def apply_experiments(exp: Experiments) -> list[str]:
 
         model_mod.Block.forward = block_forward
         applied.append(f"compile_blocks({exp.compile_backend})")
+    if exp.z3_leaf_blocks:
+        import deepspeed
+        from deepspeed.utils import set_z3_leaf_modules
+
+        initialize = deepspeed.initialize
+
+        def initialize_with_leaf_blocks(*args, model=None, **kwargs):
+            set_z3_leaf_modules(model, [model_mod.Block])
+            return initialize(*args, model=model, **kwargs)
+
+        deepspeed.initialize = initialize_with_leaf_blocks
+        applied.append("z3_leaf_blocks")
     if exp.loss_chunk:
         chunk = int(exp.loss_chunk)
         original = model_mod.fused_linear_cross_entropy
@@ -551,6 +567,9 @@ VARIANTS: dict[str, list[str]] = {
     # The levers that helped on one H200 (BENCHMARKS.md), together.
     "tuned": ["--compile-blocks", *PERSIST_ALL, "--ds-set", "zero_optimization.reduce_bucket_size=500000000",
               "--ds-set", "zero_optimization.memory_efficient_linear=false"],
+    # tuned, with the blocks' weights gathered per block (ZeRO-3 leaf modules) instead of kept resident.
+    "tuned_leaf": ["--compile-blocks", "--z3-leaf-blocks", "--ds-set", "zero_optimization.reduce_bucket_size=500000000",
+                   "--ds-set", "zero_optimization.memory_efficient_linear=false"],
     "deepcompile": ["--deepcompile"],
     "engine_compile": ["--engine-compile"],
 }

@@ -54,14 +54,14 @@ def test_experiment_switches_keep_the_loss(sweep):
     _, rows, work = sweep
     out = work / "switches.json"
     proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(work), "--compile-pointwise", "--compile-blocks",
-                "--compile-backend", "eager", "--loss-chunk", "48",
-                "--ds-set", "zero_optimization.stage3_param_persistence_threshold=1000000000000", "--json", str(out)], timeout=300)
+                "--z3-leaf-blocks", "--compile-backend", "eager", "--loss-chunk", "48",
+                "--ds-set", "zero_optimization.memory_efficient_linear=false", "--json", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["experiments_applied"] == ["compile_pointwise(eager)", "compile_blocks(eager)", "loss_chunk=48"]
+    assert r["experiments_applied"] == ["compile_pointwise(eager)", "compile_blocks(eager)", "z3_leaf_blocks", "loss_chunk=48"]
     base = rows[0]["result"]
     for key in ("reference", "deepspeed"):
-        # The compiled-block path ran (ZeRO-3 keeps every weight gathered at this persistence threshold) ...
+        # The compiled-block path ran (ZeRO-3 gathers each leaf block's weights, then releases them) ...
         assert r[key]["counters"].get("compile_blocks.compiled_blocks", 0) > 0, r[key]["counters"]
         # ... and computes what the unpatched model computes, through the optimizer updates too.
         assert r[key]["loss_first"] == pytest.approx(base[key]["loss_first"], rel=1e-5)
