@@ -34,7 +34,9 @@ pytestmark = pytest.mark.multirank
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    return write_markov_shards(tmp_path_factory.mktemp("data") / "shards")
+    root = tmp_path_factory.mktemp("data")
+    write_markov_shards(root / "val", 4000, seed=1)
+    return write_markov_shards(root / "shards")
 
 
 def ok(result: subprocess.CompletedProcess) -> None:
@@ -49,6 +51,9 @@ def weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 def test_zero_stage_trains_and_resumes_exactly(stage, tmp_path, data_dir):
     ds = ROOT / "ds_configs" / f"zero{stage}_bf16.json"
     cfg = tiny_config(tmp_path, data_dir, max_steps=8, deepspeed_config=str(ds), checkpoint={"every": 4, "keep_last": 2}, **FAST_LEARNER)
+    if stage == 3:  # in-loop validation at steps 4 and 8; it must not perturb training (compared below)
+        cfg["data"] = {**cfg["data"], "val_sources": [{"path": str(data_dir.parent / "val"), "name": "val"}]}
+        cfg["eval"] = {"every": 4, "max_batches": 2}
     if stage == 1:  # batch-size warm-up: 1 then 2 accumulation steps from an odd step on, crossed by the resume
         cfg["batch"] = {**cfg["batch"], "schedule": [{"step": 0, "global_batch_size": 8}, {"step": 5, "global_batch_size": 16}]}
     tokens = sum(cfg["batch"]["seq_len"] * (8 if stage == 1 and s < 5 else 16) for s in range(8))
@@ -59,7 +64,7 @@ def test_zero_stage_trains_and_resumes_exactly(stage, tmp_path, data_dir):
 
     ref = losses_by_step(straight)
     assert sorted(ref) == list(range(1, 9))
-    assert all(m["train/skipped_steps"] == 0 for m in read_metrics(straight)), "an optimizer step was not applied"
+    assert all(m.get("train/skipped_steps", 0) == 0 for m in read_metrics(straight)), "an optimizer step was not applied"
     assert sum(ref[s] for s in (7, 8)) / 2 < ref[1] - 0.3, f"loss did not fall: {ref}"
     assert [s for s, _ in list_checkpoints(straight / "checkpoints")] == [4, 8]
     assert (straight / "checkpoints" / LATEST).read_text().strip() == "step-0000008"
@@ -87,6 +92,10 @@ def test_zero_stage_trains_and_resumes_exactly(stage, tmp_path, data_dir):
     assert after.keys() == final.keys()
     assert all(torch.equal(after[k], final[k]) for k in final)
     assert not partial.exists(), "the interrupted save was not cleaned up"
+    if stage == 3:
+        evals = {m["step"]: m["eval/val/loss"] for m in read_metrics(straight) if "eval/val/loss" in m}
+        again_evals = {m["step"]: m["eval/val/loss"] for m in read_metrics(resumed) if "eval/val/loss" in m}
+        assert sorted(evals) == [4, 8] and evals[8] < evals[4] and again_evals == {8: evals[8]}
 
 
 def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, *, skip: int = 0, timeout: float = 240) -> int:

@@ -119,4 +119,4 @@ def deepspeed_cmd(script: Path, *args: str) -> list[str]:
 
 def losses_by_step(run_dir: Path) -> dict[int, float]:
     """Loss per step from metrics.jsonl (logging.every = 1); a resumed run's lines override older ones."""
-    return {m["step"]: m["train/loss"] for m in read_metrics(run_dir)}
+    return {m["step"]: m["train/loss"] for m in read_metrics(run_dir) if "train/loss" in m}
