@@ -3,8 +3,8 @@ against a plain-PyTorch step of the same model and batches (see olmo_ds/train/be
 
     python scripts/bench_train.py                                    # GPU: olmo2-1b, seq 4096, micro-batch 4, ZeRO-3
     python scripts/bench_train.py --preset tiny --seq-len 64 --micro-batch-size 2 --steps 3   # CPU smoke run
-    python scripts/bench_train.py --ds-set zero_optimization.stage3_param_persistence_threshold=1e12
-    python scripts/bench_train.py --sweep baseline,persist_all,compile_pointwise   # one process per variant, table last
+    python scripts/bench_train.py --ds-set zero_optimization.reduce_bucket_size=500000000
+    python scripts/bench_train.py --sweep baseline,tuned_leaf,tuned_leaf+accum8   # one process per variant, table last
 
 Runs as a single rank without a launcher (or under `deepspeed --num_gpus 1`). On a machine without a
 GPU it defaults to the tiny preset in fp32 so that it finishes in seconds.
@@ -30,7 +30,7 @@ def main() -> int:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--ds-config", default="ds_configs/zero3_bf16.json")
     p.add_argument("--ds-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a DeepSpeed JSON field, e.g. zero_optimization.stage3_param_persistence_threshold=1e12")
+                   help="override a DeepSpeed JSON field, e.g. zero_optimization.reduce_bucket_size=500000000")
     p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model config field, e.g. attention_backend=sdpa_flash")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")

@@ -4,8 +4,8 @@ What is timed is what `scripts/pretrain.py` runs: a `Trainer` (DeepSpeed engine 
 config, the real `DataLoader` over shards written with `olmo_ds.data.shards`) and its `train_step`,
 data loading included, after warm-up steps that absorb compilation, DeepSpeed's JIT op builds and
 allocator growth. In the same process, before the engine exists, the same model and the same batches
-run through a plain-PyTorch step (bf16 parameters, fused `torch.optim.AdamW`, gradient clipping, no
-DeepSpeed): the ratio of the two is what DeepSpeed costs or gains on this device.
+run through a plain-PyTorch step (parameters in the run's precision, bf16 on a GPU, fused
+`torch.optim.AdamW`, gradient clipping, no DeepSpeed): the ratio of the two is what DeepSpeed costs or gains on this device.
 
 Throughput uses one FLOP formula, `ModelConfig.flops_per_token` (6 x non-embedding parameters +
 12 x layers x d_model x seq_len per token), printed with every report. It leaves out the output
@@ -58,13 +58,14 @@ class Experiments:
     # run eagerly around them.
     compile_pointwise: bool = False
     # torch.compile each whole block as a function of its weights, taken only while ZeRO-3 has every
-    # weight of the block gathered (pair it with a persistence threshold above the largest matrix).
+    # weight of the block gathered (pair it with z3_leaf_blocks, or with a persistence threshold above
+    # the largest matrix).
     compile_blocks: bool = False
     # Mark each block a ZeRO-3 "leaf" module (deepspeed.utils.set_z3_leaf_modules): DeepSpeed then
     # gathers all of a block's weights in the block's own forward and backward hooks and sets none on
     # its children, so compiled blocks need no persistence threshold and weights stay sharded.
     z3_leaf_blocks: bool = False
-    # Tokens per chunk of the fused output-projection + cross-entropy (the model's default is 4096).
+    # Tokens per chunk of the fused output-projection + cross-entropy (default: `LMHead.forward`'s).
     loss_chunk: int | None = None
     # DeepSpeed's DeepCompile: `"compile": {"deepcompile": true}` and `engine.compile()` after init.
     deepcompile: bool = False
@@ -80,7 +81,7 @@ class BenchOptions:
     micro_batch_size: int = 4
     grad_accum: int = 1  # micro-batches per optimizer step (global batch = micro x accum, one rank)
     ds_config: str = "ds_configs/zero3_bf16.json"
-    ds_set: list[str] = field(default_factory=list)  # "zero_optimization.stage3_param_persistence_threshold=1e9"
+    ds_set: list[str] = field(default_factory=list)  # "zero_optimization.reduce_bucket_size=500000000"
     model_set: list[str] = field(default_factory=list)  # ModelConfig fields, e.g. "attention_backend=sdpa_flash"
     precision: str | None = None  # None: bf16 on CUDA, fp32 on CPU
     warmup: int = 5
@@ -164,9 +165,9 @@ def apply_experiments(exp: Experiments) -> list[str]:
     if exp.compile_blocks:
         # The whole block as one compiled function of its weights. ZeRO-3's hooks fetch a module's
         # parameters only when that module's own forward runs, which this path skips, so it is taken
-        # only while every weight of the block is already gathered (persistent parameters, e.g. a
-        # stage3_param_persistence_threshold above the largest matrix); otherwise the block runs eagerly,
-        # whose hooks gather them. Gradients still reach DeepSpeed through the parameters' own hooks.
+        # only while every weight of the block is already gathered (the block is a ZeRO-3 leaf module,
+        # see z3_leaf_blocks, or its weights are persistent); otherwise the block runs eagerly, whose
+        # hooks gather them. Gradients still reach DeepSpeed through the parameters' own hooks.
         block_c = torch.compile(_block_math, **compile_kw)
         eager_forward = model_mod.Block.forward
 
@@ -199,7 +200,7 @@ def apply_experiments(exp: Experiments) -> list[str]:
         chunk = int(exp.loss_chunk)
         original = model_mod.fused_linear_cross_entropy
 
-        def chunked(hidden, weight, labels, z_loss_coef=0.0, chunk_size=4096):
+        def chunked(hidden, weight, labels, z_loss_coef=0.0, chunk_size=None):
             return original(hidden, weight, labels, z_loss_coef, chunk)
 
         model_mod.fused_linear_cross_entropy = chunked
