@@ -348,6 +348,7 @@ class Trainer:
                  self.flops_per_token,
                  f"MFU against {peak:g} TFLOP/s per device" if peak else "MFU not reported (unknown device peak; set logging.peak_tflops)")
         last_saved = self.step if self.resume_dir else None
+        first_step = self.step + 1  # logged whatever logging.every says: the starting loss is worth seeing
         window = {"t": time.perf_counter(), "wait": self.loader.wait_seconds, "tokens": 0, "steps": 0, "loss": 0.0}
         status = "done"
         try:
@@ -360,7 +361,7 @@ class Trainer:
                 window["tokens"] += m["tokens"]
                 window["steps"] += 1
                 window["loss"] += m["loss"]
-                if self.step % cfg.logging.every == 0 or self.step == cfg.max_steps:
+                if self.step % cfg.logging.every == 0 or self.step in (first_step, cfg.max_steps):
                     self._log(logger, m, window, peak)
                     window = {"t": time.perf_counter(), "wait": self.loader.wait_seconds, "tokens": 0, "steps": 0, "loss": 0.0}
                 paused = time.perf_counter()
