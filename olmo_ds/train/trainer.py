@@ -129,11 +129,11 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, *, resume: str | None = None):
         from olmo_ds.tokenizer import load_tokenizer
 
-        normalize_cuda_arch_list()
         self.cfg = cfg
         env = detect_environment()
         self.rank, self.world_size = env.rank, env.world_size
         setup_console_logging(self.rank)
+        normalize_cuda_arch_list()  # before DeepSpeed builds any op; logs what it changed
         self.run_dir = Path(cfg.run_dir)
 
         # Everything below up to the engine is cheap and checks the run before any heavy work.
