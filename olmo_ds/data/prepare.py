@@ -166,6 +166,21 @@ def _single_threaded() -> None:
     os.environ["RAYON_NUM_THREADS"] = "1"
 
 
+def _thread_count() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # no /proc: not Linux
+        return None
+
+
+def _start_method(threads_before: int | None) -> str:
+    """fork, so that workers inherit the loaded and checked tokenizer for free, unless loading or
+    running it started threads (a library's thread pool would be inherited without its threads):
+    then the workers are spawned and load the tokenizer themselves."""
+    now = _thread_count()
+    return "fork" if now is not None and threads_before is not None and now <= threads_before else "spawn"
+
+
 def _tokenizer_for(spec: _Spec):
     if spec not in _loaded:
         _loaded[spec] = load_tokenizer(spec.tokenizer, spec.eos_token, backend=spec.backend)
@@ -426,13 +441,12 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
         return PrepareResult(out, file_stats, m.num_docs, m.num_tokens, 0, 0, len(m.shards), SkipLog.from_dict(m.extra["skipped"]), 0.0, 0, 0, already_complete=True)
 
     _single_threaded()
+    threads_before = _thread_count()
+    encoder, backend = _select_backend(cfg, files, tok, log)
+    spec = _Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if backend["name"] == "fastokens" else "hf", cfg.text_field, cfg.val_fraction)
+    _loaded[spec] = encoder
     with contextlib.ExitStack() as stack:
-        # The pool is forked before the guard runs the fast tokenizer here: a child forked after a
-        # library has started its thread pool would inherit a pool without threads.
-        pool = stack.enter_context(mp.get_context("fork").Pool(cfg.workers)) if cfg.workers > 1 else None
-        encoder, backend = _select_backend(cfg, files, tok, log)
-        spec = _Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if backend["name"] == "fastokens" else "hf", cfg.text_field, cfg.val_fraction)
-        _loaded[spec] = encoder
+        pool = stack.enter_context(mp.get_context(_start_method(threads_before)).Pool(cfg.workers)) if cfg.workers > 1 else None
         if mode == "overwrite":
             for p in _our_files(out):
                 p.unlink()
