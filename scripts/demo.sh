@@ -24,7 +24,10 @@ make --no-print-directory prepare-data INPUT="$DEMO_DIR/raw" TOKENIZER="$DEMO_DI
 
 step "4/5 deepspeed --hostfile hostfile scripts/pretrain.py --config configs/demo.yaml"
 rm -rf "$RUN_DIR"
-deepspeed --hostfile hostfile scripts/pretrain.py --config configs/demo.yaml --set run_dir="$RUN_DIR"
+# With a hostfile, DeepSpeed's launcher first runs `ssh localhost hostname`; one machine needs no
+# ssh server, so skip that check and rendezvous on the loopback address.
+deepspeed --hostfile hostfile --no_ssh_check --master_addr 127.0.0.1 scripts/pretrain.py \
+  --config configs/demo.yaml --set run_dir="$RUN_DIR"
 
 step "5/5 bash scripts/eval.sh $RUN_DIR"
 bash scripts/eval.sh "$RUN_DIR" --out "$RUN_DIR/eval"
@@ -33,10 +36,10 @@ python - "$RUN_DIR" "$(( $(date +%s) - start ))" <<'PY'
 import json, sys
 from pathlib import Path
 run, seconds = Path(sys.argv[1]), int(sys.argv[2])
-rows = [json.loads(l) for l in open(run / "metrics.jsonl") if '"loss"' in l]
+rows = [r for r in map(json.loads, open(run / "metrics.jsonl")) if "train/loss" in r]
 first, last = rows[0], rows[-1]
 print(f"\nDemo finished in {seconds // 60} min {seconds % 60} s.")
-print(f"  training loss: {first['loss']:.3f} at step {first['step']} → {last['loss']:.3f} at step {last['step']}")
+print(f"  training loss: {first['train/loss']:.3f} at step {first['step']} → {last['train/loss']:.3f} at step {last['step']}")
 print(f"  checkpoint:    {(run / 'checkpoints' / 'latest').read_text().strip()} under {run}/checkpoints/")
 print(f"  evaluation:    {run}/eval/results.json")
 print(f"  TensorBoard:   tensorboard --logdir {run}/tb")
