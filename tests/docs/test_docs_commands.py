@@ -1,0 +1,137 @@
+"""Every ```bash block in README.md and docs/*.md runs, so the docs cannot go stale.
+
+Blocks run in document order (README first, then docs/ alphabetically) in one shared copy of the
+working tree, so a guide may use what the README's tour made (data/my_shards, runs/mine). A block
+holding a marker comment line — `# gpu-only`, `# multi-node` or `# not-run: <why>` — is only
+checked with `bash -n`. Every block, run or not, must name only scripts, configs and make targets
+that exist.
+
+The copy gets its own `.venv` made of links into the real one with a fresh install stamp, so the
+Makefile's install rule never fires there (it would re-point the shared editable install at the
+temporary copy). "Your own text" for the README tour is the C4 sample from ../shared.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO / ".." / "shared"
+MARKER = re.compile(r"^\s*#\s*(gpu-only|multi-node|not-run\b)", re.M)
+BLOCK_TIMEOUT_S = 300
+
+
+def doc_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def bash_blocks(path: Path) -> list[tuple[int, str]]:
+    """(1-based line of the opening fence, body) of every ```bash block."""
+    blocks, body, start = [], None, 0
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if body is None and line.strip() == "```bash":
+            body, start = [], n
+        elif body is not None and line.strip() == "```":
+            blocks.append((start, "\n".join(body) + "\n"))
+            body = None
+        elif body is not None:
+            body.append(line)
+    assert body is None, f"{path}:{start}: ```bash block never closed"
+    return blocks
+
+
+def make_targets() -> set[str]:
+    text = (REPO / "Makefile").read_text()
+    return set(re.findall(r"^([a-zA-Z_-]+):", text, re.M))
+
+
+def check_references(where: str, body: str) -> None:
+    """Scripts, ds_configs, tracked configs and make targets a block names must exist."""
+    created = set(re.findall(r"cat > (\S+) <<", body))
+    for ref in re.findall(r"(?<![\w/.])((?:scripts|ds_configs|configs)/[\w./-]+\.(?:py|sh|json|yaml|sbatch))", body):
+        assert ref in created or (REPO / ref).exists(), f"{where}: names {ref}, which does not exist"
+    targets = make_targets()
+    for target in re.findall(r"(?:^|[;&|]\s*)make\s+(?:-\S+\s+)*([a-z][\w-]*)(?=\s|$)", body, re.M):
+        assert target in targets, f"{where}: `make {target}` is not a Makefile target"
+
+
+ALL_BLOCKS = [(f"{p.relative_to(REPO)}:{line}", body) for p in doc_files() for line, body in bash_blocks(p)]
+
+
+@pytest.mark.parametrize("where,body", ALL_BLOCKS, ids=[w for w, _ in ALL_BLOCKS])
+def test_block_syntax_and_references(where: str, body: str) -> None:
+    result = subprocess.run(["bash", "-n"], input=body, text=True, capture_output=True)
+    assert result.returncode == 0, f"{where}: bash -n: {result.stderr}"
+    check_references(where, body)
+
+
+def copy_working_tree(dest: Path) -> None:
+    """Tracked and untracked-but-not-ignored files, as a fresh clone plus this change would have."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, check=True,
+    ).stdout.decode().split("\0")
+    for name in filter(None, files):
+        src = REPO / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def linked_venv(dest: Path) -> None:
+    """A .venv whose contents link to the real one, with its own up-to-date install stamp."""
+    real = Path(sys.prefix)
+    dest.mkdir()
+    for entry in real.iterdir():
+        if entry.name != ".installed":
+            (dest / entry.name).symlink_to(entry)
+    (dest / ".installed").touch()
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("docs")
+    (root / "shared").symlink_to(SHARED.resolve())
+    repo = root / "repo"
+    repo.mkdir()
+    copy_working_tree(repo)
+    linked_venv(repo / ".venv")
+    corpus = repo / "data" / "my_corpus"
+    corpus.mkdir(parents=True)
+    for f in sorted((SHARED / "data" / "c4-sample").glob("*.json.gz")):
+        shutil.copy(f, corpus / f.name)
+    env = dict(os.environ)
+    env.update(
+        PATH=f"{repo / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+        VIRTUAL_ENV=str(repo / ".venv"),
+        PYTHONPATH=str(repo),
+        PYTHONUNBUFFERED="1",
+    )
+    stamp = subprocess.run(["make", "-q", ".venv/.installed"], cwd=repo, env=env)
+    assert stamp.returncode == 0, "the copy's install stamp is stale: make would reinstall into the shared .venv"
+    return repo, env
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("doc", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_doc_commands_run(doc: Path, workspace) -> None:
+    repo, env = workspace
+    for line, body in bash_blocks(doc):
+        if MARKER.search(body):
+            continue
+        where = f"{doc.relative_to(REPO)}:{line}"
+        try:
+            result = subprocess.run(
+                ["bash", "-euo", "pipefail", "-c", body], cwd=repo, env=env, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=BLOCK_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"{where}: still running after {BLOCK_TIMEOUT_S} s\n{e.output}")
+        assert result.returncode == 0, f"{where}: exit {result.returncode}\n{body}\n--- output ---\n{result.stdout[-6000:]}"
