@@ -72,6 +72,30 @@ def test_block_syntax_and_references(where: str, body: str) -> None:
     check_references(where, body)
 
 
+def github_anchor(heading: str) -> str:
+    """The id GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {github_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("doc", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_links_resolve(doc: Path) -> None:
+    """Relative links point at files that exist, and #anchors at headings they have."""
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (doc.parent / file).resolve() if file else doc
+        assert dest.exists(), f"{doc.relative_to(REPO)}: link {target}: {file} does not exist"
+        if anchor:
+            assert anchor in anchors(dest), f"{doc.relative_to(REPO)}: link {target}: no heading with that anchor"
+
+
 def copy_working_tree(dest: Path) -> None:
     """Tracked and untracked-but-not-ignored files, as a fresh clone plus this change would have."""
     files = subprocess.run(
@@ -135,3 +159,11 @@ def test_doc_commands_run(doc: Path, workspace) -> None:
         except subprocess.TimeoutExpired as e:
             pytest.fail(f"{where}: still running after {BLOCK_TIMEOUT_S} s\n{e.output}")
         assert result.returncode == 0, f"{where}: exit {result.returncode}\n{body}\n--- output ---\n{result.stdout[-6000:]}"
+
+
+def test_make_help_lists_every_target() -> None:
+    """`make help` has one line for each phony target (from its `## ` comment)."""
+    phony = re.search(r"^\.PHONY:(.*)$", (REPO / "Makefile").read_text(), re.M).group(1).split()
+    listed = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    names = re.findall(r"^\s+make (\S+)\s+\S", listed, re.M)
+    assert sorted(names) == sorted(phony), f"make help lists {names}, .PHONY has {phony}"
