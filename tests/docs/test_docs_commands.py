@@ -13,6 +13,7 @@ temporary copy). "Your own text" for the README tour is the C4 sample from ../sh
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -159,6 +160,18 @@ def test_doc_commands_run(doc: Path, workspace) -> None:
         except subprocess.TimeoutExpired as e:
             pytest.fail(f"{where}: still running after {BLOCK_TIMEOUT_S} s\n{e.output}")
         assert result.returncode == 0, f"{where}: exit {result.returncode}\n{body}\n--- output ---\n{result.stdout[-6000:]}"
+    if doc.name == "README.md":
+        check_tour_promises(repo / "runs" / "mine")
+
+
+def check_tour_promises(run: Path) -> None:
+    """What the README says the tour leaves behind: a trained model, its evaluation, an export."""
+    losses = [row["train/loss"] for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "train/loss" in row]
+    assert losses and losses[-1] < losses[0] - 0.5, f"the tour's loss did not fall: {losses}"
+    assert (run / "checkpoints" / "step-0000100" / "train_state.json").is_file()
+    results = json.loads((run / "eval" / "step-0000100" / "results.json").read_text())
+    assert results, "empty evaluation results"
+    assert (run / "hf" / "config.json").is_file()
 
 
 def test_make_help_lists_every_target() -> None:
