@@ -9,6 +9,9 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
+# Targets that start DeepSpeed put .venv/bin first on PATH: its ninja must be the one that built the
+# cached ops, or DeepSpeed rebuilds them (another ninja reads the build log as stale).
+
 # Demo paths (the defaults of prepare-data and eval; override on the command line).
 DEMO_DIR ?= data/demo
 INPUT ?= $(DEMO_DIR)/raw
@@ -41,13 +44,13 @@ prepare-data: $(STAMP) ## raw text → validated token shards (INPUT=, TOKENIZER
 	$(BIN)/python scripts/validate_shards.py $(OUTPUT) --tokenizer $(TOKENIZER)
 
 test: $(STAMP) ## run the test suite (CPU; real DeepSpeed with 2 ranks)
-	$(BIN)/python -m pytest -q tests
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest -q tests
 
 test-fast: $(STAMP) ## the test suite without the multi-rank DeepSpeed runs
-	$(BIN)/python -m pytest -q -m "not multirank" tests
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest -q -m "not multirank" tests
 
 test-faults: $(STAMP) ## fault injection (kills, preemption, disk full, rank death, bad input), full trials; ends with the reliability table
-	OLMO_DS_FAULT_TRIALS=full $(BIN)/python -m pytest -q tests/faults $$($(BIN)/python tests/faults/coverage.py)
+	PATH=$(abspath $(BIN)):$$PATH OLMO_DS_FAULT_TRIALS=full $(BIN)/python -m pytest -q tests/faults $$($(BIN)/python tests/faults/coverage.py)
 
 bench-prepare: $(STAMP) ## data preparation throughput (tokens/s, MB/s, RSS) at 1 and 2 workers
 	$(BIN)/python scripts/bench_prepare.py
