@@ -204,7 +204,10 @@ class Trainer:
         )
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load {self.resume_dir}")
-        self.loader.load_state_dict(state["data"])
+        try:
+            self.loader.load_state_dict(state["data"])
+        except ValueError as e:  # different data or seed: a user decision, not a crash
+            raise ConfigError(f"{self.resume_dir}: {e}") from None
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.nonfinite_total = state.get("nonfinite_total", 0)
