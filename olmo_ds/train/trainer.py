@@ -91,17 +91,29 @@ def check_run(cfg: TrainConfig, model: ModelConfig, loader: DataLoader, tokenize
         )
 
 
-def check_resume(state: dict, model: ModelConfig, world_size: int, ckpt_dir: Path) -> None:
+def _offloaded(ds_config: dict) -> bool:
+    zero = ds_config.get("zero_optimization", {})
+    return any(zero.get(k, {}).get("device", "none") not in ("none", None) for k in ("offload_optimizer", "offload_param"))
+
+
+def check_resume(state: dict, model: ModelConfig, world_size: int, ckpt_dir: Path, ds_config: dict) -> None:
+    """The checkpoint fits this run; a different data-parallel size is fine unless it cannot be converted."""
     saved = ModelConfig.from_dict(state["model"])
     if saved != model:
         diffs = [f"{k}: checkpoint {v!r}, config {getattr(model, k)!r}" for k, v in saved.to_dict().items() if model.to_dict()[k] != v]
         raise ConfigError(f"{ckpt_dir}: the checkpoint's model differs from the configured one ({'; '.join(diffs)})")
-    if state["world_size"] != world_size:
-        raise ConfigError(
-            f"{ckpt_dir} was written by {state['world_size']} data-parallel ranks, this run has {world_size}; "
-            f"DeepSpeed ZeRO checkpoints reload on the same data-parallel size (DeepSpeed's ds_to_universal "
-            f"converts one for another size)"
-        )
+    if state["world_size"] == world_size:
+        return
+    where = f"{ckpt_dir} was written by {state['world_size']} data-parallel ranks, this run has {world_size}"
+    saved_stage, stage = state.get("zero_stage"), ds_config["zero_optimization"]["stage"]
+    if saved_stage != stage:
+        raise ConfigError(f"{where} and ZeRO stage {stage} (the checkpoint's is {saved_stage}); "
+                          f"resume on another number of ranks with the checkpoint's ZeRO stage")
+    if _offloaded(state.get("ds_config", {})) or _offloaded(ds_config):
+        # Refused rather than tried: loading DeepSpeed's universal form into the offloaded optimizer
+        # (DeepSpeedCPUAdam, whose bias correction lives in C++ state) is not verified to resume correctly.
+        raise ConfigError(f"{where}; a CPU-offloaded ZeRO run resumes only on its checkpoint's number of ranks "
+                          f"(the universal-checkpoint conversion used for another size is not supported with offload)")
 
 
 def exact_resume_optimizer(ds_config: dict) -> dict:
@@ -159,7 +171,7 @@ class Trainer:
         except (FileNotFoundError, ValueError) as e:  # a bad --resume path, an interrupted save, a damaged train_state.json
             raise ConfigError(str(e)) from None
         if self.resume_state is not None:
-            check_resume(self.resume_state, self.model_cfg, self.world_size, self.resume_dir)
+            check_resume(self.resume_state, self.model_cfg, self.world_size, self.resume_dir, self.ds_config)
         self.evaluator = InLoopEvaluator(cfg, self.tokenizer, vocab, self.rank, self.world_size) if cfg.eval.every else None
 
         configure_determinism(cfg.deterministic)
@@ -199,9 +211,23 @@ class Trainer:
 
     def _restore(self) -> None:
         state = self.resume_state
+        universal = state["world_size"] != self.world_size
+        if universal:
+            load_dir, tag = self.resume_dir, ckpt.universal_checkpoint(self.resume_dir, self.rank).name
+            log.info("%s was written by %d ranks: loading its universal form on %d", self.resume_dir, state["world_size"], self.world_size)
+        else:  # ZeRO's own partitions: bitwise exact
+            load_dir, tag = self.resume_dir.parent, self.resume_dir.name
+        # DeepSpeed reads this flag only inside load_checkpoint; set for the one load rather than in the
+        # DeepSpeed config, which is saved with every later checkpoint.
+        self.engine._config.load_universal_checkpoint = universal
+        groups = self.engine.optimizer.optimizer.param_groups
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         load_path, _ = self.engine.load_checkpoint(
-            str(self.resume_dir.parent), tag=self.resume_dir.name, load_optimizer_states=True, load_lr_scheduler_states=False,
+            str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
         )
+        if universal:
+            self.engine._config.load_universal_checkpoint = False
+            self._repair_universal_load(groups, hyper)
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load {self.resume_dir}")
         try:
@@ -211,8 +237,22 @@ class Trainer:
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.nonfinite_total = state.get("nonfinite_total", 0)
-        ckpt.load_rng(self.resume_dir, self.rank)
+        ckpt.load_rng(self.resume_dir, self.rank, seed=self.cfg.seed, step=self.step)
         log.info("resumed from %s at step %d (%s tokens seen)", self.resume_dir, self.step, f"{self.tokens_seen:,}")
+
+    def _repair_universal_load(self, groups: list[dict], hyper: list[dict]) -> None:
+        """Undo two slips of DeepSpeed 0.19's ZeRO-3 universal load that would bend the resumed run.
+
+        It copies the first group's hyperparameters onto every group, which would decay the embeddings
+        and norms: each group's own (this run's config) are put back. And it gives every parameter's
+        Adam state the same `step` tensor, which torch's AdamW increments in place once per parameter,
+        so the bias correction would run ahead: each state gets its own copy.
+        """
+        for g, h in zip(groups, hyper):
+            g.update(h)
+        for state in self.engine.optimizer.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
     # --- one optimizer step ----------------------------------------------------------------------
 

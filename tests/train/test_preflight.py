@@ -71,9 +71,19 @@ def test_shape_batch_and_deepspeed_checks(tmp_path, one_rank):
 
 
 def test_resume_refuses_another_model_or_world_size(tmp_path):
+    """Another world size resumes through a universal checkpoint, except across ZeRO stages or with offload."""
     model = preset("tiny", vocab_size=256)
-    saved = {"model": preset("tiny", vocab_size=256, n_layers=3).to_dict(), "world_size": 2}
+    zero3 = {"zero_optimization": {"stage": 3}}
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    saved = {"model": preset("tiny", vocab_size=256, n_layers=3).to_dict(), "world_size": 2, "zero_stage": 3, "ds_config": zero3}
     with pytest.raises(ConfigError, match=r"n_layers: checkpoint 3, config 2"):
-        check_resume(saved, model, 2, tmp_path)
-    with pytest.raises(ConfigError, match=r"written by 4 data-parallel ranks, this run has 2"):
-        check_resume({**saved, "model": model.to_dict(), "world_size": 4}, model, 2, tmp_path)
+        check_resume(saved, model, 2, tmp_path, zero3)
+    same_model = {**saved, "model": model.to_dict(), "world_size": 4}
+    check_resume(same_model, model, 2, tmp_path, zero3)  # converted on load
+    with pytest.raises(ConfigError, match=r"written by 4 data-parallel ranks, this run has 2 and ZeRO stage 2 \(the checkpoint's is 3\)"):
+        check_resume(same_model, model, 2, tmp_path, {"zero_optimization": {"stage": 2}})
+    with pytest.raises(ConfigError, match=r"this run has 2; a CPU-offloaded ZeRO run resumes only on its checkpoint's number of ranks"):
+        check_resume(same_model, model, 2, tmp_path, offload)
+    with pytest.raises(ConfigError, match=r"CPU-offloaded ZeRO run"):
+        check_resume({**same_model, "ds_config": offload}, model, 2, tmp_path, zero3)
+    check_resume({**same_model, "world_size": 2, "ds_config": offload}, model, 2, tmp_path, offload)  # same size: as saved
