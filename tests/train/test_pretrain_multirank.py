@@ -98,7 +98,7 @@ def test_zero_stage_trains_and_resumes_exactly(stage, tmp_path, data_dir):
         assert sorted(evals) == [4, 8] and evals[8] < evals[4] and again_evals == {8: evals[8]}
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, *, skip: int = 0, timeout: float = 240) -> int:
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, *, skip: int = 0, timeout: float = 600) -> int:
     """Wait until metrics.jsonl, past its first `skip` lines, logs `step` or later."""
     deadline = time.time() + timeout
     while time.time() < deadline:

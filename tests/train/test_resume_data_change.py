@@ -12,7 +12,7 @@ def pretrain(config, *args: str) -> subprocess.CompletedProcess:
     """One rank, no launcher: `python scripts/pretrain.py` reads the rendezvous from the environment."""
     env = {**launch_env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
     cmd = [sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--config", str(config), *args]
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
 def test_resume_on_other_data_names_the_checkpoint_and_exits_2(tmp_path):

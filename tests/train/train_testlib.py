@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -98,8 +99,22 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def run(cmd: list[str], timeout: float = 300, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=launch_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)
+def run(cmd: list[str], timeout: float = 900, **kw) -> subprocess.CompletedProcess:
+    """Run a launcher and its ranks in their own process group; on timeout kill the whole group.
+
+    The timeout is generous because a fresh checkout's first multi-rank start JIT-builds DeepSpeed ops
+    (shared-memory comm, CPU Adam for offload) for minutes on 2 cores; killing only the launcher
+    would leave its ranks running, holding the port and the CPU for the tests after it.
+    """
+    with subprocess.Popen(cmd, env=launch_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **kw) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def free_port() -> int:
