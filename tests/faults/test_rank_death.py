@@ -27,6 +27,15 @@ PRETRAIN = ROOT / "scripts" / "pretrain.py"
 pytestmark = [pytest.mark.multirank, pytest.mark.skipif(MODE != "full", reason="2-rank launches: make test-faults")]
 
 
+
+def exit_within(proc: subprocess.Popen, t0: float) -> tuple[float, bool]:
+    """Wait up to BOUND seconds for `proc` to exit; (seconds since t0, whether it exited)."""
+    try:
+        proc.wait(BOUND)
+    except subprocess.TimeoutExpired:
+        pass
+    return time.monotonic() - t0, proc.poll() is not None
+
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("rank_death")
@@ -84,12 +93,7 @@ def test_survivor_exits_in_bounded_time_naming_the_dead_rank(config, launcher, v
         ranks.procs[victim].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         survivor = ranks.procs[1 - victim]
-        try:
-            survivor.wait(BOUND)
-        except subprocess.TimeoutExpired:
-            pass
-        elapsed = time.monotonic() - t0
-        exited = survivor.poll() is not None
+        elapsed, exited = exit_within(survivor, t0)
         if not exited:
             survivor.send_signal(signal.SIGABRT)  # with PYTHONFAULTHANDLER=1: where it hangs, into its log
             time.sleep(2)
@@ -106,12 +110,7 @@ def test_survivor_exits_in_bounded_time_naming_the_dead_rank(config, launcher, v
         assert pid is not None, "worker not found"
         subprocess.run(["kill", "-KILL", str(pid)])
         t0 = time.monotonic()
-        try:
-            proc.wait(BOUND)
-        except subprocess.TimeoutExpired:
-            pass
-        elapsed = time.monotonic() - t0
-        exited = proc.poll() is not None
+        elapsed, exited = exit_within(proc, t0)
         kill_group(proc)
         proc.wait()
         output = log.read_text(errors="replace")
