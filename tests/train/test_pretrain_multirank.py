@@ -111,14 +111,27 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, *, skip: in
 
 
 def _workers(proc: subprocess.Popen) -> list[psutil.Process]:
-    return [c for c in psutil.Process(proc.pid).children(recursive=True) if "pretrain.py" in " ".join(c.cmdline())]
+    found = []
+    for c in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if "pretrain.py" in " ".join(c.cmdline()):
+                found.append(c)
+        except psutil.NoSuchProcess:  # a short-lived helper process ended while we looked
+            pass
+    return found
 
 
 def _kill_all(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every rank at once (torchrun puts its workers in their own sessions)."""
-    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    try:
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:  # the launcher already ended
+        family = []
     for p in family:
-        p.kill()
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:  # ended between listing and kill (e.g. a compiler subprocess)
+            pass
     psutil.wait_procs(family, timeout=30)
     proc.wait()
 
