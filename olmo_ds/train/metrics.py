@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -18,6 +20,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("olmo_ds")
+
+WANDB_ID_FILE = "wandb_id"
 
 # Dense bf16 peak TFLOP/s per device by datasheet, for MFU. Matched as substrings of the device name.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0, "B200": 2250.0}
@@ -60,6 +64,46 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def wandb_run_id(run_dir: Path) -> str:
+    """The W&B run id of `run_dir`, chosen at its first start and kept in RUN/wandb_id.
+
+    Every later start in the same run directory (`--resume auto` after preemption or a crash) passes
+    the same id with resume="allow", so W&B continues one run instead of opening one per restart. A
+    random id rather than one derived from the path: two clusters' `runs/demo` must not collide.
+    """
+    path = run_dir / WANDB_ID_FILE
+    if path.exists():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(6)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)
+    return run_id
+
+
+def start_wandb(run_dir: Path, project: str, config: dict, others: str):
+    """The W&B run for `run_dir` (files under RUN/wandb/), or None with a warning when W&B cannot start.
+
+    The mode comes from the environment (WANDB_MODE=offline writes RUN/wandb/offline-run-*/ for a
+    later `wandb sync`). A missing API key, an unreachable server or an init timeout
+    (WANDB_INIT_TIMEOUT, 90 s by default) must not stop a job on a thousand GPUs, so any error here
+    is a warning and the scalars still go to `others` (metrics.jsonl, TensorBoard).
+    """
+    try:
+        import wandb
+    except ImportError:
+        log.warning("logging.wandb is true but wandb is not installed (pip install -e '.[wandb]'); logging to %s only", others)
+        return None
+    try:
+        run_id = wandb_run_id(run_dir)
+        return wandb.init(project=project, dir=str(run_dir), id=run_id, name=run_dir.name, resume="allow", config=config)
+    except Exception as e:  # noqa: BLE001 - UsageError without an API key, CommError without the server, and others
+        log.warning("W&B could not start (%s: %s); training continues, logging to %s only. Check `wandb login` or "
+                    "WANDB_API_KEY and the network, or set WANDB_MODE=offline and `wandb sync %s/wandb/offline-run-*` later",
+                    type(e).__name__, e, others, run_dir)
+        return None
+
+
 class MetricsLogger:
     """Writes scalars on rank 0 only; other ranks hold a disabled instance."""
 
@@ -76,13 +120,9 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir / "tb"))
+        self.others = "metrics.jsonl and TensorBoard" if tensorboard else "metrics.jsonl"
         if wandb:
-            try:
-                import wandb as wandb_module
-            except ImportError:
-                log.warning("logging.wandb is true but wandb is not installed; logging to TensorBoard and metrics.jsonl only")
-            else:
-                self.wandb = wandb_module.init(project=wandb_project, dir=str(run_dir), config=config, resume="allow")
+            self.wandb = start_wandb(run_dir, wandb_project, config, self.others)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -94,15 +134,27 @@ class MetricsLogger:
                 if value is not None:
                     self.tb.add_scalar(key, value, step)
         if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+            try:
+                self.wandb.log({key: value for key, value in metrics.items() if value is not None}, step=step)
+            except Exception as e:  # noqa: BLE001 - e.g. its wandb-core process was killed; training goes on
+                self._drop_wandb(f"logging step {step}", e)
+
+    def _drop_wandb(self, doing: str, error: Exception) -> None:
+        log.warning("W&B failed while %s (%s: %s); W&B is off for the rest of this process, logging to %s only",
+                    doing, type(error).__name__, error, self.others)
+        self.wandb = None
 
     def close(self) -> None:
+        """Called from the training loop's `finally`: an exception on its way up marks the W&B run failed."""
         if self.jsonl is not None:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            try:
+                self.wandb.finish(exit_code=1 if sys.exc_info()[0] is not None else 0)
+            except Exception as e:  # noqa: BLE001 - a W&B error must not change how training ends
+                self._drop_wandb("finishing its run", e)
 
 
 def console_line(step: int, max_steps: int, m: dict[str, float], eta_s: float) -> str:
