@@ -1,4 +1,4 @@
-"""Raw text (JSON lines, optionally gzip/zstd, or .txt) → token shards + manifest.
+"""Raw text (JSON lines, optionally gzip/zstd, .txt, or Parquet) → token shards + manifest.
 
     python scripts/prepare_data.py --input data/raw --output data/shards --tokenizer tokenizer.json --workers 8
 
@@ -13,12 +13,12 @@ from olmo_ds.data.prepare import PrepareConfig, PrepareError, format_summary, pr
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files, directories (recursive) or globs: .jsonl, .jsonl.gz, .json.gz, .jsonl.zst, .txt")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files, directories (recursive) or globs: .jsonl, .jsonl.gz, .json.gz, .jsonl.zst, .txt, .parquet (needs pyarrow)")
     p.add_argument("--output", required=True, help="shard directory (created; a validation split goes to OUTPUT/val/)")
     p.add_argument("--tokenizer", required=True, help="HF tokenizer.json (or a directory holding one) or a sentencepiece .model")
-    p.add_argument("--text-field", default="text", help="JSON key of the document text (default: text)")
+    p.add_argument("--text-field", default="text", help="JSON key (Parquet: column) of the document text (default: text)")
     p.add_argument("--eos-token", default=None, help="token appended after every document (default: the tokenizer's EOS)")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes, one per core (default: 1)")
+    p.add_argument("--workers", type=int, default=1, help="processes that tokenize, one per core: this one and N-1 more (default: 1)")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="close a shard before it would exceed this many tokens (default: 100,000,000)")
     p.add_argument("--val-fraction", type=float, default=0.0, help="fraction of documents, chosen by a hash of their text, written to OUTPUT/val/")
     p.add_argument("--dry-run", action="store_true", help="tokenize and report per-file counts; write nothing")

@@ -4,11 +4,13 @@ The promise users rely on: without a validation split, the concatenation of `DIR
 name order is exactly the input documents' ids in input order (files sorted, lines in file order),
 each followed by EOS, whatever the number of workers. Hence the design:
 
-- The main process reads and decompresses the inputs sequentially and cuts them into blocks of
-  whole lines (`readers.iter_chunks`); a pool of worker processes parses JSON and tokenizes blocks;
-  results come back in submission order, so output order is input order for any worker count.
-  At most `2 × workers` blocks are in flight, so memory is bounded by the block size, never by the
-  corpus or a file.
+- The main process hands out blocks of whole lines; a pool of worker processes reads (uncompressed
+  files: each worker reads its own byte range, `readers.iter_ranges`), parses JSON and tokenizes
+  them. Compressed streams can only be decompressed in order, so the main process reads and cuts
+  those (`readers.iter_chunks`). Workers number lines within their block and the main process,
+  which sees blocks in input order, turns them into file lines; results come back in submission
+  order, so output order is input order for any worker count. At most `2 × workers` blocks are in
+  flight, so memory is bounded by the block size, never by the corpus or a file.
 - Shards are streamed to temporary files and renamed when complete, metadata last
   (`shards.ShardWriter`). Each shard's metadata records the input position just after its last
   document (`next_record`) and the skip counts up to there, so a rerun after a kill resumes from
@@ -39,6 +41,7 @@ import numpy as np
 
 import olmo_ds
 from olmo_ds.data import readers, shards
+from olmo_ds.data.pool import OrderedPool
 from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastBackendError, first_difference, load_tokenizer
 
 # A position in the input is (file index, line) packed into one int, so positions compare in input order.
@@ -192,10 +195,16 @@ class ChunkResult:
     file_index: int
     tokens: np.ndarray  # the documents' ids, each followed by EOS, in the shard dtype
     doc_lens: np.ndarray  # int64 tokens per document, EOS included
-    positions: np.ndarray  # int64 input position of each document
+    positions: np.ndarray  # int64 input position of each document (line within the block until `at_line`)
     is_val: np.ndarray | None  # bool per document, when there is a validation split
-    skips: list[tuple[int, str]]  # (position, reason)
+    skips: list[tuple[int, str]]  # (position, reason), like `positions`
     text_bytes: int
+    n_lines: int  # newlines in the block: the next block starts this many lines later
+
+    def at_line(self, first_line: int) -> None:
+        """Turn block-relative line numbers into the file's, the block starting at `first_line`."""
+        self.positions += first_line
+        self.skips = [(p + first_line, reason) for p, reason in self.skips]
 
 
 def val_hash(text: str) -> int:
@@ -215,9 +224,11 @@ def append_eos(ids: np.ndarray, offsets: np.ndarray, eos_id: int, dtype: np.dtyp
     return tokens, doc_lens
 
 
-def _process_chunk(spec: _Spec, file_index: int, first_line: int, data: bytes, text_file: bool) -> ChunkResult:
+def _process_chunk(spec: _Spec, file_index: int, block: readers.Block) -> ChunkResult:
+    """Read (unless the coordinating process already did), parse and tokenize one block. Lines are
+    numbered from 0 within the block (see `ChunkResult.at_line`)."""
     tok = _tokenizer_for(spec)
-    records = readers.parse_chunk(data, first_line, text_file, spec.text_field)
+    records, n_lines, text_bytes = readers.load_block(block, spec.text_field)
     base = position(file_index, 0)
     texts = [text for _, text, _ in records if text is not None]
     positions = np.array([base + line for line, text, _ in records if text is not None], dtype=np.int64)
@@ -228,7 +239,7 @@ def _process_chunk(spec: _Spec, file_index: int, first_line: int, data: bytes, t
     if spec.val_fraction > 0:
         threshold = int(spec.val_fraction * 2**64)
         is_val = np.array([val_hash(t) < threshold for t in texts], dtype=bool)
-    return ChunkResult(file_index, tokens, doc_lens, positions, is_val, skips, len(data))
+    return ChunkResult(file_index, tokens, doc_lens, positions, is_val, skips, text_bytes, n_lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +353,14 @@ def _complete_shards(directory: Path) -> list[dict]:
     return metas
 
 
-def _ordered_results(tasks: Iterator[tuple], spec: _Spec, pool, workers: int) -> Iterator[tuple]:
+def _chunk_in_worker(spec: _Spec, *args) -> tuple[ChunkResult, np.ndarray]:
+    """`_process_chunk` for `OrderedPool`: the tokens travel as raw bytes, the rest as the header."""
+    res = _process_chunk(spec, *args)
+    tokens, res.tokens = res.tokens, None
+    return res, tokens
+
+
+def _ordered_results(tasks: Iterator[tuple], spec: _Spec, pool: OrderedPool | None) -> Iterator[tuple]:
     """Yield `(extra, ChunkResult)` for each `(extra, task_args)` in input order.
 
     Without a pool the blocks are tokenized here (one worker is one core: this one). With one, at
@@ -352,15 +370,16 @@ def _ordered_results(tasks: Iterator[tuple], spec: _Spec, pool, workers: int) ->
         for extra, args in tasks:
             yield extra, _process_chunk(spec, *args)
         return
-    pending: deque = deque()
-    for extra, args in tasks:
-        pending.append((extra, pool.apply_async(_process_chunk, (spec, *args))))
-        if len(pending) >= 2 * workers:
-            extra0, fut = pending.popleft()
-            yield extra0, fut.get()
-    while pending:
-        extra0, fut = pending.popleft()
-        yield extra0, fut.get()
+    extras: deque = deque()
+
+    def args_only():
+        for extra, args in tasks:
+            extras.append(extra)
+            yield args
+
+    for res, tokens in pool.imap(args_only()):
+        res.tokens = tokens
+        yield extras.popleft(), res
 
 
 def _guard_sample(files: list[Path], cfg: PrepareConfig, budget: int = 1 << 20) -> tuple[list[str], list[str]]:
@@ -368,14 +387,14 @@ def _guard_sample(files: list[Path], cfg: PrepareConfig, budget: int = 1 << 20) 
     picks = sorted({round(i * (len(files) - 1) / 7) for i in range(8)}) if len(files) > 8 else range(len(files))
     texts, labels = [], []
     for fi in picks:
-        first = next(readers.iter_chunks(files[fi], budget // len(picks)), None)
+        first = next(readers.iter_blocks(files[fi], budget // len(picks)), None)
         if first is None:
             continue
-        first_line, data, _ = first
-        for line, text, _ in readers.parse_chunk(data, first_line, readers.is_text_file(files[fi]), cfg.text_field):
+        first_line, block, _ = first
+        for line, text, _ in readers.load_block(block, cfg.text_field)[0][:1000]:
             if text is not None:
                 texts.append(text)
-                labels.append(f"{files[fi]}:{line}")
+                labels.append(f"{files[fi]}:{first_line + line}")
     return texts, labels
 
 
@@ -413,11 +432,12 @@ def _version(package: str) -> str:
 
 
 def _tasks(files: list[Path], start: int, chunk_bytes: int) -> Iterator[tuple]:
+    """`((file index, first line or None, disk bytes done), worker arguments)` for each block from
+    input position `start` (see `readers.iter_blocks`)."""
     start_file, start_line = split_position(start)
     for fi in range(start_file, len(files)):
-        text_file = readers.is_text_file(files[fi])
-        for first_line, data, consumed in readers.iter_chunks(files[fi], chunk_bytes, start_line if fi == start_file else 1):
-            yield (fi, consumed), (fi, first_line, data, text_file)
+        for first_line, block, done in readers.iter_blocks(files[fi], chunk_bytes, max(start_line, 1) if fi == start_file else 1):
+            yield (fi, first_line, done), (fi, block)
 
 
 def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareResult:
@@ -425,6 +445,8 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     cfg.validate()
     try:
         files = readers.resolve_inputs(list(cfg.inputs))
+        for f in files:
+            readers.check_input(f, cfg.text_field)
     except (OSError, ValueError) as e:
         raise PrepareError(str(e)) from e
     try:
@@ -446,7 +468,8 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     spec = _Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if backend["name"] == "fastokens" else "hf", cfg.text_field, cfg.val_fraction)
     _loaded[spec] = encoder
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(mp.get_context(_start_method(threads_before)).Pool(cfg.workers)) if cfg.workers > 1 else None
+        # This process tokenizes whenever it would otherwise wait (`OrderedPool.imap`): N workers are N - 1 more processes.
+        pool = stack.enter_context(OrderedPool(_chunk_in_worker, spec, cfg.workers - 1, mp.get_context(_start_method(threads_before)))) if cfg.workers > 1 else None
         if mode == "overwrite":
             for p in _our_files(out):
                 p.unlink()
@@ -487,11 +510,16 @@ def _run(cfg: PrepareConfig, files: list[Path], tok, identity: dict, file_stats:
     disk_done = sum(s.bytes for s in file_stats[: split_position(start)[0]])
     bar = _progress_bar(sum(s.bytes for s in file_stats), disk_done, cfg.progress)
     reported = split_position(start)[0]
+    next_line = 1  # the file line where the next block of the current file starts
     try:
-        for (fi, consumed), res in _ordered_results(_tasks(files, start, cfg.chunk_bytes), spec, pool, cfg.workers):
+        for (fi, first_line, consumed), res in _ordered_results(_tasks(files, start, cfg.chunk_bytes), spec, pool):
             while cfg.verbose and reported < fi:
                 _log_file(log, file_stats[reported])
                 reported += 1
+            if first_line is not None:
+                next_line = first_line
+            res.at_line(next_line)
+            next_line += res.n_lines
             _merge(res, files, file_stats[fi], splits, skiplog, cfg.strict)
             totals["docs"] += len(res.doc_lens)
             totals["tokens"] += len(res.tokens)

@@ -1,12 +1,20 @@
-"""Streaming readers for raw text corpora: JSON lines (plain, gzip, zstd) and plain text files.
+"""Streaming readers for raw text corpora: JSON lines (plain, gzip, zstd), plain text files and
+Parquet (with pyarrow, an optional dependency).
 
 Input order is part of the output contract (shards concatenate documents in input order), so
 `resolve_inputs` expands files, directories and globs into one sorted, de-duplicated list.
 
-Reading is split in two so that a worker pool can do the expensive half: `iter_chunks` (cheap,
-sequential: decompress and cut the stream into blocks of whole lines) and `parse_chunk` (JSON
-parsing and validation, in a worker). Neither holds more than one block (or, for `.txt`, one file)
-in memory. A record that cannot become a document is returned as a `(line, reason)` skip, so a
+Reading is split in two so that a worker pool can do the expensive half: `iter_blocks` (cheap, in
+the process that hands out work) describes a file as blocks, and `load_block` (in a worker) reads,
+parses and validates one. An uncompressed file is cut into byte ranges of whole lines without being
+read (`iter_ranges`: a seek and a short read per block) and each worker reads its own range, so the
+input never passes through the coordinating process; a Parquet file's blocks are its row groups,
+also read by the workers. A compressed stream can only be decompressed in order, so it is read and
+cut into blocks of whole lines by the coordinating process (`iter_chunks`). Nothing holds more than
+one block (a `.txt` file, a Parquet row group) in memory.
+
+Records are numbered by line (JSON lines; a Parquet file's row, from 1; a `.txt` file is line 1),
+so every skipped record can be reported as `file:line`. A record that cannot become a document is returned as a `(line, reason)` skip, so a
 long run counts bad input instead of dying on it (or stops on it with `--strict`).
 """
 
@@ -19,11 +27,14 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from dataclasses import dataclass
+
 import orjson
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".jsonl.zstd")
 TEXT_SUFFIXES = (".txt",)
-SUPPORTED = JSONL_SUFFIXES + TEXT_SUFFIXES
+PARQUET_SUFFIXES = (".parquet",)
+SUPPORTED = JSONL_SUFFIXES + TEXT_SUFFIXES + PARQUET_SUFFIXES
 
 # Reasons a record is skipped (the keys of the manifest's `skipped` counts).
 MALFORMED_JSON = "malformed_json"
@@ -42,6 +53,41 @@ def is_supported(path: Path) -> bool:
 
 def is_text_file(path: Path) -> bool:
     return path.name.endswith(TEXT_SUFFIXES)
+
+
+def is_compressed(path: Path) -> bool:
+    return path.name.endswith((".gz", ".zst", ".zstd"))
+
+
+def is_parquet(path: Path) -> bool:
+    return path.name.endswith(PARQUET_SUFFIXES)
+
+
+def _pyarrow_parquet(path: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path}: reading Parquet needs pyarrow, which is not installed: pip install pyarrow (or pip install -e '.[parquet]')") from None
+    return pq
+
+
+def check_input(path: Path, text_field: str) -> None:
+    """Checks that need the text field, done for every file before any work: a Parquet file must be
+    readable and hold `text_field` as a string column."""
+    if not is_parquet(path):
+        return
+    pq = _pyarrow_parquet(path)
+    import pyarrow as pa
+
+    try:
+        schema = pq.ParquetFile(path).schema_arrow
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+    if text_field not in schema.names:
+        raise ValueError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); choose one with --text-field")
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ValueError(f"{path}: column {text_field!r} holds {kind}, not strings")
 
 
 def resolve_inputs(specs: list[str]) -> list[Path]:
@@ -74,6 +120,8 @@ def resolve_inputs(specs: list[str]) -> list[Path]:
     for f in files:
         if not os.access(f, os.R_OK):
             raise PermissionError(f"{f}: input file is not readable")
+        if is_parquet(f):
+            _pyarrow_parquet(f)
     # Sort on the absolute path string so the order never depends on how a path was spelled.
     return sorted((f.resolve() for f in files), key=str)
 
@@ -151,6 +199,59 @@ def iter_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES, start_line: int = 1)
             yield line, pending, counter.consumed
 
 
+def iter_ranges(path: Path, chunk_bytes: int = CHUNK_BYTES, start: int = 0) -> Iterator[tuple[int, int]]:
+    """Yield `(start, end)` byte ranges of an uncompressed file that cover it from `start` in blocks
+    of whole lines: each range ends just after a newline (or at the end of the file), and is about
+    `chunk_bytes` long, longer only when a line is. Reads only the bytes around each cut."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        while start < size:
+            end = start + chunk_bytes
+            if end >= size:
+                end = size
+            else:
+                f.seek(end)
+                while True:
+                    piece = f.read(1 << 16)
+                    if not piece:
+                        end = size
+                        break
+                    newline = piece.find(b"\n")
+                    if newline >= 0:
+                        end += newline + 1
+                        break
+                    end += len(piece)
+            yield start, end
+            start = end
+
+
+def read_range(path: Path | str, start: int, end: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+    if len(data) != end - start:
+        raise OSError(f"{path}: expected {end - start} bytes at offset {start}, read {len(data)} (the file shrank while being read)")
+    return data
+
+
+def line_offset(path: Path, line: int) -> int:
+    """Byte offset where 1-based `line` of an uncompressed file starts (the file's size if it has
+    fewer lines); counts newlines in large blocks, so resuming deep into a big file is quick."""
+    pos, current = 0, 1
+    with open(path, "rb") as f:
+        while current < line:
+            block = f.read(1 << 24)
+            if not block:
+                break
+            n = block.count(b"\n")
+            if current + n < line:
+                current += n
+                pos += len(block)
+                continue
+            return pos + _offset_of_line(block, line - current)
+    return pos
+
+
 def _offset_of_line(data: bytes, n: int) -> int:
     """Byte offset of the start of line n (0-based) within data."""
     pos = 0
@@ -165,8 +266,8 @@ def parse_chunk(data: bytes, first_line: int, text_file: bool, text_field: str =
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
-            return [(1, None, INVALID_UTF8)]
-        return [(1, text, None) if text.strip() else (1, None, EMPTY)]
+            return [(first_line, None, INVALID_UTF8)]
+        return [(first_line, text, None) if text.strip() else (first_line, None, EMPTY)]
     out = []
     for i, line in enumerate(data.split(b"\n")):
         if not line.strip():
@@ -192,11 +293,85 @@ def parse_chunk(data: bytes, first_line: int, text_file: bool, text_field: str =
     return out
 
 
+@dataclass(frozen=True)
+class InMemory:
+    """A block already read (decompressed lines, by the coordinating process)."""
+
+    data: bytes
+    text_file: bool
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """Bytes `start:end` of an uncompressed file: whole lines, or a whole `.txt` file."""
+
+    path: str
+    start: int
+    end: int
+    text_file: bool
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Row group `index` of a Parquet file, less its first `skip` rows (a resume point)."""
+
+    path: str
+    index: int
+    skip: int = 0
+
+
+Block = InMemory | ByteRange | RowGroup
+
+
+def iter_blocks(path: Path, chunk_bytes: int = CHUNK_BYTES, start_line: int = 1) -> Iterator[tuple[int | None, Block, int]]:
+    """Yield `(first_line, block, disk_bytes_done)` covering the file from 1-based `start_line`.
+
+    `first_line` is the line the block starts at, or None where only reading the block can tell
+    (a byte range after the first: the caller counts the lines of the blocks before, see `load_block`).
+    """
+    path = Path(path)
+    if is_compressed(path):
+        for first_line, data, consumed in iter_chunks(path, chunk_bytes, start_line):
+            yield first_line, InMemory(data, is_text_file(path)), consumed
+    elif is_text_file(path):
+        if start_line <= 1:
+            size = path.stat().st_size
+            yield 1, ByteRange(str(path), 0, size, True), size
+    elif is_parquet(path):
+        meta = _pyarrow_parquet(path).ParquetFile(path).metadata
+        size, total = path.stat().st_size, max(meta.num_rows, 1)
+        first = 1
+        for g in range(meta.num_row_groups):
+            rows = meta.row_group(g).num_rows
+            if first + rows > start_line and rows:
+                skip = max(start_line - first, 0)
+                yield first + skip, RowGroup(str(path), g, skip), size * (first - 1 + rows) // total
+            first += rows
+    else:
+        offset = line_offset(path, start_line) if start_line > 1 else 0
+        for i, (begin, end) in enumerate(iter_ranges(path, chunk_bytes, offset)):
+            yield (start_line if i == 0 else None), ByteRange(str(path), begin, end, False), end
+
+
+def load_block(block: Block, text_field: str) -> tuple[list[tuple[int, str | None, str | None]], int, int]:
+    """Read and parse a block: `(records, lines, text_bytes)`, records as in `parse_chunk` with lines
+    counted from 0 within the block, `lines` the number of lines (rows) the block spans."""
+    if isinstance(block, RowGroup):
+        pq = _pyarrow_parquet(Path(block.path))
+        import pyarrow.compute as pc
+
+        column = pq.ParquetFile(block.path).read_row_group(block.index, columns=[text_field]).column(0).slice(block.skip)
+        texts = column.to_pylist()
+        records = [(i, None, MISSING_FIELD) if t is None else (i, None, EMPTY) if not t.strip() else (i, t, None) for i, t in enumerate(texts)]
+        return records, len(texts), pc.sum(pc.binary_length(column)).as_py() or 0
+    data = block.data if isinstance(block, InMemory) else read_range(block.path, block.start, block.end)
+    return parse_chunk(data, 0, block.text_file, text_field), data.count(b"\n"), len(data)
+
+
 def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
     """The documents of one file, in order, silently passing over records that are not documents."""
-    path = Path(path)
-    for first_line, data, _ in iter_chunks(path):
-        for _, text, _ in parse_chunk(data, first_line, is_text_file(path), text_field):
+    for _, block, _ in iter_blocks(Path(path)):
+        for _, text, _ in load_block(block, text_field)[0]:
             if text is not None:
                 yield text
 

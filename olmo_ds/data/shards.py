@@ -173,7 +173,7 @@ class ShardWriter:
         """Append whole documents: `tokens` (shard dtype, each document ending in EOS) and their lengths."""
         if len(doc_lens) == 0:
             return
-        raw = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
+        raw = memoryview(np.ascontiguousarray(tokens, dtype=self.dtype)).cast("B")
         ends = self.num_tokens + np.cumsum(doc_lens, dtype=np.int64)
         with _naming(self._bin_tmp):
             self._bin.write(raw)

@@ -72,6 +72,70 @@ def test_byte_identical_for_any_worker_count(tmp_path):
     assert sum(name.endswith(".bin") for name in outputs[0]) > 2
 
 
+def test_plain_files_read_by_the_workers_give_the_same_bytes_and_ids(tmp_path):
+    """Uncompressed files are cut into byte ranges that each worker reads itself; mixed with a
+    compressed file (read by the main process) and .txt documents, any worker count gives the
+    documents' exact ids in input order."""
+    texts = c4_texts()
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.jsonl").write_bytes(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in texts[:12]))
+    with gzip.open(raw / "b.jsonl.gz", "wb") as f:
+        f.write(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in texts[12:20]))
+    (raw / "c.txt").write_text(texts[20])
+    (raw / "d.jsonl").write_bytes(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in texts[21:]).rstrip(b"\n"))
+    outputs = [dir_bytes(run([raw], tmp_path / f"w{w}", NEOX, workers=w, shard_tokens=3000).output) for w in (1, 2, 3)]
+    assert outputs[0] == outputs[1] == outputs[2]
+    ref = tokenizers.Tokenizer.from_file(str(NEOX))
+    eos = ref.token_to_id("<|endoftext|>")
+    ids, lens = read_all(tmp_path / "w2")
+    docs = [ref.encode(t, add_special_tokens=False).ids + [eos] for t in texts]
+    assert ids.tolist() == [i for d in docs for i in d] and lens == [len(d) for d in docs]
+
+
+def test_parquet_row_groups_are_blocks_with_row_numbers_and_resume(tmp_path):
+    """A Parquet file's rows are its records (row groups read by the workers, rows numbered from 1);
+    the output equals the same records as JSON lines, and a rerun after a crash resumes mid-file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = c4_texts()
+    column = texts[:10] + [None, "   "] + texts[10:]  # a null and an empty document at rows 11 and 12
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    pq.write_table(pa.table({"id": list(range(len(column))), "text": column}), raw / "a.parquet", row_group_size=4)
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    (twin / "a.jsonl").write_bytes(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in texts))
+    ref = run([twin], tmp_path / "ref", NEOX, shard_tokens=2500)
+    for w in (1, 3):
+        result = run([raw], tmp_path / f"w{w}", NEOX, shard_tokens=2500, workers=w)
+        where = str((raw / "a.parquet").resolve())
+        assert result.skipped.examples == {"missing_text_field": [f"{where}:11"], "empty_document": [f"{where}:12"]}
+        assert {k: v for k, v in dir_bytes(tmp_path / f"w{w}").items() if k.endswith((".bin", ".npy"))} == \
+            {k: v for k, v in dir_bytes(ref.output).items() if k.endswith((".bin", ".npy"))}
+    out = Path(shutil.copytree(tmp_path / "w1", tmp_path / "crashed"))
+    n = len(shards.list_shards(out))
+    (out / "manifest.json").unlink()
+    for i in range(n // 2, n):
+        for p in out.glob(f"shard-{i:05d}.*"):
+            p.unlink()
+    result = run([raw], out, NEOX, shard_tokens=2500, workers=2)
+    assert result.resumed_from is not None and dir_bytes(out) == dir_bytes(tmp_path / "w1")
+
+
+def test_parquet_without_a_text_column_is_refused_before_work(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["a"], "n": [1]}), tmp_path / "a.parquet")
+    with pytest.raises(PrepareError, match=r"a\.parquet: no column 'text' \(columns: body, n\)"):
+        run([tmp_path / "a.parquet"], tmp_path / "out", NEOX)
+    with pytest.raises(PrepareError, match=r"a\.parquet: column 'n' holds int64, not strings"):
+        run([tmp_path / "a.parquet"], tmp_path / "out", NEOX, text_field="n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_val_split_by_document_hash(tmp_path):
     out = tmp_path / "out"
     result = run([C4_DIR], out, NEOX, val_fraction=0.3, workers=2)

@@ -1,0 +1,189 @@
+"""A pool of worker processes that returns results in submission order, built for bulk token output.
+
+Data preparation is bound by how little the coordinating process does per block, so this pool
+avoids what `multiprocessing.Pool` costs there: no handler threads in the parent (results are read
+by the caller, in order, straight from each worker's pipe), no pickling of the bulk result (a
+worker sends its token array as raw bytes after a small pickled header), and no hang when a worker
+dies (the parent's read of its pipe ends and raises `WorkerDied` naming the exit code).
+
+Block k goes to worker k mod N, so results come back in order by reading the workers' pipes in
+turn; blocks are of similar size, so the round robin keeps every worker busy. At most `depth`
+blocks per worker are in flight, which bounds memory. Each worker drains its task pipe in a
+thread, so a parent writing a large task never waits on a worker that is itself waiting to write
+a large result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+from collections import deque
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None
+
+_STOP = None
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+def _drain(conn, tasks: queue.Queue) -> None:
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            msg = _STOP
+        tasks.put(msg)
+        if msg is _STOP:
+            return
+
+
+def _worker(fn: Callable, context, task_conn, result_conn, parent_fds: list[int]) -> None:
+    """Run `fn(context, *args)` for each task; send a pickled header then the array's raw bytes back,
+    or the error. `parent_fds`: the parent's pipe ends a forked child inherited; closing them lets
+    every worker see the end of its task pipe (and exit) when the parent dies."""
+    for fd in parent_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    tasks: queue.Queue = queue.Queue()
+    threading.Thread(target=_drain, args=(task_conn, tasks), daemon=True).start()
+    while (args := tasks.get()) is not _STOP:
+        try:
+            header, array = fn(context, *args)
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent, which re-raises it
+            result_conn.send(("error", _picklable(e)))
+            continue
+        result_conn.send(("ok", header, array.dtype.str, array.shape))
+        result_conn.send_bytes(memoryview(np.ascontiguousarray(array)).cast("B"))
+
+
+def _picklable(e: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _widen(conn, size: int = 8 << 20) -> None:
+    """Grow a pipe's buffer (Linux, default 64 KiB) so that a worker writes a block's result in one go
+    instead of waiting for the parent to drain each 64 KiB; capped by what the system allows."""
+    setpipe = getattr(fcntl, "F_SETPIPE_SZ", None) if fcntl else None
+    if setpipe is None:
+        return
+    for n in (size, 1 << 20):
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(conn.fileno(), setpipe, n)
+            return
+
+
+class OrderedPool:
+    """`fn(context, *args) -> (header, np.ndarray)` over `workers` processes, results in order.
+
+    `context` is sent to each worker once (with the fork start method it is inherited, not pickled).
+    """
+
+    def __init__(self, fn: Callable, context, workers: int, mp_context, depth: int = 2):
+        self.fn, self.context, self.depth = fn, context, depth
+        self.procs, self.task_conns, self.result_conns = [], [], []
+        for _ in range(workers):
+            task_r, task_w = mp_context.Pipe(duplex=False)
+            result_r, result_w = mp_context.Pipe(duplex=False)
+            _widen(result_r)
+            forked = mp_context.get_start_method() == "fork"
+            parent_fds = [c.fileno() for c in (*self.task_conns, *self.result_conns, task_w, result_r)] if forked else []
+            p = mp_context.Process(target=_worker, args=(fn, context, task_r, result_w, parent_fds), daemon=True)
+            p.start()
+            task_r.close()
+            result_w.close()
+            self.procs.append(p)
+            self.task_conns.append(task_w)
+            self.result_conns.append(result_r)
+
+    def imap(self, tasks: Iterable[tuple], work_here: bool = True) -> Iterator[tuple[object, np.ndarray]]:
+        """Yield `(header, array)` for each task's args, in the order of `tasks`.
+
+        Every worker's queue is kept `depth` deep. With `work_here`, whenever the next result in
+        order is not ready yet, this process runs the next task itself instead of waiting, so N
+        workers plus the coordinating process use N + 1 cores' worth of time that would otherwise
+        be idle (prepare_data's `--workers N` starts N - 1 processes and works itself).
+        """
+        tasks = iter(tasks)
+        order: deque = deque()  # per task in order: the worker it went to, or ("here", result)
+        queued = [0] * len(self.procs)
+        here = 0
+        exhausted = False
+
+        def take() -> tuple | None:
+            nonlocal exhausted
+            args = next(tasks, None)
+            exhausted = args is None
+            return args
+
+        while True:
+            while not exhausted and (worker := min(range(len(queued)), key=queued.__getitem__)) is not None and queued[worker] < self.depth:
+                if (args := take()) is None:
+                    break
+                self.task_conns[worker].send(args)
+                queued[worker] += 1
+                order.append(worker)
+            if not order:
+                return
+            head = order[0]
+            if work_here and isinstance(head, int) and not exhausted and here < self.depth and not self.result_conns[head].poll():
+                if (args := take()) is not None:
+                    order.append(("here", self.fn(self.context, *args)))
+                    here += 1
+                continue
+            order.popleft()
+            if isinstance(head, int):
+                queued[head] -= 1
+                yield self._receive(head)
+            else:
+                here -= 1
+                yield head[1]
+
+    def _receive(self, worker: int) -> tuple[object, np.ndarray]:
+        conn = self.result_conns[worker]
+        try:
+            msg = conn.recv()
+            if msg[0] == "error":
+                raise msg[1]
+            _, header, dtype, shape = msg
+            array = np.frombuffer(conn.recv_bytes(), dtype=np.dtype(dtype)).reshape(shape)
+        except (EOFError, ConnectionError) as e:
+            p = self.procs[worker]
+            p.join(timeout=5)
+            raise WorkerDied(f"worker process {p.pid} died (exit code {p.exitcode}); nothing after the last complete shard was kept") from e
+        return header, array
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers: after all results were read, politely; otherwise (an error) at once."""
+        for conn in self.task_conns:
+            with contextlib.suppress(OSError):
+                conn.send(_STOP)
+        for p in self.procs:
+            if not kill:
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+            p.join()
+        for conn in (*self.task_conns, *self.result_conns):
+            conn.close()
+
+    def __enter__(self) -> "OrderedPool":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.close(kill=exc_type is not None)

@@ -1,0 +1,53 @@
+"""Byte ranges of whole lines (what workers read by themselves) and line offsets (where a resume starts)."""
+
+import random
+
+import pytest
+
+from olmo_ds.data import readers
+
+
+def make_file(tmp_path, lines: list[bytes], trailing_newline: bool):
+    data = b"\n".join(lines) + (b"\n" if trailing_newline else b"")
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(data)
+    return path, data
+
+
+@pytest.mark.parametrize("trailing_newline", [True, False])
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000, 1 << 20])
+def test_ranges_cover_the_file_in_whole_lines(tmp_path, chunk, trailing_newline):
+    rng = random.Random(chunk)
+    # Short lines, empty lines, and lines far longer than a chunk (and than the 64 KiB probe).
+    lines = [b"x" * rng.choice([0, 1, 5, 50, 300, 70_000]) for _ in range(200)]
+    path, data = make_file(tmp_path, lines, trailing_newline)
+    ranges = list(readers.iter_ranges(path, chunk))
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(data)
+    assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in zip(ranges, ranges[1:]))
+    assert all(data[b - 1 : b] == b"\n" for _, b in ranges[:-1])  # each range but the last ends a line
+    assert all(b - a < chunk + 70_002 for a, b in ranges)
+    assert b"".join(readers.read_range(path, a, b) for a, b in ranges) == data
+
+
+def test_ranges_of_an_empty_file_and_from_an_offset(tmp_path):
+    path, _ = make_file(tmp_path, [], False)
+    assert list(readers.iter_ranges(path, 10)) == []
+    path, data = make_file(tmp_path, [b"a" * 5] * 10, True)
+    assert list(readers.iter_ranges(path, 13, start=12)) == [(12, 30), (30, 48), (48, 60)]
+
+
+def test_line_offset_matches_splitting(tmp_path):
+    lines = [b"y" * (i % 13) for i in range(500)]
+    path, data = make_file(tmp_path, lines, True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line) + 1)
+    for n in (1, 2, 3, 250, 500, 501):
+        assert readers.line_offset(path, n) == starts[n - 1]
+    assert readers.line_offset(path, 10_000) == len(data)
+
+
+def test_a_file_that_shrank_is_an_error_naming_it(tmp_path):
+    path, _ = make_file(tmp_path, [b"z" * 10] * 3, True)
+    with pytest.raises(OSError, match="x.jsonl.*shrank"):
+        readers.read_range(path, 0, 1000)
