@@ -1,0 +1,20 @@
+"""bench_prepare runs end to end on a small corpus (the figures themselves are for BENCHMARKS.md)."""
+
+from pathlib import Path
+
+from olmo_ds.data.prepare_bench import run
+
+DOLMA2 = Path(__file__).resolve().parents[2] / ".." / "shared" / "tokenizers" / "dolma2-tokenizer.json"
+
+
+def test_bench_prepare_small(tmp_path):
+    lines = []
+    r = run(DOLMA2.resolve(), tmp_path, 2, [1, 2], ["fast"], log=lines.append, big_file_mb=6)
+    one, two = r["prepare"]
+    assert one["tokens"] == two["tokens"] > 100_000 and one["docs"] == two["docs"]
+    assert r["scaling_fast_2_over_1"] > 0 and r["scaling_fast_2_over_1_steady"] > 0
+    assert r["ceiling"]["fast"]["tokens"] > 0 and abs(sum(v["share"] for v in r["stages_fast_1_worker"].values()) - 1) < 1e-6
+    m = r["memory_over_time"]
+    assert m["file_mb"] >= 6 and m["tokens"] > 2 * one["tokens"]
+    assert "main" in m["rss"] and any(k.startswith("worker") for k in m["rss"]), m["rss"]
+    assert any("2 workers / 1 worker" in line for line in lines)
