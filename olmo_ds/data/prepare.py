@@ -391,7 +391,7 @@ def _guard_sample(files: list[Path], cfg: PrepareConfig, budget: int = 1 << 20) 
         if first is None:
             continue
         first_line, block, _ = first
-        for line, text, _ in readers.load_block(block, cfg.text_field)[0][:1000]:
+        for line, text, _ in readers.load_block(block, cfg.text_field, head=256)[0]:
             if text is not None:
                 texts.append(text)
                 labels.append(f"{files[fi]}:{first_line + line}")

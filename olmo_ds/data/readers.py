@@ -353,14 +353,19 @@ def iter_blocks(path: Path, chunk_bytes: int = CHUNK_BYTES, start_line: int = 1)
             yield (start_line if i == 0 else None), ByteRange(str(path), begin, end, False), end
 
 
-def load_block(block: Block, text_field: str) -> tuple[list[tuple[int, str | None, str | None]], int, int]:
+def load_block(block: Block, text_field: str, head: int | None = None) -> tuple[list[tuple[int, str | None, str | None]], int, int]:
     """Read and parse a block: `(records, lines, text_bytes)`, records as in `parse_chunk` with lines
-    counted from 0 within the block, `lines` the number of lines (rows) the block spans."""
+    counted from 0 within the block, `lines` the number of lines (rows) the block spans. `head`: read
+    only about that many first rows of a row group (a sample, without loading the whole group)."""
     if isinstance(block, RowGroup):
         pq = _pyarrow_parquet(Path(block.path))
         import pyarrow.compute as pc
 
-        column = pq.ParquetFile(block.path).read_row_group(block.index, columns=[text_field]).column(0).slice(block.skip)
+        f = pq.ParquetFile(block.path)
+        if head is None:
+            column = f.read_row_group(block.index, columns=[text_field]).column(0).slice(block.skip)
+        else:
+            column = next(f.iter_batches(batch_size=block.skip + head, row_groups=[block.index], columns=[text_field])).column(0).slice(block.skip)
         texts = column.to_pylist()
         records = [(i, None, MISSING_FIELD) if t is None else (i, None, EMPTY) if not t.strip() else (i, t, None) for i, t in enumerate(texts)]
         return records, len(texts), pc.sum(pc.binary_length(column)).as_py() or 0
