@@ -4,7 +4,7 @@ against a plain-PyTorch step of the same model and batches (see olmo_ds/train/be
     python scripts/bench_train.py                                    # GPU: olmo2-1b, seq 4096, micro-batch 4, ZeRO-3
     python scripts/bench_train.py --preset tiny --seq-len 64 --micro-batch-size 2 --steps 3   # CPU smoke run
     python scripts/bench_train.py --ds-set zero_optimization.reduce_bucket_size=500000000
-    python scripts/bench_train.py --sweep baseline,tuned_leaf,tuned_leaf+accum8   # one process per variant, table last
+    python scripts/bench_train.py --sweep baseline,eager,baseline+accum8   # one process per variant, table last
 
 Runs as a single rank without a launcher (or under `deepspeed --num_gpus 1`). On a machine without a
 GPU it defaults to the tiny preset in fp32 so that it finishes in seconds.
@@ -32,7 +32,7 @@ def main() -> int:
     p.add_argument("--ds-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a DeepSpeed JSON field, e.g. zero_optimization.reduce_bucket_size=500000000")
     p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a model config field, e.g. attention_backend=sdpa_flash")
+                   help="override a model config field, e.g. compile=eager (no compiled blocks) or attention_backend=sdpa_flash")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--warmup", type=int, default=5 if gpu else 1)
     p.add_argument("--steps", type=int, default=20 if gpu else 3)
@@ -41,14 +41,10 @@ def main() -> int:
     p.add_argument("--work-dir", default=BenchOptions.work_dir, help="generated shards (reused) and the resolved DeepSpeed JSON")
     g = p.add_argument_group("experiment switches (patch this process only; see olmo_ds.train.bench.Experiments)")
     g.add_argument("--compile-pointwise", action="store_true", help="torch.compile RMSNorm, RoPE and SwiGLU math")
-    g.add_argument("--compile-blocks", action="store_true",
-                   help="torch.compile whole blocks as functions of their weights (needs persistent ZeRO-3 parameters)")
-    g.add_argument("--z3-leaf-blocks", action="store_true",
-                   help="ZeRO-3 gathers each block's weights as one unit (set_z3_leaf_modules), for --compile-blocks")
     g.add_argument("--loss-chunk", type=int, default=None, help="tokens per chunk of the fused head + loss")
     g.add_argument("--deepcompile", action="store_true", help="DeepSpeed DeepCompile (engine.compile with deepcompile on)")
     g.add_argument("--engine-compile", action="store_true", help="engine.compile(): torch.compile under DeepSpeed's hooks")
-    g.add_argument("--compile-backend", default="inductor")
+    g.add_argument("--compile-backend", default="inductor", help="for --compile-pointwise and engine.compile()")
     p.add_argument("--profile-dir", default=None, help="profile two extra steps of each path; op tables go here")
     p.add_argument("--json", type=Path, default=None, help="also write the full result as JSON here")
     p.add_argument("--sweep", default=None, metavar="V1,V2,...",
@@ -79,8 +75,7 @@ def main() -> int:
             ds_config=args.ds_config, ds_set=args.ds_set, model_set=args.model_set, precision=args.precision,
             warmup=args.warmup, steps=args.steps, reference=args.reference, deepspeed=args.deepspeed, work_dir=args.work_dir,
             profile_dir=args.profile_dir,
-            experiments=Experiments(compile_pointwise=args.compile_pointwise, compile_blocks=args.compile_blocks, z3_leaf_blocks=args.z3_leaf_blocks,
-                                    loss_chunk=args.loss_chunk, deepcompile=args.deepcompile,
+            experiments=Experiments(compile_pointwise=args.compile_pointwise, loss_chunk=args.loss_chunk, deepcompile=args.deepcompile,
                                     engine_compile=args.engine_compile, compile_backend=args.compile_backend),
         )
         result = run_bench(opts)

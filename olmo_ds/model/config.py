@@ -15,6 +15,10 @@ VOCAB_MULTIPLE = 128  # embedding rows are padded to a multiple of this (tensor-
 ATTENTION_BACKENDS = (
     "auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flex", "flash_attn", "flash_attn3",
 )
+COMPILE_MODES = ("auto", "blocks", "eager")
+# Fields that choose how the model computes (kernels, recomputation, compilation), not its weights or
+# its function: a checkpoint resumes under other values of these.
+EXECUTION_FIELDS = frozenset({"attention_backend", "activation_checkpointing", "compile"})
 
 
 @dataclass
@@ -61,6 +65,9 @@ class ModelConfig:
     # sdpa_math | flex | flash_attn | flash_attn3.
     attention_backend: str = "auto"
     activation_checkpointing: bool = False
+    # torch.compile each block as one function of its weights (olmo_ds/model/model.py `block_math`):
+    # auto = compiled on CUDA, eager on CPU | blocks = always compiled | eager = never. Changes speed, not the math.
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -92,6 +99,9 @@ class ModelConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"model.attention_backend {self.attention_backend!r} is not one of: "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"model.compile {self.compile!r} is not one of: {', '.join(COMPILE_MODES)} "
+                             f"(auto = compiled blocks on CUDA, eager on CPU)")
 
     @property
     def head_dim(self) -> int:
@@ -120,15 +130,43 @@ class ModelConfig:
         emb = self.padded_vocab_size * d
         return body + emb + (0 if self.tie_embeddings else emb)
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 * N_non-embedding + 12 * d * sum over layers of the attended span.
+    def compiles_blocks(self, device_type: str) -> bool:
+        """Whether `compile` asks for compiled blocks on a device of this type ("cuda", "cpu", ...).
 
-        The PaLM/OLMo formula (6N + 12 L d T); a sliding-window layer attends to at most `sliding_window`
-        keys, so it counts min(T, window) instead of T.
+        "auto" compiles on CUDA only: that is where it was measured to pay (BENCHMARKS.md), while on
+        CPU inductor's compile time outweighs what the few steps of a test or demo gain.
         """
-        span = sum(min(seq_len, self.sliding_window) if self.layer_is_sliding(i) else seq_len
+        return self.compile == "blocks" or (self.compile == "auto" and device_type == "cuda")
+
+    @property
+    def flops_params(self) -> int:
+        """Parameters whose matmuls run once per token: all but the input embedding (a lookup).
+
+        The output head counts even when tied to the embedding, since its matmul runs either way.
+        """
+        return self.num_params(include_embedding=False) + self.padded_vocab_size * self.d_model
+
+    def attended_span(self, seq_len: int) -> int:
+        """Sum over layers of the keys a query attends to: T, or min(T, window) on a sliding layer."""
+        return sum(min(seq_len, self.sliding_window) if self.layer_is_sliding(i) else seq_len
                    for i in range(self.n_layers))
-        return 6 * self.num_params(include_embedding=False) + 12 * self.d_model * span
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 x `flops_params` + 12 x d_model x `attended_span`.
+
+        The PaLM/OLMo formula 6N + 12 L d T, with N every parameter except the input embedding (the
+        output head included, as OLMo-core and PaLM count it), so MFU compares with theirs; a
+        sliding-window layer counts min(T, window) keys instead of T.
+        """
+        return 6 * self.flops_params + 12 * self.d_model * self.attended_span(seq_len)
+
+    def flops_formula(self, seq_len: int) -> str:
+        """`flops_per_token` written out with this model's numbers, for logs and reports."""
+        span = self.attended_span(seq_len)
+        attn = (f"{self.n_layers} layers x {self.d_model} d_model x {seq_len} seq_len"
+                if span == self.n_layers * seq_len else f"{self.d_model} d_model x {span:,} keys summed over layers")
+        return (f"FLOPs/token = 6 x {self.flops_params:,} params (all but the input embedding; output head included) "
+                f"+ 12 x {attn} = {self.flops_per_token(seq_len):.4g}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -12,10 +12,20 @@ every parameter is used inside the forward of the module that owns it (the loss 
 and weights are initialised inside each leaf module's `__init__` (via `reset_parameters`) so that
 `deepspeed.zero.Init` partitions initialised tensors. RoPE tables are computed in the forward, in
 fp32, so zero.Init's dtype casting of tensors created at construction cannot touch them.
+
+Compiled blocks (`ModelConfig.compile`): a block can run as one `torch.compile`d function of its
+weights (`block_math`, the same math as the modules, written over the same helpers). It is taken only
+where it is exactly the eager block, and only in training (gradients enabled): plain causal attention
+through an SDPA backend (no sliding window, no document mask, no KV cache) and every weight of the
+block already gathered, which under ZeRO-3 the trainer guarantees by making each block a leaf module
+(the block's own hooks gather all its weights; the skipped submodule forwards would otherwise be the
+ones that gather them). Anything else runs the modules eagerly. `BLOCK_CALLS` counts which way each
+block call went.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from typing import NamedTuple
@@ -25,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from olmo_ds.model.attention import AttentionMask, attend, resolve_backend
+from olmo_ds.model.attention import _SDPA_KERNELS, AttentionMask, attend, resolve_backend
 from olmo_ds.model.config import ModelConfig, YarnConfig
 from olmo_ds.model.loss import fused_linear_cross_entropy
 
@@ -66,17 +76,20 @@ class Embedding(nn.Embedding):
         _trunc_normal_(self.weight, self.init_std)
 
 
-class RMSNorm(nn.Module):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32, scaled by the weight, cast back to the input dtype (as transformers)."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one fused kernel where available
+    return (weight * normed).to(x.dtype)
 
+
+class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # one fused kernel where available
-        return (self.weight * normed).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, yarn: YarnConfig | None, device=None) -> tuple[torch.Tensor, float]:
@@ -141,6 +154,71 @@ def _resolved_backend(name: str, device: torch.device, needs_mask: bool) -> str:
     return resolve_backend(name, device, needs_mask)
 
 
+# Resolved attention backends that `block_math` reproduces (attention.py's `_sdpa` without a mask).
+_SDPA_BACKENDS = frozenset({"sdpa", "sdpa_cudnn_first", *_SDPA_KERNELS})
+
+
+def _causal_sdpa(q, k, v, scale: float, backend: str) -> torch.Tensor:
+    """Plain causal attention exactly as attention.py's `_sdpa` runs it for `backend` when there is no
+    window and no document mask: the same kernel choice (a pinned kernel, cuDNN first, or PyTorch's
+    pick) and the same GQA handling. q [B, T, H, D], k and v [B, T, H_kv, D] -> [B, T, H, D]."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gqa = q.shape[2] != k.shape[2]
+    if gqa and backend in ("sdpa_cudnn", "sdpa_efficient"):
+        rep = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        gqa = False
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if backend in _SDPA_KERNELS:
+        with sdpa_kernel(getattr(SDPBackend, _SDPA_KERNELS[backend])):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    elif backend == "sdpa_cudnn_first":
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        with sdpa_kernel(order, set_priority=True):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+def block_math(x, cos, sin, wq, wk, wv, wo, gq, gk, g_attn, w_gate, w_up, w_down, g_mlp, *,
+               eps: float, n_heads: int, n_kv_heads: int, backend: str) -> torch.Tensor:
+    """One block with plain causal attention, as a function of its weights (the compiled path).
+
+    The same operations as `Block`'s modules in the same order: q/k/v projections, QK-norm over the
+    whole projections, RoPE, attention, output projection and its norm, residual; SwiGLU, its norm,
+    residual. Keeping the weights as arguments lets torch.compile fuse across the whole block while
+    ZeRO-3 stays in charge of gathering them (the block's hooks run around this call).
+    """
+    b, t, _ = x.shape
+    head_dim = wq.shape[0] // n_heads
+    q = rms_norm(F.linear(x, wq), gq, eps).view(b, t, n_heads, head_dim)
+    k = rms_norm(F.linear(x, wk), gk, eps).view(b, t, n_kv_heads, head_dim)
+    v = F.linear(x, wv).view(b, t, n_kv_heads, head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    out = _causal_sdpa(q, k, v, head_dim ** -0.5, backend)
+    x = x + rms_norm(F.linear(out.reshape(b, t, -1), wo), g_attn, eps)
+    return x + rms_norm(F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down), g_mlp, eps)
+
+
+@functools.cache
+def _compiled_block_math():
+    """One compiled `block_math` per process, built on first use; shapes are static (dynamic=False),
+    so every layer of a model shares one graph per batch shape."""
+    return torch.compile(block_math, dynamic=False)
+
+
+# How each block call ran ("compiled" or "eager"); recomputation under activation checkpointing counts
+# again. Reports read it to show whether the compiled path was taken.
+BLOCK_CALLS: collections.Counter = collections.Counter()
+
+
+def _gathered(params) -> bool:
+    """Whether every parameter holds its full data: not a ZeRO-3 parameter, or one that is AVAILABLE."""
+    return all(getattr(getattr(p, "ds_status", None), "name", "AVAILABLE") == "AVAILABLE" for p in params)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -201,12 +279,40 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        self.cfg = cfg
         self.attn = Attention(cfg, layer)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        """The block's weights in `block_math`'s argument order."""
+        a, m = self.attn, self.mlp
+        return (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, a.q_norm.weight, a.k_norm.weight,
+                self.attn_norm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, self.mlp_norm.weight)
+
+    def _compiled_backend(self, x, mask: AttentionMask | None, cache: KVCache | None) -> str | None:
+        """The attention backend for the compiled path, or None where this call must run eagerly."""
+        if cache is not None or mask is None or mask.has_documents or self.attn.window is not None:
+            return None
+        if not torch.is_grad_enabled():
+            # Evaluation and inference stay eager: their batch shapes vary (multiple-choice lengths, last
+            # batches) and each new shape would be another static-shape compile.
+            return None
+        if not self.cfg.compiles_blocks(x.device.type):
+            return None
+        backend = _resolved_backend(self.attn.backend, x.device, False)
+        if backend not in _SDPA_BACKENDS or not _gathered(self.weights()):
+            return None
+        return backend
+
     def forward(self, x, cos, sin, mask: AttentionMask | None, cache: KVCache | None = None) -> torch.Tensor:
+        backend = self._compiled_backend(x, mask, cache)
+        if backend is not None:
+            BLOCK_CALLS["compiled"] += 1
+            return _compiled_block_math()(x, cos, sin, *self.weights(), eps=self.attn_norm.eps, n_heads=self.attn.n_heads,
+                                          n_kv_heads=self.attn.n_kv_heads, backend=backend)
+        BLOCK_CALLS["eager"] += 1
         x = x + self.attn_norm(self.attn(x, cos, sin, mask, cache))
         return x + self.mlp_norm(self.mlp(x))
 

@@ -7,16 +7,17 @@ allocator growth. In the same process, before the engine exists, the same model 
 run through a plain-PyTorch step (parameters in the run's precision, bf16 on a GPU, fused
 `torch.optim.AdamW`, gradient clipping, no DeepSpeed): the ratio of the two is what DeepSpeed costs or gains on this device.
 
-Throughput uses one FLOP formula, `ModelConfig.flops_per_token` (6 x non-embedding parameters +
-12 x layers x d_model x seq_len per token), printed with every report. It leaves out the output
-head's matmul (6 x vocab x d_model per token), which other trainers count among the "non-embedding"
-parameters; the report therefore also gives MFU with the head counted, so numbers compare with
-theirs on the same footing.
+Throughput uses one FLOP formula, `ModelConfig.flops_per_token` (6 x every parameter but the input
+embedding, the output head included, + 12 x layers x d_model x seq_len per token), printed with every
+report, the same the trainer logs.
 
-Experiment switches (`Experiments`) try speed levers without changing the model or trainer code:
-each patches this process only, is named in the report, and is off by default. Variants of a sweep
-(`VARIANTS`) run in separate processes so that one variant's memory, compiled graphs or crash cannot
-affect the next; the sweep prints one table at the end.
+The speed levers measured here and found to pay are the model's and trainer's defaults now (compiled
+blocks, ZeRO-3 leaf blocks and the ZeRO-3 knobs that go with them; `model.compile`, BENCHMARKS.md), so
+the benchmark times what a user runs; `--model-set compile=eager` (variant `eager`) times the eager path
+for comparison. Experiment switches (`Experiments`) try further levers without changing the model or
+trainer code: each patches this process only, is named in the report, and is off by default. Variants
+of a sweep (`VARIANTS`) run in separate processes so that one variant's memory, compiled graphs or
+crash cannot affect the next; the sweep prints one table at the end.
 """
 
 from __future__ import annotations
@@ -53,25 +54,17 @@ class Experiments:
     the step's math unchanged (the tests compare losses with and without them).
     """
 
-    # torch.compile the parameter-free math of the blocks (RMSNorm body, RoPE, SwiGLU) as standalone
+    # torch.compile the parameter-free math of eager blocks (RMSNorm body, RoPE, SwiGLU) as standalone
     # functions that take the already-gathered weight as an argument, so ZeRO-3's module hooks still
-    # run eagerly around them.
+    # run eagerly around them. Meant for `compile=eager` (variant `eager`): compiled blocks bypass them.
     compile_pointwise: bool = False
-    # torch.compile each whole block as a function of its weights, taken only while ZeRO-3 has every
-    # weight of the block gathered (pair it with z3_leaf_blocks, or with a persistence threshold above
-    # the largest matrix).
-    compile_blocks: bool = False
-    # Mark each block a ZeRO-3 "leaf" module (deepspeed.utils.set_z3_leaf_modules): DeepSpeed then
-    # gathers all of a block's weights in the block's own forward and backward hooks and sets none on
-    # its children, so compiled blocks need no persistence threshold and weights stay sharded.
-    z3_leaf_blocks: bool = False
     # Tokens per chunk of the fused output-projection + cross-entropy (default: `LMHead.forward`'s).
     loss_chunk: int | None = None
     # DeepSpeed's DeepCompile: `"compile": {"deepcompile": true}` and `engine.compile()` after init.
     deepcompile: bool = False
     # `engine.compile()` (plain torch.compile of the whole module under DeepSpeed's hooks).
     engine_compile: bool = False
-    compile_backend: str = "inductor"
+    compile_backend: str = "inductor"  # for compile_pointwise and engine.compile(); blocks use the model's
 
 
 @dataclass
@@ -82,7 +75,7 @@ class BenchOptions:
     grad_accum: int = 1  # micro-batches per optimizer step (global batch = micro x accum, one rank)
     ds_config: str = "ds_configs/zero3_bf16.json"
     ds_set: list[str] = field(default_factory=list)  # "zero_optimization.reduce_bucket_size=500000000"
-    model_set: list[str] = field(default_factory=list)  # ModelConfig fields, e.g. "attention_backend=sdpa_flash"
+    model_set: list[str] = field(default_factory=list)  # ModelConfig fields, e.g. "compile=eager"
     precision: str | None = None  # None: bf16 on CUDA, fp32 on CPU
     warmup: int = 5
     steps: int = 20
@@ -96,57 +89,15 @@ class BenchOptions:
 # --- experiment switches -------------------------------------------------------------------------
 
 
-def _rms_norm(x, weight, eps: float):
-    """The model's RMSNorm math (fp32 statistics, weight applied in fp32, cast back) as a function."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * x32).to(x.dtype)
-
-
 def _swiglu(gate, up):
     return torch.nn.functional.silu(gate) * up
 
 
-def _block_math(x, cos, sin, wq, wk, wv, wo, gq, gk, g_attn, w_gate, w_up, w_down, g_mlp,
-                eps: float, n_heads: int, n_kv_heads: int, scale: float):
-    """One OLMo-2 block with causal attention and no extra mask, its weights passed in (see `compile_blocks`)."""
-    import torch.nn.functional as F
+def block_counts() -> dict:
+    """How many block calls ran compiled and eagerly in this process so far (see `BLOCK_CALLS`)."""
+    from olmo_ds.model.model import BLOCK_CALLS
 
-    from olmo_ds.model.model import apply_rope
-
-    b, t, _ = x.shape
-    head_dim = wq.shape[0] // n_heads
-    q = _rms_norm(F.linear(x, wq), gq, eps).view(b, t, n_heads, head_dim)
-    k = _rms_norm(F.linear(x, wk), gk, eps).view(b, t, n_kv_heads, head_dim)
-    v = F.linear(x, wv).view(b, t, n_kv_heads, head_dim)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    gqa = n_heads != n_kv_heads
-    if x.is_cuda:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-        with sdpa_kernel(order, set_priority=True):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    o = o.transpose(1, 2).reshape(b, t, n_heads * head_dim)
-    x = x + _rms_norm(F.linear(o, wo), g_attn, eps)
-    return x + _rms_norm(F.linear(_swiglu(F.linear(x, w_gate), F.linear(x, w_up)), w_down), g_mlp, eps)
-
-
-# How often each patched path ran, so a report shows whether a switch took effect (e.g. compile_blocks
-# falls back to eager blocks while ZeRO-3 has not gathered their weights).
-COUNTERS: dict[str, int] = {}
-
-
-def _count(key: str) -> None:
-    COUNTERS[key] = COUNTERS.get(key, 0) + 1
-
-
-def _gathered(params) -> bool:
-    """Whether every parameter holds its full data: not a ZeRO-3 parameter, or one that is AVAILABLE."""
-    return all(getattr(getattr(p, "ds_status", None), "name", "AVAILABLE") == "AVAILABLE" for p in params)
+    return {"blocks_compiled": BLOCK_CALLS["compiled"], "blocks_eager": BLOCK_CALLS["eager"]}
 
 
 def apply_experiments(exp: Experiments) -> list[str]:
@@ -156,46 +107,12 @@ def apply_experiments(exp: Experiments) -> list[str]:
     applied = []
     compile_kw = dict(dynamic=False, backend=exp.compile_backend)
     if exp.compile_pointwise:
-        rms_norm_c = torch.compile(_rms_norm, **compile_kw)
+        rms_norm_c = torch.compile(model_mod.rms_norm, **compile_kw)
         swiglu_c = torch.compile(_swiglu, **compile_kw)
         model_mod.RMSNorm.forward = lambda self, x: rms_norm_c(x, self.weight, self.eps)
         model_mod.MLP.forward = lambda self, x: self.down_proj(swiglu_c(self.gate_proj(x), self.up_proj(x)))
         model_mod.apply_rope = torch.compile(model_mod.apply_rope, **compile_kw)
         applied.append(f"compile_pointwise({exp.compile_backend})")
-    if exp.compile_blocks:
-        # The whole block as one compiled function of its weights. ZeRO-3's hooks fetch a module's
-        # parameters only when that module's own forward runs, which this path skips, so it is taken
-        # only while every weight of the block is already gathered (the block is a ZeRO-3 leaf module,
-        # see z3_leaf_blocks, or its weights are persistent); otherwise the block runs eagerly, whose
-        # hooks gather them. Gradients still reach DeepSpeed through the parameters' own hooks.
-        block_c = torch.compile(_block_math, **compile_kw)
-        eager_forward = model_mod.Block.forward
-
-        def block_forward(self, x, cos, sin, mask, cache=None):
-            a, m = self.attn, self.mlp
-            params = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, a.q_norm.weight, a.k_norm.weight,
-                      self.attn_norm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, self.mlp_norm.weight)
-            plain = cache is None and a.window is None and not (mask is not None and mask.has_documents)
-            if not plain or not _gathered(params):
-                _count("compile_blocks.eager_blocks")
-                return eager_forward(self, x, cos, sin, mask, cache)
-            _count("compile_blocks.compiled_blocks")
-            return block_c(x, cos, sin, *params, self.attn_norm.eps, a.n_heads, a.n_kv_heads, a.head_dim ** -0.5)
-
-        model_mod.Block.forward = block_forward
-        applied.append(f"compile_blocks({exp.compile_backend})")
-    if exp.z3_leaf_blocks:
-        import deepspeed
-        from deepspeed.utils import set_z3_leaf_modules
-
-        initialize = deepspeed.initialize
-
-        def initialize_with_leaf_blocks(*args, model=None, **kwargs):
-            set_z3_leaf_modules(model, [model_mod.Block])
-            return initialize(*args, model=model, **kwargs)
-
-        deepspeed.initialize = initialize_with_leaf_blocks
-        applied.append("z3_leaf_blocks")
     if exp.loss_chunk:
         chunk = int(exp.loss_chunk)
         original = model_mod.fused_linear_cross_entropy
@@ -278,16 +195,7 @@ def write_bench_shards(opts: BenchOptions, directory: Path, vocab_size: int) -> 
 
 
 def flops_report(model_cfg, seq_len: int) -> dict:
-    n_body = model_cfg.num_params(include_embedding=False)
-    head = model_cfg.padded_vocab_size * model_cfg.d_model
-    fpt = model_cfg.flops_per_token(seq_len)
-    return {
-        "flops_per_token": fpt,
-        "flops_per_token_with_head": fpt + 6 * head,
-        "formula": (f"FLOPs/token = 6 x {n_body:,} non-embedding params + 12 x {model_cfg.n_layers} layers x "
-                    f"{model_cfg.d_model} d_model x {seq_len} seq_len = {fpt:.4g} "
-                    f"(+ 6 x {head:,} head params = {fpt + 6 * head:.4g} with the output head)"),
-    }
+    return {"flops_per_token": model_cfg.flops_per_token(seq_len), "formula": model_cfg.flops_formula(seq_len)}
 
 
 # --- timing --------------------------------------------------------------------------------------
@@ -319,7 +227,6 @@ def _summarise(step_s: list[float], wait_s: float, tokens_per_step: int, flops: 
         "step_s_max": max(step_s),
         "tflops": tflops,
         "mfu": tflops / peak if peak else None,
-        "mfu_with_head": tps * flops["flops_per_token_with_head"] / 1e12 / peak if peak else None,
         "data_wait_fraction": wait_s / sum(step_s),
         "loss_first": losses[0],
         "loss_last": losses[-1],
@@ -427,7 +334,8 @@ def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> d
     finally:
         trainer.loader.close()
     result["init_s"] = init_s
-    result["counters"] = dict(COUNTERS)
+    result["counters"] = block_counts()
+    result["blocks_compiled"] = trainer.model_cfg.compiles_blocks(trainer.device.type)
     result["zero_stage"] = trainer.ds_config["zero_optimization"]["stage"]
     result["ds_zero_config"] = trainer.ds_config["zero_optimization"]
     return result
@@ -449,6 +357,7 @@ def environment() -> dict:
 
 def run_bench(opts: BenchOptions) -> dict:
     """Reference step first (it needs the device to itself), then the DeepSpeed trainer; one result dict."""
+    from olmo_ds.model.model import BLOCK_CALLS
     from olmo_ds.train.launch import normalize_cuda_arch_list
     from olmo_ds.train.metrics import peak_tflops, setup_console_logging
 
@@ -475,7 +384,7 @@ def run_bench(opts: BenchOptions) -> dict:
         "experiments_applied": applied,
         "environment": environment(),
         "model": {"preset": opts.preset, "params": model_cfg.num_params(), "non_embedding_params": model_cfg.num_params(False),
-                  "attention_backend": model_cfg.attention_backend},
+                  "attention_backend": model_cfg.attention_backend, "compile": model_cfg.compile},
         "precision": cfg.precision,
         "tokens_per_step": cfg.batch.global_batch_size * opts.seq_len,
         "peak_tflops": peak,
@@ -485,8 +394,8 @@ def run_bench(opts: BenchOptions) -> dict:
     if opts.reference:
         log.info("plain-PyTorch reference: %d warm-up + %d timed steps", opts.warmup, opts.steps)
         result["reference"] = run_reference(cfg, model_cfg, opts, flops, peak)
-        result["reference"]["counters"] = dict(COUNTERS)
-        COUNTERS.clear()
+        result["reference"]["counters"] = block_counts()
+        BLOCK_CALLS.clear()
     if opts.deepspeed:
         log.info("DeepSpeed trainer (%s): %d warm-up + %d timed steps", cfg.deepspeed_config, opts.warmup, opts.steps)
         result["deepspeed"] = run_deepspeed(cfg, opts, flops, peak)
@@ -513,9 +422,10 @@ def format_report(r: dict) -> str:
         r["formula"],
         f"MFU vs {r['peak_tflops']} TFLOP/s peak" if r["peak_tflops"] else
         "MFU: no known peak for this device" + ("; CPU timings show only that the path runs" if r["environment"]["device"] == "cpu" else ""),
-        f"experiments: {', '.join(r['experiments_applied']) or 'none'}; ds overrides: {', '.join(o['ds_set']) or 'none'}; "
+        f"model.compile {r['model']['compile']}; experiments: {', '.join(r['experiments_applied']) or 'none'}; "
+        f"ds overrides: {', '.join(o['ds_set']) or 'none'}; "
         f"model overrides: {', '.join(o['model_set']) or 'none'}",
-        f"{'run':<28} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'MFU+head':>8} {'step ms':>8} {'data wait':>9} {'peak GiB':>8} {'loss':>14}",
+        f"{'run':<28} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'step ms':>8} {'data wait':>9} {'peak GiB':>8} {'loss':>14}",
     ]
     for name, key in (("plain PyTorch (fused AdamW)", "reference"), (f"DeepSpeed {Path(o['ds_config']).name}", "deepspeed")):
         m = r.get(key)
@@ -523,7 +433,7 @@ def format_report(r: dict) -> str:
             continue
         lines.append(
             f"{name:<28} {m['tokens_per_s']:>10,.0f} {m['tflops']:>8.1f} {_fmt(m['mfu'], 6, '.1f', 100, '%')} "
-            f"{_fmt(m['mfu_with_head'], 8, '.1f', 100, '%')} {1000 * m['step_s_median']:>8.1f} "
+            f"{1000 * m['step_s_median']:>8.1f} "
             f"{100 * m['data_wait_fraction']:>8.2f}% {m['peak_alloc_gib']:>8.1f} {m['loss_first']:>6.3f}->{m['loss_last']:<6.3f}"
         )
     for key in ("reference", "deepspeed"):
@@ -531,7 +441,7 @@ def format_report(r: dict) -> str:
             lines.append(f"{key}: device busy {100 * r[key]['device_busy_fraction']:.1f}% of wall time over 2 profiled steps "
                          f"(op table in {o['profile_dir']})")
         if r.get(key, {}).get("counters"):
-            lines.append(f"{key} patched-path counts: {r[key]['counters']}")
+            lines.append(f"{key} block calls: {r[key]['counters']}")
     if "ratio_deepspeed_to_reference" in r:
         lines.append(f"ratio DeepSpeed / plain PyTorch: {r['ratio_deepspeed_to_reference']:.3f}")
     return "\n".join(lines)
@@ -540,23 +450,27 @@ def format_report(r: dict) -> str:
 # --- sweeps --------------------------------------------------------------------------------------
 
 # Named variants for one-call sweeps on a GPU machine: extra command-line arguments of
-# scripts/bench_train.py, each one lever on top of the baseline; "a+b" combines variants.
+# scripts/bench_train.py, each one lever on top of the defaults; "a+b" combines variants. The defaults
+# are what the trainer runs: on a GPU, compiled blocks as ZeRO-3 leaf modules with reduce_bucket_size
+# 5e8 and memory_efficient_linear false (the measured `tuned_leaf` levers, folded in).
 PERSIST_ALL = ["--ds-set", "zero_optimization.stage3_param_persistence_threshold=1000000000000"]
 VARIANTS: dict[str, list[str]] = {
     "baseline": [],
+    # The eager path: no compiled blocks, hence no leaf blocks, reduce bucket d^2, DeepSpeed's linear.
+    "eager": ["--model-set", "compile=eager"],
+    # One folded lever undone at a time, blocks still compiled:
+    "small_buckets": ["--ds-set", "zero_optimization.reduce_bucket_size=4194304"],  # d^2 of olmo2-1b (2048^2)
+    # zero.Init replaces torch.nn.functional.linear process-wide with DeepSpeed's own autograd function
+    # (memory_efficient_linear), which torch.compile cannot fuse through.
+    "ds_linear": ["--ds-set", "zero_optimization.memory_efficient_linear=true"],
     "zero1": ["--ds-config", "ds_configs/zero1_bf16.json"],
     "zero2": ["--ds-config", "ds_configs/zero2_bf16.json"],
     "persist_all": PERSIST_ALL,
     "prefetch_big": ["--ds-set", "zero_optimization.stage3_prefetch_bucket_size=500000000"],
     "no_overlap": ["--ds-set", "zero_optimization.overlap_comm=false"],
-    "big_buckets": ["--ds-set", "zero_optimization.reduce_bucket_size=500000000"],
-    # zero.Init replaces torch.nn.functional.linear process-wide with DeepSpeed's own autograd function
-    # (memory_efficient_linear, on by default), which torch.compile cannot fuse through.
-    "plain_linear": ["--ds-set", "zero_optimization.memory_efficient_linear=false"],
     "attn_flash": ["--model-set", "attention_backend=sdpa_flash"],
     "attn_flex": ["--model-set", "attention_backend=flex"],
-    "compile_pointwise": ["--compile-pointwise"],
-    "compile_blocks": ["--compile-blocks", *PERSIST_ALL],
+    "compile_pointwise": ["--compile-pointwise"],  # with `eager`: compiled blocks bypass it
     "loss_chunk_1k": ["--loss-chunk", "1024"],
     "loss_chunk_2k": ["--loss-chunk", "2048"],
     "loss_chunk_4k": ["--loss-chunk", "4096"],
@@ -564,13 +478,8 @@ VARIANTS: dict[str, list[str]] = {
     "mb2": ["--micro-batch-size", "2"],
     "mb8": ["--micro-batch-size", "8"],
     "accum8": ["--grad-accum", "8"],
+    "ckpt": ["--model-set", "activation_checkpointing=true"],
     "noref": ["--no-reference"],
-    # The levers that helped on one H200 (BENCHMARKS.md), together.
-    "tuned": ["--compile-blocks", *PERSIST_ALL, "--ds-set", "zero_optimization.reduce_bucket_size=500000000",
-              "--ds-set", "zero_optimization.memory_efficient_linear=false"],
-    # tuned, with the blocks' weights gathered per block (ZeRO-3 leaf modules) instead of kept resident.
-    "tuned_leaf": ["--compile-blocks", "--z3-leaf-blocks", "--ds-set", "zero_optimization.reduce_bucket_size=500000000",
-                   "--ds-set", "zero_optimization.memory_efficient_linear=false"],
     "deepcompile": ["--deepcompile"],
     "engine_compile": ["--engine-compile"],
 }

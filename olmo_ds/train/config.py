@@ -285,7 +285,10 @@ class _Parser:
             except (TypeError, ValueError):
                 raise self.error(path, f"expected a number, got {raw!r}") from None
         if tp is str:
-            if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
+            if isinstance(raw, bool):
+                # YAML 1.1 reads an unquoted on/off/yes/no as a boolean (`document_masking: yes`).
+                raise self.error(path, f"expected a string, got {raw!r}; quote the value (e.g. \"off\")")
+            if not isinstance(raw, (str, int, float)):
                 raise self.error(path, f"expected a string, got {raw!r}")
             return str(raw)
         raise self.error(path, f"unsupported type {tp}")

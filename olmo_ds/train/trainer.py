@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from olmo_ds.data.loader import DataLoader
-from olmo_ds.model.config import ModelConfig
+from olmo_ds.model.config import EXECUTION_FIELDS, ModelConfig
 from olmo_ds.train import checkpoint as ckpt
 from olmo_ds.train.config import ConfigError, TrainConfig
-from olmo_ds.train.ds_config import check_batch_divisible, resolve_ds_config
+from olmo_ds.train.ds_config import check_batch_divisible, device_type, resolve_ds_config
 from olmo_ds.train.evaluation import InLoopEvaluator
 from olmo_ds.train.launch import detect_environment, init_distributed, normalize_cuda_arch_list
 from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops, setup_console_logging
@@ -98,9 +98,11 @@ def _offloaded(ds_config: dict) -> bool:
 
 def check_resume(state: dict, model: ModelConfig, world_size: int, ckpt_dir: Path, ds_config: dict) -> None:
     """The checkpoint fits this run; a different data-parallel size is fine unless it cannot be converted."""
-    saved = ModelConfig.from_dict(state["model"])
-    if saved != model:
-        diffs = [f"{k}: checkpoint {v!r}, config {getattr(model, k)!r}" for k, v in saved.to_dict().items() if model.to_dict()[k] != v]
+    saved, current = ModelConfig.from_dict(state["model"]).to_dict(), model.to_dict()
+    # Fields that choose kernels, not weights or math (attention backend, checkpointing, compile) may change.
+    diffs = [f"{k}: checkpoint {v!r}, config {current[k]!r}" for k, v in saved.items()
+             if current[k] != v and k not in EXECUTION_FIELDS]
+    if diffs:
         raise ConfigError(f"{ckpt_dir}: the checkpoint's model differs from the configured one ({'; '.join(diffs)})")
     if state["world_size"] == world_size:
         return
@@ -195,17 +197,26 @@ class Trainer:
 
     def _build_engine(self):
         import deepspeed
+        from deepspeed.utils import set_z3_leaf_modules
 
         from olmo_ds.model import OLMo
+        from olmo_ds.model.model import Block
 
         stage = self.ds_config["zero_optimization"]["stage"]
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config, enabled=stage == 3):
             model = OLMo(self.model_cfg)
+        compiled = self.model_cfg.compiles_blocks(device_type())
+        if compiled and stage == 3:
+            # A compiled block runs as one function of its weights, so its submodules' forwards, whose
+            # hooks would gather their weights, never run: as leaf modules, ZeRO-3 gathers all of a
+            # block's weights in the block's own hooks instead, and the compiled path finds them ready.
+            set_z3_leaf_modules(model, [Block])
         engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, self.cfg.optim), config=self.ds_config)
         log.info(
-            "model: %s (%s parameters, %s non-embedding), ZeRO stage %d, %s, %d ranks, %s",
+            "model: %s (%s parameters, %s non-embedding), ZeRO stage %d, %s, %d ranks, %s, blocks %s",
             self.cfg.model.preset, f"{self.model_cfg.num_params():,}", f"{self.model_cfg.num_params(False):,}",
             stage, self.cfg.precision, self.world_size, self.cfg.deepspeed_config,
+            f"compiled (model.compile {self.model_cfg.compile})" if compiled else f"eager (model.compile {self.model_cfg.compile})",
         )
         return engine
 
@@ -386,9 +397,7 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, enabled=self.rank == 0, tensorboard=cfg.logging.tensorboard,
                                wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
         peak = peak_tflops(cfg.logging.peak_tflops)
-        log.info("FLOPs/token = 6 x %s non-embedding params + 12 x %d layers x %d d_model x %d seq_len = %.3g; %s",
-                 f"{self.model_cfg.num_params(False):,}", self.model_cfg.n_layers, self.model_cfg.d_model, cfg.batch.seq_len,
-                 self.flops_per_token,
+        log.info("%s; %s", self.model_cfg.flops_formula(cfg.batch.seq_len),
                  f"MFU against {peak:g} TFLOP/s per device" if peak else "MFU not reported (unknown device peak; set logging.peak_tflops)")
         last_saved = self.step if self.resume_dir else None
         first_step = self.step + 1  # logged whatever logging.every says: the starting loss is worth seeing

@@ -45,12 +45,36 @@ def test_config_round_trips_and_rejects_bad_values():
         ModelConfig.from_dict({"d_model": 64, "n_layer": 2})
 
 
-def test_flops_per_token_counts_sliding_layers_at_their_window():
+def test_flops_per_token_counts_the_head_and_sliding_layers_at_their_window():
     full, sliding = preset("olmo2-7b"), preset("olmo3-7b")
-    assert full.flops_per_token(4096) == 6 * full.num_params(include_embedding=False) + 12 * 32 * 4096 * 4096
+    head = 100352 * 4096  # the output head's matmul runs per token; the input embedding is a lookup
+    assert full.flops_params == full.num_params() - head
+    assert full.flops_per_token(4096) == 6 * (full.num_params(include_embedding=False) + head) + 12 * 32 * 4096 * 4096
     # At T = 8192, 24 of 32 layers attend to 4096 keys, 8 to all 8192.
-    assert sliding.flops_per_token(8192) == 6 * sliding.num_params(include_embedding=False) + 12 * 4096 * (24 * 4096 + 8 * 8192)
-    assert sliding.flops_per_token(2048) == 6 * sliding.num_params(include_embedding=False) + 12 * 4096 * 32 * 2048
+    assert sliding.flops_per_token(8192) == 6 * sliding.flops_params + 12 * 4096 * (24 * 4096 + 8 * 8192)
+    assert sliding.flops_per_token(2048) == 6 * sliding.flops_params + 12 * 4096 * 32 * 2048
+    # A tied head is still a matmul per token.
+    tied = preset("olmo2-1b", tie_embeddings=True)
+    assert tied.flops_per_token(4096) == preset("olmo2-1b").flops_per_token(4096)
+
+
+def test_flops_formula_gives_the_issues_mfu_for_olmo2_1b():
+    """Issue #8: 55,000 tokens/s on 989 TFLOP/s is about 52% MFU for olmo2-1b at seq 4096."""
+    cfg = preset("olmo2-1b")
+    assert cfg.flops_per_token(4096) == 6 * 1_279_395_840 + 12 * 16 * 2048 * 4096 == 9_286_987_776
+    assert round(100 * 55_000 * cfg.flops_per_token(4096) / 989e12, 1) == 51.6
+    assert cfg.flops_formula(4096) == ("FLOPs/token = 6 x 1,279,395,840 params (all but the input embedding; output head "
+                                       "included) + 12 x 16 layers x 2048 d_model x 4096 seq_len = 9.287e+09")
+    assert "163,840 keys summed over layers" in preset("olmo3-7b").flops_formula(8192)
+
+
+def test_compile_mode_is_validated_and_auto_means_cuda_only():
+    assert preset("tiny").compile == "auto"
+    assert preset("tiny").compiles_blocks("cuda") and not preset("tiny").compiles_blocks("cpu")
+    assert preset("tiny", compile="blocks").compiles_blocks("cpu")
+    assert not preset("tiny", compile="eager").compiles_blocks("cuda")
+    with pytest.raises(ValueError, match=r"model.compile 'on' is not one of: auto, blocks, eager"):
+        preset("tiny", compile="on")
 
 
 def test_presets_are_copied_not_shared():

@@ -2,7 +2,7 @@
 
 The tiny preset runs in seconds. Both paths must train the same model on the same batches (their first
 losses agree: same seed, same data order), report positive throughput and a data-wait share in [0, 1],
-and the experiment switches must leave the step's math unchanged.
+and compiled blocks and the experiment switches must leave the step's math unchanged.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import pytest
 from tests.train.train_testlib import ROOT, run
 
 SCRIPT = ROOT / "scripts" / "bench_train.py"
-TINY = ["--preset", "tiny", "--seq-len", "64", "--micro-batch-size", "2", "--grad-accum", "2", "--warmup", "1", "--steps", "2"]
+# The block shapes of tests/model/test_compile.py, so compiled blocks reuse the graphs inductor cached there.
+TINY = ["--preset", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum", "2", "--warmup", "1", "--steps", "2",
+        "--model-set", "d_model=32", "--model-set", "n_heads=2", "--model-set", "n_kv_heads=1", "--model-set", "mlp_hidden=64"]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +35,8 @@ def test_cpu_sweep_reports_both_paths(sweep):
     (row,) = rows
     assert row["variant"] == "baseline" and row["rc"] == 0
     r = row["result"]
-    assert r["tokens_per_step"] == 2 * 2 * 64
-    assert r["flops_per_token"] > 0 and "FLOPs/token = 6 x" in r["formula"]
+    assert r["tokens_per_step"] == 2 * 2 * 32
+    assert r["flops_per_token"] > 0 and "FLOPs/token = 6 x" in r["formula"] and "output head included" in r["formula"]
     for key in ("reference", "deepspeed"):
         m = r[key]
         assert m["tokens_per_s"] > 0 and m["tflops"] > 0
@@ -42,6 +44,10 @@ def test_cpu_sweep_reports_both_paths(sweep):
         assert m["peak_alloc_gib"] > 0
         assert math.isfinite(m["loss_first"]) and math.isfinite(m["loss_last"])
     assert r["deepspeed"]["zero_stage"] == 3
+    # `compile: auto` on CPU: eager blocks, and the ZeRO-3 knobs that go with them.
+    assert r["model"]["compile"] == "auto" and not r["deepspeed"]["blocks_compiled"]
+    assert r["deepspeed"]["counters"]["blocks_compiled"] == 0 and r["deepspeed"]["counters"]["blocks_eager"] > 0
+    assert r["deepspeed"]["ds_zero_config"]["memory_efficient_linear"] is True
     # Same seed, same model code, same batches: the first step's loss (before any update) is the same.
     assert r["deepspeed"]["loss_first"] == pytest.approx(r["reference"]["loss_first"], rel=1e-5)
     assert r["ratio_deepspeed_to_reference"] == pytest.approx(r["deepspeed"]["tokens_per_s"] / r["reference"]["tokens_per_s"])
@@ -50,20 +56,25 @@ def test_cpu_sweep_reports_both_paths(sweep):
     assert table[-2].startswith("variant") and table[-1].startswith("baseline")
 
 
-def test_experiment_switches_keep_the_loss(sweep):
+def test_compiled_blocks_and_experiment_switches_keep_the_loss(sweep):
+    """`compile=blocks` (what `auto` is on a GPU) runs the trainer's real compiled path: leaf blocks, the
+    matching ZeRO-3 knobs, every block call compiled; with the experiment switches on top, the losses
+    are the eager baseline's."""
     _, rows, work = sweep
     out = work / "switches.json"
-    proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(work), "--compile-pointwise", "--compile-blocks",
-                "--z3-leaf-blocks", "--compile-backend", "eager", "--loss-chunk", "48",
-                "--ds-set", "zero_optimization.memory_efficient_linear=false", "--json", str(out)], timeout=300)
+    proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(work), "--model-set", "compile=blocks", "--compile-pointwise",
+                "--compile-backend", "eager", "--loss-chunk", "48", "--json", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["experiments_applied"] == ["compile_pointwise(eager)", "compile_blocks(eager)", "z3_leaf_blocks", "loss_chunk=48"]
+    assert r["experiments_applied"] == ["compile_pointwise(eager)", "loss_chunk=48"]
+    assert r["model"]["compile"] == "blocks" and r["deepspeed"]["blocks_compiled"]
+    zero = r["deepspeed"]["ds_zero_config"]
+    assert (zero["reduce_bucket_size"], zero["memory_efficient_linear"]) == (500_000_000, False)
     base = rows[0]["result"]
     for key in ("reference", "deepspeed"):
-        # The compiled-block path ran (ZeRO-3 gathers each leaf block's weights, then releases them) ...
-        assert r[key]["counters"].get("compile_blocks.compiled_blocks", 0) > 0, r[key]["counters"]
-        # ... and computes what the unpatched model computes, through the optimizer updates too.
+        # Every block call compiled (ZeRO-3 gathers each leaf block's weights, then releases them) ...
+        assert r[key]["counters"]["blocks_compiled"] > 0 and r[key]["counters"]["blocks_eager"] == 0, r[key]["counters"]
+        # ... and computes what the eager model computes, through the optimizer updates too.
         assert r[key]["loss_first"] == pytest.approx(base[key]["loss_first"], rel=1e-5)
         assert r[key]["loss_last"] == pytest.approx(base[key]["loss_last"], rel=1e-4)
 

@@ -54,6 +54,9 @@ def test_yaml_and_overrides_become_typed_values(tmp_path):
         (GOOD, ["batch.schedule=[{step: 0, global_batch_size: 4}, {step: 10, global_batch_size: 16}]"], r"last batch.schedule entry's global_batch_size 16 differs from batch.global_batch_size 8"),
         (GOOD, ["data.sources=[]"], r"data.sources is empty"),
         (GOOD, ["optim.lr"], r"expected KEY=VALUE"),
+        # YAML 1.1 reads an unquoted off as false; the message says to quote it.
+        (GOOD, ["model.attention_backend=off"], r"model.attention_backend: expected a string, got False; quote the value"),
+        (GOOD, ["model.compile=always"], r"model: model.compile 'always' is not one of: auto, blocks, eager"),
     ],
 )
 def test_config_errors_name_the_key(tmp_path, text, overrides, message):

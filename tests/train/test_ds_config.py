@@ -20,7 +20,7 @@ def train_config(*overrides):
 def test_shipped_configs_resolve_from_the_train_config(name):
     cfg = train_config(f"deepspeed_config={ROOT / 'ds_configs' / name}.json", "precision=" + ("fp16" if "fp16" in name else "bf16"))
     model = cfg.model.build(vocab_size=1000)
-    ds = resolve_ds_config(cfg, model, dp_world_size=2)
+    ds = resolve_ds_config(cfg, model, dp_world_size=2, device="cpu")
     assert "auto" not in json.dumps(ds)
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (32, 4, 4)
     assert ds["gradient_clipping"] == 0.5
@@ -32,8 +32,30 @@ def test_shipped_configs_resolve_from_the_train_config(name):
     if zero["stage"] == 3:
         assert zero["stage3_prefetch_bucket_size"] == int(0.9 * d * d)
         assert zero["stage3_param_persistence_threshold"] == 10 * d
+        assert zero["memory_efficient_linear"] is True  # eager blocks (compile auto on CPU): DeepSpeed's default
     else:
-        assert not any(k.startswith("stage3_") for k in zero)
+        assert not any(k.startswith("stage3_") for k in zero) and "memory_efficient_linear" not in zero
+
+
+@pytest.mark.parametrize("name", ["zero3_bf16", "zero2_bf16"])
+def test_compiled_blocks_take_the_measured_zero3_knobs_unless_the_json_says_otherwise(name):
+    """On CUDA `compile: auto` means compiled blocks, and ZeRO-3 then gets the knobs measured with them
+    (BENCHMARKS.md); stages 1-2 and eager blocks keep d^2 buckets; a concrete JSON value always wins."""
+    cfg = train_config(f"deepspeed_config={ROOT / 'ds_configs' / name}.json")
+    model = cfg.model.build(vocab_size=1000)
+    d2 = model.d_model ** 2
+    zero = resolve_ds_config(cfg, model, 2, device="cuda")["zero_optimization"]
+    if zero["stage"] == 3:
+        assert (zero["reduce_bucket_size"], zero["memory_efficient_linear"]) == (500_000_000, False)
+    else:
+        assert zero["reduce_bucket_size"] == d2 and "memory_efficient_linear" not in zero
+    eager = train_config(f"deepspeed_config={ROOT / 'ds_configs' / name}.json", "model.compile=eager")
+    zero = resolve_ds_config(eager, eager.model.build(vocab_size=1000), 2, device="cuda")["zero_optimization"]
+    assert zero["reduce_bucket_size"] == d2 and zero.get("memory_efficient_linear", True) is True
+    ds = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
+    ds["zero_optimization"].update(reduce_bucket_size=12345, memory_efficient_linear=True)
+    zero = resolve_ds_config(cfg, model, 2, ds=ds, device="cuda")["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["memory_efficient_linear"]) == (12345, True)
 
 
 def test_concrete_value_that_agrees_is_kept_and_one_that_disagrees_names_both(tmp_path):

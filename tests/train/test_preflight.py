@@ -80,6 +80,9 @@ def test_resume_refuses_another_model_or_world_size(tmp_path):
         check_resume(saved, model, 2, tmp_path, zero3)
     same_model = {**saved, "model": model.to_dict(), "world_size": 4}
     check_resume(same_model, model, 2, tmp_path, zero3)  # converted on load
+    # Kernel choices are not the model: a run compiled on GPUs resumes eagerly, with checkpointing, etc.
+    check_resume(same_model, preset("tiny", vocab_size=256, compile="eager", activation_checkpointing=True,
+                                    attention_backend="sdpa_math"), 2, tmp_path, zero3)
     with pytest.raises(ConfigError, match=r"written by 4 data-parallel ranks, this run has 2 and ZeRO stage 2 \(the checkpoint's is 3\)"):
         check_resume(same_model, model, 2, tmp_path, {"zero_optimization": {"stage": 2}})
     with pytest.raises(ConfigError, match=r"this run has 2; a CPU-offloaded ZeRO run resumes only on its checkpoint's number of ranks"):
