@@ -666,5 +666,5 @@ def format_summary(r: PrepareResult, dry_run: bool = False) -> str:
     for reason, n in sorted(r.skipped.counts.items()):
         lines.append(f"  {reason:<22}{n:>10,}   e.g. {', '.join(r.skipped.examples.get(reason, [])[:3])}")
     if r.seconds > 0:
-        lines.append(f"time            {r.seconds:,.1f} s  ({r.run_tokens / r.seconds / 1e6:,.2f}M tokens/s, {r.text_bytes / r.seconds / 1e6:,.1f} MB/s of text)")
+        lines.append(f"time            {r.seconds:,.3f} s  ({r.run_tokens / r.seconds / 1e6:,.2f}M tokens/s, {r.text_bytes / r.seconds / 1e6:,.1f} MB/s of text)")
     return "\n".join(lines)

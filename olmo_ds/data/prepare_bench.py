@@ -147,6 +147,8 @@ def measure_prepare(tokenizer: Path, corpus: Path, output: Path, workers: int, b
     # prepare_data.py's own figure: from the first block read to the last shard written, without
     # start-up (imports, tokenizer loading, the backend guard), which a long run amortizes.
     steady = float(re.search(r"time\s+([\d.,]+) s", prep["stdout"]).group(1).replace(",", ""))
+    if steady <= 0:  # printed to the millisecond: only a corpus far too small to measure rounds to 0
+        raise RuntimeError(f"prepare_data.py on {corpus} took under a millisecond; use a larger --size-mb")
     return {
         "backend": backend, "workers": workers, "tokens": manifest["num_tokens"], "docs": manifest["num_docs"],
         "prepare_seconds": prep["seconds"], "validate_seconds": val["seconds"], "seconds": seconds, "loop_seconds": steady,
