@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import random
 import re
@@ -114,6 +115,21 @@ def measure_ceiling(tokenizer: Path, corpus: Path, backend: str) -> dict:
     return r
 
 
+def measure_ceiling_together(tokenizer: Path, corpus: Path, backend: str, n: int) -> dict:
+    """`n` ceiling runs started at once, each in its own process on the whole corpus: how much `n`
+    independent tokenizers get out of this machine together, the upper bound for `n` workers over one
+    (cores that share a physical core, memory bandwidth or a noisy neighbour all show up here)."""
+    cmd = [sys.executable, "-c", _CEILING, str(tokenizer), str(corpus), backend]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    runs = []
+    for p in procs:
+        out, _ = p.communicate()
+        if p.returncode != 0:
+            raise RuntimeError(f"ceiling run failed (exit {p.returncode})")
+        runs.append(json.loads(out))
+    return {"processes": n, "tokens_per_s": sum(r["tokens"] / r["seconds"] for r in runs)}
+
+
 def _timed(cmd: list[str]) -> dict:
     """Run a command to completion: wall seconds, CPU seconds and peak RSS of it and its workers."""
     with tempfile.TemporaryFile() as err:
@@ -203,6 +219,7 @@ def big_file(corpus: Path, directory: Path, size_mb: int) -> Path:
     path = Path(directory) / f"big-{size_mb}mb.jsonl"
     if path.exists() and path.stat().st_size >= size_mb * 1_000_000:
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
     parts = sorted(corpus.glob("part-*.jsonl"))
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as out:
@@ -257,18 +274,37 @@ def measure_memory_over_time(tokenizer: Path, path: Path, output: Path, workers:
 
 
 def run(tokenizer: Path, corpus_dir: Path, size_mb: int, workers: list[int], backends: list[str], log=print, big_file_mb: int = 0, repeats: int = 1) -> dict:
-    corpus = generate_corpus(corpus_dir, size_mb)
+    # The corpus, the big file and the outputs in separate directories: prepare_data.py reads its
+    # input directory recursively, so anything else left there would be tokenized too.
+    corpus = corpus_dir / "corpus"
+    # Generated in a child process: this one must stay small, because Linux counts a parent's memory
+    # at fork time in the peak RSS (ru_maxrss) of every child it starts, so the prepare runs timed
+    # below would report this process's size instead of their own.
+    gen = mp.get_context("fork").Process(target=generate_corpus, args=(corpus, size_mb))
+    gen.start()
+    gen.join()
+    if gen.exitcode != 0:
+        raise RuntimeError(f"generating the corpus in {corpus} failed (exit code {gen.exitcode})")
     mb = sum(f.stat().st_size for f in corpus.glob("part-*.jsonl")) / 1e6
     log(f"corpus: {corpus} ({mb:,.0f} MB of JSON lines), tokenizer: {tokenizer}, cpus: {os.cpu_count()}")
     results = {"corpus_mb": mb, "tokenizer": str(tokenizer), "ceiling": {}, "prepare": []}
     for backend in backends:
         c = results["ceiling"][backend] = measure_ceiling(tokenizer, corpus, backend)
         log(f"ceiling {backend:4s} (1 thread, texts in memory): {c['tokens_per_s'] / 1e6:.3f}M tokens/s wall, {c['tokens_per_cpu_s'] / 1e6:.3f}M per CPU-s, {c['mb_per_s']:.1f} MB/s")
+    if "fast" in backends and max(workers) > 1:
+        n = max(workers)
+        t = results["ceiling_together"] = measure_ceiling_together(tokenizer, corpus, "fast", n)
+        t["over_one"] = t["tokens_per_s"] / results["ceiling"]["fast"]["tokens_per_s"]
+        log(f"ceiling fast, {n} processes at once: {t['tokens_per_s'] / 1e6:.3f}M tokens/s together = {t['over_one']:.2f}x one "
+            f"(what {n} independent tokenizers get from this machine: the bound on {n} workers over 1)")
     for backend in backends:
         for w in workers:
             # The fastest of `repeats` runs: a shared machine only ever makes a run slower.
             r = min((measure_prepare(tokenizer, corpus, corpus_dir / f"shards-{backend}-w{w}", w, backend) for _ in range(repeats)), key=lambda r: r["seconds"])
-            r["vs_ceiling"] = r["tokens_per_s"] / results["ceiling"][backend]["tokens_per_s"]
+            c = results["ceiling"][backend]
+            if r["tokens"] != c["tokens"] + r["docs"]:  # every kept document's ids plus its EOS, nothing else
+                raise RuntimeError(f"prepare_data.py wrote {r['tokens']:,} tokens for {r['docs']:,} documents; the ceiling run encoded {c['tokens']:,}")
+            r["vs_ceiling"] = r["tokens_per_s"] / c["tokens_per_s"]
             results["prepare"].append(r)
             log(
                 f"prepare+validate {backend:4s} --workers {w}: {r['seconds']:.1f} s ({r['prepare_seconds']:.1f} + {r['validate_seconds']:.1f}), "
@@ -289,8 +325,8 @@ def run(tokenizer: Path, corpus_dir: Path, size_mb: int, workers: list[int], bac
         results["stages_fast_1_worker"] = st = measure_stages(tokenizer, corpus, corpus_dir / "shards-stages")
         log("fast path, one worker, CPU share: " + ", ".join(f"{k} {v['share']:.0%}" for k, v in st.items()))
     if big_file_mb:
-        path = big_file(corpus, corpus_dir, big_file_mb)
-        m = results["memory_over_time"] = measure_memory_over_time(tokenizer, path, corpus_dir / "shards-big", max(workers), backends[-1])
+        path = big_file(corpus, corpus_dir / "big", big_file_mb)
+        m = results["memory_over_time"] = measure_memory_over_time(tokenizer, path, corpus_dir / "shards-big", max(workers), "fast" if "fast" in backends else backends[0])
         log(f"memory on one {m['file_mb']:,.0f} MB file, --workers {m['workers']}, {m['tokens'] / 1e6:,.0f}M tokens in {m['seconds']:.1f} s: RSS (MB) by quarter of the run")
         for name, r in m["rss"].items():
             log(f"  {name:<10}" + "".join(f"{x:>8.0f}" for x in r["quarters_mb"] or []) + f"   peak {r['peak_mb']:.0f}")

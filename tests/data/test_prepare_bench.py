@@ -13,6 +13,7 @@ def test_bench_prepare_small(tmp_path):
     one, two = r["prepare"]
     assert one["tokens"] == two["tokens"] > 100_000 and one["docs"] == two["docs"]
     assert r["scaling_fast_2_over_1"] > 0 and r["scaling_fast_2_over_1_steady"] > 0
+    assert r["ceiling_together"]["processes"] == 2 and r["ceiling_together"]["over_one"] > 0
     assert r["ceiling"]["fast"]["tokens"] > 0 and abs(sum(v["share"] for v in r["stages_fast_1_worker"].values()) - 1) < 1e-6
     m = r["memory_over_time"]
     assert m["file_mb"] >= 6 and m["tokens"] > 2 * one["tokens"]
