@@ -41,6 +41,16 @@ def test_results_come_back_in_order(workers, work_here, method):
     assert work_here or os.getpid() not in pids
 
 
+def test_results_larger_than_a_slot_go_through_the_pipe():
+    # 64 KiB slots: the larger results take the pipe, the rest the slots, interleaved per worker.
+    tasks = [(i, (i * 7919) % 40_000) for i in range(80)]
+    with OrderedPool(square_block, {}, 2, mp.get_context("fork"), slot_bytes=64 << 10) as pool:
+        out = list(pool.imap(iter(tasks), work_here=False))
+    assert sum(4 * n > 64 << 10 for _, n in tasks) > 10 and sum(4 * n <= 64 << 10 for _, n in tasks) > 10
+    for (i, n), (h, arr) in zip(tasks, out):
+        assert h["i"] == i and np.array_equal(arr, np.arange(n, dtype=np.uint32) * i)
+
+
 def test_worker_error_is_raised_in_the_parent():
     with pytest.raises(ValueError, match="bad block 5"):
         with OrderedPool(square_block, {"fail_at": 5}, 2, mp.get_context("fork")) as pool:
