@@ -105,8 +105,8 @@ class CheckpointConfig:
 class LoggingConfig:
     every: int = 10  # console line, metrics.jsonl and TensorBoard every N steps
     tensorboard: bool = True
-    wandb: bool = False  # used only when wandb is installed
-    wandb_project: str = "olmo-ds"
+    wandb: bool = False  # also log to Weights & Biases (rank 0; `pip install -e '.[wandb]'`); one W&B run per run directory, across resumes
+    wandb_project: str = "olmo-ds"  # the W&B project; entity, mode and key come from WANDB_* environment variables
     peak_tflops: float | None = None  # per-device peak for MFU; None = from the device name
 
 

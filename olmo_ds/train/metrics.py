@@ -1,8 +1,8 @@
 """Progress reporting on rank 0: a console line with ETA, metrics.jsonl, TensorBoard, optional W&B.
 
-Throughput figures follow one FLOP formula (`ModelConfig.flops_per_token`: 6 x non-embedding
-parameters + 12 x layers x d_model x seq_len per token, fwd + bwd), printed once at start so MFU
-numbers can be compared with other trainers' on the same footing.
+Throughput figures follow one FLOP formula (`ModelConfig.flops_per_token`: 6 x every parameter but
+the input embedding (output head included) + 12 x layers x d_model x seq_len per token, fwd + bwd),
+printed once at start so MFU numbers can be compared with other trainers' on the same footing.
 """
 
 from __future__ import annotations
