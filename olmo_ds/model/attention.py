@@ -174,7 +174,11 @@ def _flex(q, k, v, mask: AttentionMask, window, scale):
     return out.transpose(1, 2)
 
 
-def _sdpa(q, k, v, mask: AttentionMask, window, scale, backend):
+def sdpa(q, k, v, scale: float, backend: str, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch SDPA with `backend`'s kernel choice (a pinned kernel, cuDNN first, or PyTorch's pick):
+    causal without `attn_mask`, else that boolean mask. q [B, T, H, D], k and v [B, T, H_kv, D] ->
+    [B, T, H, D]. Also the attention of the compiled block (`model.block_math`), so both paths run
+    the same kernels; written with one `with` per branch so torch.compile traces it."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gqa = q.shape[2] != k.shape[2]
@@ -184,25 +188,22 @@ def _sdpa(q, k, v, mask: AttentionMask, window, scale, backend):
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         gqa = False
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    needs_mask = window is not None or mask.has_documents
-    kwargs = dict(scale=scale, enable_gqa=gqa)
-    if needs_mask:
-        kwargs["attn_mask"] = mask.dense(window)
-    else:
-        kwargs["is_causal"] = True
+    kwargs = dict(attn_mask=attn_mask, is_causal=attn_mask is None, scale=scale, enable_gqa=gqa)
     if backend in _SDPA_KERNELS:
-        ctx = sdpa_kernel(getattr(SDPBackend, _SDPA_KERNELS[backend]))
+        with sdpa_kernel(getattr(SDPBackend, _SDPA_KERNELS[backend])):
+            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
     elif backend == "sdpa_cudnn_first":
         order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-        ctx = sdpa_kernel(order, set_priority=True)
-    else:
-        ctx = None
-    if ctx is None:
-        out = F.scaled_dot_product_attention(q, k, v, **kwargs)
-    else:
-        with ctx:
+        with sdpa_kernel(order, set_priority=True):
             out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, **kwargs)
     return out.transpose(1, 2)
+
+
+def _sdpa(q, k, v, mask: AttentionMask, window, scale, backend):
+    needs_mask = window is not None or mask.has_documents
+    return sdpa(q, k, v, scale, backend, mask.dense(window) if needs_mask else None)
 
 
 def _flash(q, k, v, mask: AttentionMask, window, scale, version: int):

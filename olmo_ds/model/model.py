@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from olmo_ds.model.attention import _SDPA_KERNELS, AttentionMask, attend, resolve_backend
+from olmo_ds.model.attention import _SDPA_KERNELS, AttentionMask, attend, resolve_backend, sdpa
 from olmo_ds.model.config import ModelConfig, YarnConfig
 from olmo_ds.model.loss import fused_linear_cross_entropy
 
@@ -154,32 +154,8 @@ def _resolved_backend(name: str, device: torch.device, needs_mask: bool) -> str:
     return resolve_backend(name, device, needs_mask)
 
 
-# Resolved attention backends that `block_math` reproduces (attention.py's `_sdpa` without a mask).
+# Resolved attention backends that `block_math` runs (through `attention.sdpa`, without a mask).
 _SDPA_BACKENDS = frozenset({"sdpa", "sdpa_cudnn_first", *_SDPA_KERNELS})
-
-
-def _causal_sdpa(q, k, v, scale: float, backend: str) -> torch.Tensor:
-    """Plain causal attention exactly as attention.py's `_sdpa` runs it for `backend` when there is no
-    window and no document mask: the same kernel choice (a pinned kernel, cuDNN first, or PyTorch's
-    pick) and the same GQA handling. q [B, T, H, D], k and v [B, T, H_kv, D] -> [B, T, H, D]."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    gqa = q.shape[2] != k.shape[2]
-    if gqa and backend in ("sdpa_cudnn", "sdpa_efficient"):
-        rep = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        gqa = False
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if backend in _SDPA_KERNELS:
-        with sdpa_kernel(getattr(SDPBackend, _SDPA_KERNELS[backend])):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    elif backend == "sdpa_cudnn_first":
-        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-        with sdpa_kernel(order, set_priority=True):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    return out.transpose(1, 2)
 
 
 def block_math(x, cos, sin, wq, wk, wv, wo, gq, gk, g_attn, w_gate, w_up, w_down, g_mlp, *,
@@ -197,7 +173,7 @@ def block_math(x, cos, sin, wq, wk, wv, wo, gq, gk, g_attn, w_gate, w_up, w_down
     k = rms_norm(F.linear(x, wk), gk, eps).view(b, t, n_kv_heads, head_dim)
     v = F.linear(x, wv).view(b, t, n_kv_heads, head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = _causal_sdpa(q, k, v, head_dim ** -0.5, backend)
+    out = sdpa(q, k, v, head_dim ** -0.5, backend)
     x = x + rms_norm(F.linear(out.reshape(b, t, -1), wo), g_attn, eps)
     return x + rms_norm(F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down), g_mlp, eps)
 
