@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from olmo_ds.data.prepare import PrepareConfig, PrepareError, format_summary, prepare
+from olmo_ds.data.readers import CorruptInputError
 
 
 def main(argv=None) -> int:
@@ -39,6 +40,9 @@ def main(argv=None) -> int:
     except PrepareError as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)
         return 2
+    except CorruptInputError as e:  # found where decompression fails, maybe after hours of work
+        print(f"prepare_data: error: {e}. Complete shards in {a.output} are kept", file=sys.stderr)
+        return 1
     except OSError as e:  # mid-run: a full disk, a vanished input; what was written so far stays valid
         print(f"prepare_data: error: {e}. Complete shards in {a.output} are kept: fix this and rerun the same "
               f"command to resume", file=sys.stderr)

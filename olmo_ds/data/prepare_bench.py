@@ -213,6 +213,37 @@ def measure_stages(tokenizer: Path, corpus: Path, output: Path) -> dict:
     return {k: {"cpu_seconds": v, "share": v / total} for k, v in t.items()}
 
 
+def measure_decompression(corpus: Path, directory: Path, files: int = 2) -> dict:
+    """MB/s of output of one decompressing stream, as the main process reads compressed inputs:
+    gzip through python-isal (what `readers.open_binary` uses) and through Python's `gzip`, and zstd,
+    on the first `files` corpus files compressed at the tools' default levels."""
+    import zstandard
+
+    from olmo_ds.data import readers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    data = b"".join(p.read_bytes() for p in sorted(corpus.glob("part-*.jsonl"))[:files])
+    (directory / "c.jsonl.gz").write_bytes(gzip.compress(data, compresslevel=6))
+    (directory / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor(level=3).compress(data))
+
+    def rate(open_stream) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            with open_stream() as f:
+                n = sum(len(b) for b in iter(lambda: f.read(1 << 20), b""))
+            best = min(best, time.perf_counter() - t0)
+        assert n == len(data)
+        return n / best / 1e6
+
+    return {
+        "mb": len(data) / 1e6,
+        "gzip_isal_mb_per_s": rate(lambda: readers.open_binary(directory / "c.jsonl.gz")[0]),
+        "gzip_stdlib_mb_per_s": rate(lambda: gzip.GzipFile(directory / "c.jsonl.gz", "rb")),
+        "zstd_mb_per_s": rate(lambda: readers.open_binary(directory / "c.jsonl.zst")[0]),
+    }
+
+
 def big_file(corpus: Path, directory: Path, size_mb: int) -> Path:
     """One JSON-lines file of `size_mb` MB: the corpus's lines over and over (memory, not speed, is
     measured on it, so repeats do not matter); reused when present."""
@@ -324,6 +355,9 @@ def run(tokenizer: Path, corpus_dir: Path, size_mb: int, workers: list[int], bac
     if "fast" in backends:
         results["stages_fast_1_worker"] = st = measure_stages(tokenizer, corpus, corpus_dir / "shards-stages")
         log("fast path, one worker, CPU share: " + ", ".join(f"{k} {v['share']:.0%}" for k, v in st.items()))
+    d = results["decompression"] = measure_decompression(corpus, corpus_dir / "compressed")
+    log(f"decompressing one stream ({d['mb']:.0f} MB of JSON lines), MB/s of output: gzip via python-isal {d['gzip_isal_mb_per_s']:,.0f}, "
+        f"via Python's gzip {d['gzip_stdlib_mb_per_s']:,.0f}; zstd {d['zstd_mb_per_s']:,.0f}")
     if big_file_mb:
         path = big_file(corpus, corpus_dir / "big", big_file_mb)
         m = results["memory_over_time"] = measure_memory_over_time(tokenizer, path, corpus_dir / "shards-big", max(workers), "fast" if "fast" in backends else backends[0])

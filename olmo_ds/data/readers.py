@@ -24,6 +24,7 @@ import glob
 import gzip
 import io
 import os
+import zlib
 from pathlib import Path
 from typing import Iterator
 
@@ -146,16 +147,83 @@ class _CountingReader(io.RawIOBase):
         super().close()
 
 
+class CorruptInputError(ValueError):
+    """A compressed input file that cannot be decompressed to its end (truncated or damaged)."""
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed content of every zstd frame in `raw`, in order.
+
+    `zstandard`'s own stream reader ends quietly where a truncated file ends, which would drop the
+    rest of a document collection without a word; this one raises EOFError when the input stops
+    inside a frame.
+    """
+
+    def __init__(self, raw, read_size: int = 1 << 18):
+        import zstandard
+
+        self._raw, self._read_size = raw, read_size
+        self._dctx = zstandard.ZstdDecompressor()
+        self._d = self._dctx.decompressobj()
+        self._in_frame = False
+        self._out, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._pos == len(self._out):
+            data = self._raw.read(self._read_size)
+            if not data:
+                if self._in_frame:
+                    raise EOFError("zstd: compressed file ended before the end of its last frame")
+                return 0
+            parts = []
+            while data:  # a frame may end inside this read and the next one begin
+                self._in_frame = True
+                parts.append(self._d.decompress(data))
+                data = b""
+                if self._d.eof:
+                    data = self._d.unused_data
+                    self._d, self._in_frame = self._dctx.decompressobj(), False
+            self._out, self._pos = b"".join(parts), 0
+        n = min(len(buffer), len(self._out) - self._pos)
+        buffer[:n] = memoryview(self._out)[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def _gzip_reader(raw) -> io.BufferedIOBase:
+    """python-isal's gzip reader (ISA-L inflate, ~3x the standard library's speed) when installed."""
+    try:
+        from isal import igzip
+    except ImportError:
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    return igzip.IGzipFile(fileobj=raw, mode="rb")
+
+
+def _decompress_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [EOFError, zlib.error, gzip.BadGzipFile]
+    for module, name in (("isal.isal_zlib", "error"), ("zstandard", "ZstdError")):
+        try:
+            errors.append(getattr(__import__(module, fromlist=[name]), name))
+        except ImportError:
+            pass
+    return tuple(errors)
+
+
 def open_binary(path: Path) -> tuple[io.BufferedIOBase, _CountingReader]:
     """A binary stream of the decompressed content, and the counter of on-disk bytes consumed."""
     raw = _CountingReader(open(path, "rb", buffering=0))
     name = path.name
     if name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=io.BufferedReader(raw, 1 << 20), mode="rb"), raw
+        return _gzip_reader(io.BufferedReader(raw, 1 << 20)), raw
     if name.endswith((".zst", ".zstd")):
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), 1 << 20), raw
+        return io.BufferedReader(_ZstdFrames(raw), 1 << 20), raw
     return io.BufferedReader(raw, 1 << 20), raw
 
 
@@ -175,8 +243,17 @@ def iter_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES, start_line: int = 1)
             return
         line = 1  # number of the first line in `pending`
         pending = b""
+        errors = _decompress_errors() if is_compressed(path) else ()
         while True:
-            block = stream.read(chunk_bytes)
+            try:
+                block = stream.read(chunk_bytes)
+            except errors as e:
+                whole = line - 1  # lines handed out whole before the damage
+                raise CorruptInputError(
+                    f"{path}: cannot decompress past line {whole:,} "
+                    f"({counter.consumed:,} of {path.stat().st_size:,} bytes on disk read): {type(e).__name__}: {e}. "
+                    "The file is truncated or damaged; replace it (or leave it out) and run again"
+                ) from e
             if not block:
                 break
             data = pending + block

@@ -363,3 +363,21 @@ def test_fast_backend_falls_back_to_hf_with_a_warning(tmp_path):
     with pytest.raises(PrepareError, match="--tokenizer-backend fast: fastokens does not match HF tokenizers: .*NFKC"):
         run([C4_DIR], tmp_path / "fast", tok, tokenizer_backend="fast")
     assert not (tmp_path / "fast").exists()
+
+
+def test_a_truncated_compressed_input_stops_the_run_naming_it_and_keeps_complete_shards(tmp_path):
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    raw.mkdir()
+    texts = c4_texts()
+    (raw / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    blob = gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in texts * 20).encode())
+    (raw / "b.jsonl.gz").write_bytes(blob[: len(blob) * 3 // 4])
+    cmd = [sys.executable, "scripts/prepare_data.py", "--input", str(raw), "--output", str(out), "--tokenizer", str(NEOX), "--shard-tokens", "3000"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 1 and "b.jsonl.gz: cannot decompress past line" in proc.stderr and "Complete shards" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    bins = sorted(out.glob("shard-*.bin"))
+    assert len(bins) > 3 and not list(out.glob("*.tmp*"))  # a.jsonl's shards are whole; the partial one is gone
+    for b in bins:
+        meta = shards.ShardMeta.load(b.with_suffix(".json"))
+        assert b.stat().st_size == meta.num_tokens * 2

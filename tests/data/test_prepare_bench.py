@@ -15,6 +15,7 @@ def test_bench_prepare_small(tmp_path):
     assert r["scaling_fast_2_over_1"] > 0 and r["scaling_fast_2_over_1_steady"] > 0
     assert r["ceiling_together"]["processes"] == 2 and r["ceiling_together"]["over_one"] > 0
     assert r["ceiling"]["fast"]["tokens"] > 0 and abs(sum(v["share"] for v in r["stages_fast_1_worker"].values()) - 1) < 1e-6
+    assert all(r["decompression"][k] > 0 for k in ("gzip_isal_mb_per_s", "gzip_stdlib_mb_per_s", "zstd_mb_per_s"))
     m = r["memory_over_time"]
     assert m["file_mb"] >= 6 and m["tokens"] > 2 * one["tokens"]
     assert "main" in m["rss"] and any(k.startswith("worker") for k in m["rss"]), m["rss"]

@@ -1,6 +1,7 @@
 """Byte ranges of whole lines (what workers read by themselves) and line offsets (where a resume starts)."""
 
 import random
+import sys
 
 import pytest
 
@@ -51,3 +52,50 @@ def test_a_file_that_shrank_is_an_error_naming_it(tmp_path):
     path, _ = make_file(tmp_path, [b"z" * 10] * 3, True)
     with pytest.raises(OSError, match="x.jsonl.*shrank"):
         readers.read_range(path, 0, 1000)
+
+
+def _lines(n: int) -> bytes:
+    rng = random.Random(n)
+    return b"".join(b'{"text": "%d %s"}\n' % (i, b"x" * rng.randrange(200)) for i in range(n))
+
+
+def _read_all(path) -> bytes:
+    stream, _ = readers.open_binary(path)
+    with stream:
+        return b"".join(iter(lambda: stream.read(1 << 16), b""))
+
+
+@pytest.mark.parametrize("isal", [True, False])
+def test_every_gzip_member_and_zstd_frame_is_read(tmp_path, monkeypatch, isal):
+    import gzip
+
+    import zstandard
+
+    if not isal:  # the standard library's reader, as on a machine without python-isal
+        monkeypatch.setitem(sys.modules, "isal", None)
+    parts = [_lines(3000), _lines(1), _lines(5000)]
+    (tmp_path / "a.jsonl.gz").write_bytes(b"".join(gzip.compress(p) for p in parts))  # as `cat a.gz b.gz` makes
+    (tmp_path / "a.jsonl.zst").write_bytes(b"".join(zstandard.ZstdCompressor().compress(p) for p in parts))
+    for name in ("a.jsonl.gz", "a.jsonl.zst"):
+        assert _read_all(tmp_path / name) == b"".join(parts)
+        blocks = list(readers.iter_chunks(tmp_path / name, 4096))
+        assert b"".join(b for _, b, _ in blocks) == b"".join(parts) and blocks[-1][0] < 8001
+
+
+@pytest.mark.parametrize("name, damage", [("t.jsonl.gz", "truncate"), ("t.jsonl.zst", "truncate"), ("t.jsonl.gz", "flip")])
+def test_a_damaged_compressed_file_is_an_error_naming_it(tmp_path, name, damage):
+    import gzip
+
+    import zstandard
+
+    data = _lines(20_000)
+    blob = gzip.compress(data) if name.endswith(".gz") else zstandard.ZstdCompressor().compress(data)
+    if damage == "truncate":  # zstandard's own stream reader would end here without a word
+        blob = blob[: len(blob) // 2]
+    else:
+        blob = blob[:1000] + bytes([blob[1000] ^ 0xFF]) + blob[1001:]
+    path = tmp_path / name
+    path.write_bytes(blob)
+    with pytest.raises(readers.CorruptInputError, match=rf"{name}: cannot decompress past line [\d,]+ .*truncated or damaged"):
+        for _ in readers.iter_chunks(path, 4096):
+            pass

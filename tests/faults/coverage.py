@@ -39,6 +39,10 @@ OWNER_TESTS: dict[str, list[str]] = {
         "tests/data/test_prepare.py::test_every_bad_record_kind_is_skipped_counted_and_located",
         "tests/data/test_prepare.py::test_clear_errors_before_any_work",
     ],
+    "bad input: truncated or damaged compressed input": [
+        "tests/data/test_readers.py::test_a_damaged_compressed_file_is_an_error_naming_it",
+        "tests/data/test_prepare.py::test_a_truncated_compressed_input_stops_the_run_naming_it_and_keeps_complete_shards",
+    ],
     "bad input: YAML typo'd key / wrong type": [
         "tests/train/test_config.py::test_config_errors_name_the_key",
         "tests/train/test_config.py::test_missing_file_is_named",
