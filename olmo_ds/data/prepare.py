@@ -42,7 +42,7 @@ import numpy as np
 import olmo_ds
 from olmo_ds.data import readers, shards
 from olmo_ds.data.pool import OrderedPool
-from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastBackendError, first_difference, load_tokenizer
+from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastBackendError, fast_beside, first_difference, load_tokenizer
 
 # A position in the input is (file index, line) packed into one int, so positions compare in input order.
 _LINE_BITS = 40
@@ -410,7 +410,7 @@ def _select_backend(cfg: PrepareConfig, files: list[Path], reference, log: Calla
     if cfg.tokenizer_backend == "hf":
         return reference, hf
     try:
-        fast = load_tokenizer(cfg.tokenizer, cfg.eos_token, backend="fast")
+        fast = fast_beside(reference)
         sample, labels = _guard_sample(files, cfg)
         texts = ADVERSARIAL_TEXTS + sample
         labels = [f"adversarial text {i} {t[:24]!r}" for i, t in enumerate(ADVERSARIAL_TEXTS)] + labels

@@ -99,11 +99,13 @@ def code_and_prose() -> list[str]:
     return texts
 
 
+@pytest.mark.parametrize("beside", [False, True])
 @pytest.mark.parametrize("path", [DOLMA2, NEOX])
-def test_fast_backend_matches_hf(path):
-    from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, first_difference
+def test_fast_backend_matches_hf(path, beside):
+    from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, fast_beside, first_difference
 
-    hf, fast = load_tokenizer(path), load_tokenizer(path, backend="fast")
+    hf = load_tokenizer(path)
+    fast = fast_beside(hf) if beside else load_tokenizer(path, backend="fast")  # prepare_data's way, and the plain one
     assert (hf.backend, fast.backend) == ("tokenizers", "fastokens")
     assert (fast.vocab_size, fast.eos_id, fast.pad_id, fast.fingerprint) == (hf.vocab_size, hf.eos_id, hf.pad_id, hf.fingerprint)
     reference = tokenizers.Tokenizer.from_file(str(path))
