@@ -16,9 +16,9 @@ slot, or any result when workers are not forked, goes through the pipe as raw by
 
 Each block goes to the worker with the fewest in flight and the parent remembers which, so results
 come back in order by reading that worker's pipe. At most `depth` blocks per worker are in flight,
-which bounds memory. Each worker drains its task pipe in a
-thread, so a parent writing a large task never waits on a worker that is itself waiting to write
-a large result.
+which bounds memory (deeper queues measured slower: the coordinating process then tokenizes less
+and waits more). Each worker drains its task pipe in a thread, so a parent writing a large task
+never waits on a worker that is itself waiting to write a large result.
 """
 
 from __future__ import annotations
