@@ -65,9 +65,9 @@ def _worker(fn: Callable, context, task_conn, result_conn, parent_fds: list[int]
             os.close(fd)
     tasks: queue.Queue = queue.Queue()
     threading.Thread(target=_drain, args=(task_conn, tasks), daemon=True).start()
-    done = 0  # tasks answered; the parent counts the same to find the slot
+    done = 0  # tasks answered: result j goes to slot j mod len(slots)
     while (args := tasks.get()) is not _STOP:
-        slot = slots[done % len(slots)] if slots else None
+        k = done % len(slots) if slots else None
         done += 1
         try:
             header, array = fn(context, *args)
@@ -75,11 +75,11 @@ def _worker(fn: Callable, context, task_conn, result_conn, parent_fds: list[int]
             result_conn.send(("error", _picklable(e)))
             continue
         data = memoryview(np.ascontiguousarray(array)).cast("B")
-        if slot is not None and data.nbytes <= len(slot):
-            slot[: data.nbytes] = data
-            result_conn.send(("slot", header, array.dtype.str, array.shape))
+        if k is not None and data.nbytes <= len(slots[k]):
+            slots[k][: data.nbytes] = data
+            result_conn.send((k, header, array.dtype.str, array.shape))
         else:
-            result_conn.send(("pipe", header, array.dtype.str, array.shape))
+            result_conn.send((None, header, array.dtype.str, array.shape))  # the raw bytes follow
             result_conn.send_bytes(data)
 
 
@@ -117,7 +117,6 @@ class OrderedPool:
         forked = mp_context.get_start_method() == "fork"
         # Only the pages a result touches become resident, so a generous slot costs nothing unused.
         self.slots = [[mmap.mmap(-1, slot_bytes) for _ in range(depth)] for _ in range(workers)] if forked else None
-        self.received = [0] * workers
         for w in range(workers):
             task_r, task_w = mp_context.Pipe(duplex=False)
             result_r, result_w = mp_context.Pipe(duplex=False)
@@ -179,13 +178,11 @@ class OrderedPool:
         conn = self.result_conns[worker]
         try:
             msg = conn.recv()
-            k = self.received[worker]
-            self.received[worker] += 1
             if msg[0] == "error":
                 raise msg[1]
-            where, header, dtype, shape = msg
-            if where == "slot":
-                array = np.frombuffer(self.slots[worker][k % self.depth], dtype=np.dtype(dtype), count=int(np.prod(shape))).reshape(shape).copy()
+            slot, header, dtype, shape = msg
+            if slot is not None:
+                array = np.frombuffer(self.slots[worker][slot], dtype=np.dtype(dtype), count=int(np.prod(shape))).reshape(shape).copy()
             else:
                 array = np.frombuffer(conn.recv_bytes(), dtype=np.dtype(dtype)).reshape(shape)
         except (EOFError, ConnectionError) as e:

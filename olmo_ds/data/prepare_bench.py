@@ -105,9 +105,13 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_seconds": time.proce
 """
 
 
+def _ceiling_cmd(tokenizer: Path, corpus: Path, backend: str) -> list[str]:
+    return [sys.executable, "-c", _CEILING, str(tokenizer), str(corpus), backend]
+
+
 def measure_ceiling(tokenizer: Path, corpus: Path, backend: str) -> dict:
     """The encoder alone on one thread over the corpus, texts already in memory (fresh process)."""
-    proc = subprocess.run([sys.executable, "-c", _CEILING, str(tokenizer), str(corpus), backend], capture_output=True, text=True, check=True)
+    proc = subprocess.run(_ceiling_cmd(tokenizer, corpus, backend), capture_output=True, text=True, check=True)
     r = json.loads(proc.stdout)
     r["tokens_per_s"] = r["tokens"] / r["seconds"]
     r["tokens_per_cpu_s"] = r["tokens"] / r["cpu_seconds"]
@@ -119,8 +123,7 @@ def measure_ceiling_together(tokenizer: Path, corpus: Path, backend: str, n: int
     """`n` ceiling runs started at once, each in its own process on the whole corpus: how much `n`
     independent tokenizers get out of this machine together, the upper bound for `n` workers over one
     (cores that share a physical core, memory bandwidth or a noisy neighbour all show up here)."""
-    cmd = [sys.executable, "-c", _CEILING, str(tokenizer), str(corpus), backend]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    procs = [subprocess.Popen(_ceiling_cmd(tokenizer, corpus, backend), stdout=subprocess.PIPE, text=True) for _ in range(n)]
     runs = []
     for p in procs:
         out, _ = p.communicate()
