@@ -210,8 +210,11 @@ def _peak_memory_gib() -> dict:
     from olmo_ds.train.metrics import memory_gib
 
     if torch.cuda.is_available():
+        import resource
+
         return {"peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
-                "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+                "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # ru_maxrss is KiB
     return {"peak_alloc_gib": memory_gib(), "peak_reserved_gib": None}  # CPU: peak RSS of the process
 
 
@@ -338,6 +341,9 @@ def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> d
     result["blocks_compiled"] = trainer.model_cfg.compiles_blocks(trainer.device.type)
     result["zero_stage"] = trainer.ds_config["zero_optimization"]["stage"]
     result["ds_zero_config"] = trainer.ds_config["zero_optimization"]
+    placement = getattr(trainer.engine.optimizer, "subgroup_to_device", None)
+    if placement:
+        result["offload_subgroups_on_host"] = [sum(d == "cpu" for d in placement.values()), len(placement)]
     return result
 
 
@@ -442,6 +448,11 @@ def format_report(r: dict) -> str:
                          f"(op table in {o['profile_dir']})")
         if r.get(key, {}).get("counters"):
             lines.append(f"{key} block calls: {r[key]['counters']}")
+    ds = r.get("deepspeed", {})
+    if ds.get("host_peak_gib") is not None:
+        lines.append(f"host memory: peak RSS {ds['host_peak_gib']:.1f} GiB"
+                     + (" (optimizer state of {} of {} sub-groups on the host)".format(*ds["offload_subgroups_on_host"])
+                        if ds.get("offload_subgroups_on_host") else ""))
     if "ratio_deepspeed_to_reference" in r:
         lines.append(f"ratio DeepSpeed / plain PyTorch: {r['ratio_deepspeed_to_reference']:.3f}")
     return "\n".join(lines)
@@ -517,7 +528,7 @@ def run_sweep(names: list[str], base_args: list[str], out_dir: Path, timeout_s: 
 
 
 def format_sweep(rows: list[dict]) -> str:
-    lines = [f"{'variant':<34} {'DS tok/s':>9} {'MFU':>6} {'ref tok/s':>9} {'ratio':>6} {'DS GiB':>7} {'ref GiB':>7} {'wait':>6} {'wall s':>6}"]
+    lines = [f"{'variant':<34} {'DS tok/s':>9} {'MFU':>6} {'ref tok/s':>9} {'ratio':>6} {'DS GiB':>7} {'ref GiB':>7} {'host':>6} {'wait':>6} {'wall s':>6}"]
     for row in rows:
         r = row.get("result")
         if r is None or "deepspeed" not in r:
@@ -527,7 +538,7 @@ def format_sweep(rows: list[dict]) -> str:
         lines.append(
             f"{row['variant']:<34} {ds['tokens_per_s']:>9,.0f} {_fmt(ds['mfu'], 6, '.1f', 100, '%')} "
             f"{_fmt(ref and ref['tokens_per_s'], 9, ',.0f')} {_fmt(r.get('ratio_deepspeed_to_reference'), 6, '.3f')} "
-            f"{ds['peak_alloc_gib']:>7.1f} {_fmt(ref and ref['peak_alloc_gib'], 7, '.1f')} "
+            f"{ds['peak_alloc_gib']:>7.1f} {_fmt(ref and ref['peak_alloc_gib'], 7, '.1f')} {_fmt(ds.get('host_peak_gib'), 6, '.1f')} "
             f"{100 * ds['data_wait_fraction']:>5.2f}% {row['wall_s']:>6.0f}"
         )
     return "\n".join(lines)

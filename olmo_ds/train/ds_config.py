@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from olmo_ds.model.config import ModelConfig
 from olmo_ds.train.config import ConfigError, TrainConfig
+from olmo_ds.train.offload import resolve_offload
+
+log = logging.getLogger("olmo_ds")
 
 AUTO = "auto"
 
@@ -106,11 +110,13 @@ class _Resolver:
 
 
 def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *, ds: dict | None = None,
-                      device: str | None = None) -> dict:
+                      device: str | None = None, offload_env: dict | None = None) -> dict:
     """The concrete DeepSpeed config for this run (no "auto" left), validated against the train config.
 
     `device` is the device type the run trains on (default: `device_type()`); it decides whether the
-    model's `compile: auto` means compiled blocks, on which some ZeRO-3 knobs depend.
+    model's `compile: auto` means compiled blocks, on which some ZeRO-3 knobs depend. CPU offload is sized
+    to the node (`olmo_ds.train.offload`); `offload_env` overrides what it reads of the machine
+    (host_available, ranks, gpu_bytes), for tests.
     """
     ds_path = cfg.deepspeed_config
     ds = copy.deepcopy(ds if ds is not None else load_ds_json(ds_path))
@@ -162,6 +168,10 @@ def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, 
                 del zero[key]
         elif zero.get(key, AUTO) == AUTO:
             zero[key] = value
+
+    plan = resolve_offload(ds, ds_path, cfg, model, dp_world_size, device=device or device_type(), **(offload_env or {}))
+    if plan is not None:
+        log.info("%s: %s", ds_path, plan.describe())
 
     ds.setdefault("steps_per_print", 10**9)  # olmo-ds prints its own progress line
     ds.setdefault("wall_clock_breakdown", False)

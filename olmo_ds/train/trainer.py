@@ -212,6 +212,11 @@ class Trainer:
             # block's weights in the block's own hooks instead, and the compiled path finds them ready.
             set_z3_leaf_modules(model, [Block])
         engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, self.cfg.optim), config=self.ds_config)
+        placement = getattr(engine.optimizer, "subgroup_to_device", None)  # ZeRO-3 with optimizer offload
+        if placement:
+            log.info("optimizer offload: %d of %d sub-groups' state on the host (offload_optimizer.ratio %s)",
+                     sum(d == "cpu" for d in placement.values()), len(placement),
+                     self.ds_config["zero_optimization"]["offload_optimizer"].get("ratio", 1.0))
         log.info(
             "model: %s (%s parameters, %s non-embedding), ZeRO stage %d, %s, %d ranks, %s, blocks %s",
             self.cfg.model.preset, f"{self.model_cfg.num_params():,}", f"{self.model_cfg.num_params(False):,}",

@@ -85,8 +85,8 @@ def test_structural_errors():
         resolve_ds_config(cfg, model, 3, ds=base)
     with pytest.raises(ConfigError, match="scheduler"):
         resolve_ds_config(cfg, model, 2, ds={**base, "scheduler": {"type": "WarmupLR"}})
-    with pytest.raises(ConfigError, match=r"no train-config value fills zero_optimization.sub_group_size"):
-        resolve_ds_config(cfg, model, 2, ds={**base, "zero_optimization": {**base["zero_optimization"], "sub_group_size": "auto"}})
+    with pytest.raises(ConfigError, match=r"no train-config value fills zero_optimization.stage3_max_live_parameters"):
+        resolve_ds_config(cfg, model, 2, ds={**base, "zero_optimization": {**base["zero_optimization"], "stage3_max_live_parameters": "auto"}})
     with pytest.raises(ConfigError, match="zero_optimization.stage must be 1, 2 or 3"):
         resolve_ds_config(cfg, model, 2, ds={**base, "zero_optimization": {"stage": 0}})
     with pytest.raises(ConfigError, match="nope.json does not exist"):
@@ -97,3 +97,64 @@ def test_batch_size_schedule_starts_small():
     cfg = train_config("batch.schedule=[{step: 0, global_batch_size: 16}, {step: 100, global_batch_size: 32}]")
     ds = resolve_ds_config(cfg, cfg.model.build(vocab_size=1000), 2)
     assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (16, 2)
+
+
+# --- CPU offload sized to the node (olmo_ds/train/offload.py) ------------------------------------
+
+OFFLOAD = ROOT / "ds_configs" / "zero3_bf16_offload.json"
+
+
+def offload_run(preset="olmo2-7b", *overrides):
+    cfg = train_config(f"deepspeed_config={OFFLOAD}", f"model.preset={preset}", "precision=bf16", "batch.global_batch_size=8",
+                       "batch.micro_batch_size=2", *overrides)
+    return cfg, cfg.model.build(vocab_size=100_278)
+
+
+def test_offload_on_one_h200_keeps_weights_on_the_gpu_and_sizes_the_host_share():
+    """olmo2-7b on one H200 (139 GiB): with everything on the host it was OOM-killed (BENCHMARKS.md)."""
+    from olmo_ds.train.offload import GiB, HOST_FRACTION, OFFLOAD_SUB_GROUP, sub_group_numels
+
+    cfg, model = offload_run()
+    machine = dict(host_available=110 * GiB, ranks=1, gpu_bytes=139 * GiB)
+    ds = resolve_ds_config(cfg, model, 1, device="cuda", offload_env=machine)
+    zero = ds["zero_optimization"]
+    assert zero["offload_param"]["device"] == "none" and zero["sub_group_size"] == OFFLOAD_SUB_GROUP
+    ratio = zero["offload_optimizer"]["ratio"]
+    subs = [n for group in sub_group_numels(model, cfg, 1, OFFLOAD_SUB_GROUP) for n in group]
+    assert sum(subs) == model.num_params() and len(subs) > 50
+    host = subs[int((1 - ratio) * len(subs)):]  # DeepSpeed's own split (stage3.py _create_fp32_partitions)
+    pow2 = lambda n: 1 << (n - 1).bit_length()  # pinned blocks are rounded up to a power of two  # noqa: E731
+    grads = pow2(2 * sum(subs))  # bf16 gradient partitions, one flat pinned buffer
+    host_bytes = lambda subgroups: sum(12 * n + pow2(4 * n) for n in subgroups)  # state + kept fp32 grad  # noqa: E731
+    assert 0.4 < ratio < 0.9 and 4 * GiB + grads + host_bytes(host) <= HOST_FRACTION * 110 * GiB
+    # One more sub-group on the host would not fit.
+    assert 4 * GiB + grads + host_bytes(subs[-len(host) - 1:]) > HOST_FRACTION * 110 * GiB
+
+    # A GPU too small for the weights sends them to the host too, which leaves less room for optimizer state.
+    small = resolve_ds_config(cfg, model, 1, device="cuda", offload_env={**machine, "gpu_bytes": 40 * GiB})["zero_optimization"]
+    assert small["offload_param"]["device"] == "cpu" and small["offload_optimizer"]["ratio"] < ratio
+    # A host with room for everything gets ratio 1.0: DeepSpeed's plain full offload.
+    big = resolve_ds_config(cfg, model, 1, device="cuda", offload_env={**machine, "host_available": 400 * GiB})["zero_optimization"]
+    assert big["offload_optimizer"]["ratio"] == 1.0
+
+
+def test_offload_that_cannot_fit_fails_before_training_with_the_numbers():
+    cfg, model = offload_run()
+    ds = json.loads(OFFLOAD.read_text())
+    ds["zero_optimization"]["offload_optimizer"]["ratio"] = 1.0
+    ds["zero_optimization"]["offload_param"]["device"] = "cpu"
+    with pytest.raises(ConfigError, match=r"zero3_bf16_offload.json: CPU offload would not fit this node's memory: "
+                                          r"optimizer state on the host: ratio 1.000; host memory per rank .* GiB .* of 106.2 GiB "
+                                          r"\(85% of 125.0 GiB available\)"):
+        resolve_ds_config(cfg, model, 1, ds=ds, device="cuda", offload_env=dict(host_available=125 * 2**30, ranks=1, gpu_bytes=None))
+    with pytest.raises(ConfigError, match=r"does not fit this node's memory even with one optimizer sub-group on the host"):
+        resolve_ds_config(cfg, model, 1, device="cuda", offload_env=dict(host_available=8 * 2**30, ranks=8, gpu_bytes=139 * 2**30))
+
+
+def test_offload_on_the_cpu_accelerator_keeps_the_json_intent():
+    """Tiny model, CPU device: weights and all optimizer state on the host, as the CI runs exercise."""
+    cfg, model = offload_run("tiny")
+    zero = resolve_ds_config(cfg, model, 2, device="cpu")["zero_optimization"]
+    assert zero["offload_param"]["device"] == "cpu" and zero["offload_optimizer"]["ratio"] == 1.0
+    plain = resolve_ds_config(train_config(f"deepspeed_config={ROOT / 'ds_configs' / 'zero3_bf16.json'}"), model, 2, device="cpu")
+    assert "sub_group_size" not in plain["zero_optimization"] and "offload_optimizer" not in plain["zero_optimization"]
