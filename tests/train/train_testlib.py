@@ -7,7 +7,6 @@ dozen steps; ids are written with the real shard writer and read by the real dat
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import numpy as np
 import yaml
 
 from olmo_ds.data import shards
+from olmo_ds.train.resume_check import losses_by_step, read_metrics  # noqa: F401 (the tests' readers are the check's)
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT / ".." / "shared"
@@ -94,11 +94,6 @@ def torchrun_cmd(script: Path, *args: str, nproc: int = 2) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def run(cmd: list[str], timeout: float = 900, **kw) -> subprocess.CompletedProcess:
     """Run a launcher and its ranks in their own process group; on timeout kill the whole group.
 
@@ -130,8 +125,3 @@ def deepspeed_cmd(script: Path, *args: str) -> list[str]:
     launcher = Path(sys.executable).with_name("deepspeed")
     return [str(launcher), "--hostfile", str(ROOT / "hostfile"), "--no_ssh_check", "--master_addr", "127.0.0.1",
             "--master_port", str(free_port()), str(script), *args]
-
-
-def losses_by_step(run_dir: Path) -> dict[int, float]:
-    """Loss per step from metrics.jsonl (logging.every = 1); a resumed run's lines override older ones."""
-    return {m["step"]: m["train/loss"] for m in read_metrics(run_dir) if "train/loss" in m}
