@@ -31,12 +31,13 @@ CASES = {
 def reference(q, k, v, window, doc_lens):
     """Plain float64 softmax attention with an explicit (query, key) rule."""
     q, k, v = q.double(), k.double(), v.double()
+    t = q.shape[1]
     rep = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
-    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
     allowed = (j <= i) & (j > i - window if window else True)
-    allowed = allowed.expand(q.shape[0], T, T)
+    allowed = allowed.expand(q.shape[0], t, t)
     if doc_lens is not None:
         doc = torch.stack([torch.repeat_interleave(torch.arange(len(r)), r.long()) for r in doc_lens])
         allowed = allowed & (doc[:, :, None] == doc[:, None, :])
@@ -44,11 +45,12 @@ def reference(q, k, v, window, doc_lens):
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
 
 
-def inputs(dtype, device="cpu"):
+def inputs(dtype, device="cpu", shape=(B, T, H, H_KV, D)):
+    b, t, h, h_kv, d = shape
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
-    k = torch.randn(B, T, H_KV, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, T, H_KV, D, generator=g, dtype=torch.float64)
+    q = torch.randn(b, t, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, t, h_kv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, t, h_kv, d, generator=g, dtype=torch.float64)
     return [x.to(device=device, dtype=dtype) for x in (q, k, v)]
 
 
@@ -71,20 +73,34 @@ GPU_BACKENDS = {
 }
 
 
+# The kernels' real tiling needs real sizes: OLMo's head_dim 128, several key blocks, 4:1 GQA.
+LARGE = (2, 1024, 8, 2, 128)
+LARGE_CASES = {
+    "causal": (None, None),
+    "sliding": (256, None),
+    "documents": (None, torch.tensor([[300, 524, 200], [1024, 0, 0]], dtype=torch.int32)),
+    "sliding+documents": (256, torch.tensor([[300, 524, 200], [17, 1000, 7]], dtype=torch.int32)),
+}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only attention kernels need CUDA")
+@pytest.mark.parametrize("size", ["small", "large"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("backend", list(GPU_BACKENDS))
-def test_gpu_backends_match_float64_reference(backend, case):
+def test_gpu_backends_match_float64_reference(backend, case, size):
     module = GPU_BACKENDS[backend]
     if module and importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed")
-    window, doc_lens = CASES[case]
+    shape = (B, T, H, H_KV, D) if size == "small" else LARGE
+    window, doc_lens = (CASES if size == "small" else LARGE_CASES)[case]
     if backend == "sdpa_flash" and (window or doc_lens is not None):
         pytest.skip("the flash SDPA kernel takes no mask")
-    q, k, v = inputs(torch.bfloat16, "cuda")
-    mask = AttentionMask(B, T, q.device, doc_lens)
-    out = attend(q, k, v, mask, window, resolve_backend(backend, q.device, window or doc_lens is not None), D ** -0.5)
+    q, k, v = inputs(torch.bfloat16, "cuda", shape)
+    mask = AttentionMask(shape[0], shape[1], q.device, doc_lens)
+    out = attend(q, k, v, mask, window, resolve_backend(backend, q.device, window or doc_lens is not None), shape[-1] ** -0.5)
     expected = reference(q.cpu(), k.cpu(), v.cpu(), window, doc_lens)
+    err = (out.double().cpu() - expected).abs().max().item()
+    print(f"{backend} {case} {size}: max |out - float64| = {err:.2e}")
     torch.testing.assert_close(out.double().cpu(), expected, rtol=2e-2, atol=2e-2)
 
 
