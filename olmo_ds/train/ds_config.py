@@ -110,13 +110,14 @@ class _Resolver:
 
 
 def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *, ds: dict | None = None,
-                      device: str | None = None, offload_env: dict | None = None) -> dict:
+                      device: str | None = None, offload_env: dict | None = None, resumed: dict | None = None) -> dict:
     """The concrete DeepSpeed config for this run (no "auto" left), validated against the train config.
 
     `device` is the device type the run trains on (default: `device_type()`); it decides whether the
     model's `compile: auto` means compiled blocks, on which some ZeRO-3 knobs depend. CPU offload is sized
     to the node (`olmo_ds.train.offload`); `offload_env` overrides what it reads of the machine
-    (host_available, ranks, gpu_bytes), for tests.
+    (host_available, ranks, gpu_bytes), for tests; `resumed` (the checkpoint's saved DeepSpeed config)
+    keeps the offload choices of the run being resumed.
     """
     ds_path = cfg.deepspeed_config
     ds = copy.deepcopy(ds if ds is not None else load_ds_json(ds_path))
@@ -169,7 +170,8 @@ def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, 
         elif zero.get(key, AUTO) == AUTO:
             zero[key] = value
 
-    plan = resolve_offload(ds, ds_path, cfg, model, dp_world_size, device=device or device_type(), **(offload_env or {}))
+    plan = resolve_offload(ds, ds_path, cfg, model, dp_world_size, device=device or device_type(),
+                           resumed=resumed, **(offload_env or {}))
     if plan is not None:
         log.info("%s: %s", ds_path, plan.describe())
 

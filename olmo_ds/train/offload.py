@@ -158,11 +158,21 @@ def _plan(subs: list[list[int]], ratio: float, *, lp_bytes: int, grad_bytes: int
 
 def resolve_offload(ds: dict, ds_path: str, cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *,
                     device: str, host_available: int | None = None, ranks: int | None = None,
-                    gpu_bytes: int | None = None) -> HostPlan | None:
-    """Fill the "auto" offload fields of `ds` (in place) and check the host plan; None without optimizer offload."""
+                    gpu_bytes: int | None = None, resumed: dict | None = None) -> HostPlan | None:
+    """Fill the "auto" offload fields of `ds` (in place) and check the host plan; None without optimizer offload.
+
+    `resumed` is the resolved DeepSpeed config saved with the checkpoint a run resumes from: its choices
+    for the "auto" fields are kept (and checked like explicit ones), so a resumed run puts the same
+    sub-groups' optimizer state on the host and runs the same optimizer kernels on them as before.
+    """
     zero = ds["zero_optimization"]
     opt = zero.get("offload_optimizer") or {}
     par = zero.get("offload_param") or {}
+    saved = (resumed or {}).get("zero_optimization", {})
+    for node, saved_node, key in ((par, saved.get("offload_param") or {}, "device"), (opt, saved.get("offload_optimizer") or {}, "ratio"),
+                                  (zero, saved, "sub_group_size")):
+        if node.get(key) == AUTO and saved_node.get(key, AUTO) != AUTO:
+            node[key] = saved_node[key]
     lp_bytes = 4 if cfg.precision == "fp32" else 2
 
     if par.get("device") == AUTO:

@@ -166,12 +166,13 @@ class Trainer:
         vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.loader.vocab_size
         self.model_cfg = cfg.model.build(vocab_size=vocab)
         check_run(cfg, self.model_cfg, self.loader, self.tokenizer, self.world_size)
-        self.ds_config = exact_resume_optimizer(resolve_ds_config(cfg, self.model_cfg, self.world_size))
         try:
             self.resume_dir = ckpt.resolve_resume(resume, cfg.run_dir)
             self.resume_state = ckpt.read_train_state(self.resume_dir) if self.resume_dir else None
         except (FileNotFoundError, ValueError) as e:  # a bad --resume path, an interrupted save, a damaged train_state.json
             raise ConfigError(str(e)) from None
+        saved_ds = self.resume_state.get("ds_config") if self.resume_state else None
+        self.ds_config = exact_resume_optimizer(resolve_ds_config(cfg, self.model_cfg, self.world_size, resumed=saved_ds))
         if self.resume_state is not None:
             check_resume(self.resume_state, self.model_cfg, self.world_size, self.resume_dir, self.ds_config)
         self.evaluator = InLoopEvaluator(cfg, self.tokenizer, vocab, self.rank, self.world_size) if cfg.eval.every else None

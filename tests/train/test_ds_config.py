@@ -158,3 +158,18 @@ def test_offload_on_the_cpu_accelerator_keeps_the_json_intent():
     assert zero["offload_param"]["device"] == "cpu" and zero["offload_optimizer"]["ratio"] == 1.0
     plain = resolve_ds_config(train_config(f"deepspeed_config={ROOT / 'ds_configs' / 'zero3_bf16.json'}"), model, 2, device="cpu")
     assert "sub_group_size" not in plain["zero_optimization"] and "offload_optimizer" not in plain["zero_optimization"]
+
+
+def test_a_resumed_run_keeps_the_checkpoints_offload_choices():
+    """The saved config's ratio, placement and sub-group size win over "auto", and are still checked."""
+    cfg, model = offload_run()
+    machine = dict(host_available=110 * 2**30, ranks=1, gpu_bytes=139 * 2**30)
+    first = resolve_ds_config(cfg, model, 1, device="cuda", offload_env=machine)
+    saved = json.loads(json.dumps(first))
+    saved["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5  # chosen on a host with less memory free
+    again = resolve_ds_config(cfg, model, 1, device="cuda", offload_env={**machine, "host_available": 400 * 2**30}, resumed=saved)
+    zero = again["zero_optimization"]
+    assert zero["offload_optimizer"]["ratio"] == 0.5 and zero["offload_param"]["device"] == "none"
+    assert zero["sub_group_size"] == first["zero_optimization"]["sub_group_size"]
+    with pytest.raises(ConfigError, match="would not fit"):  # kept, but not blindly: a smaller host is refused
+        resolve_ds_config(cfg, model, 1, device="cuda", offload_env={**machine, "host_available": 60 * 2**30}, resumed=saved)
