@@ -363,8 +363,16 @@ def run(tokenizer: Path, corpus_dir: Path, size_mb: int, workers: list[int], bac
         f"via Python's gzip {d['gzip_stdlib_mb_per_s']:,.0f}; zstd {d['zstd_mb_per_s']:,.0f}")
     if big_file_mb:
         path = big_file(corpus, corpus_dir / "big", big_file_mb)
-        m = results["memory_over_time"] = measure_memory_over_time(tokenizer, path, corpus_dir / "shards-big", max(workers), "fast" if "fast" in backends else backends[0])
+        backend = "fast" if "fast" in backends else backends[0]
+        m = results["memory_over_time"] = measure_memory_over_time(tokenizer, path, corpus_dir / "shards-big", max(workers), backend)
         log(f"memory on one {m['file_mb']:,.0f} MB file, --workers {m['workers']}, {m['tokens'] / 1e6:,.0f}M tokens in {m['seconds']:.1f} s: RSS (MB) by quarter of the run")
         for name, r in m["rss"].items():
             log(f"  {name:<10}" + "".join(f"{x:>8.0f}" for x in r["quarters_mb"] or []) + f"   peak {r['peak_mb']:.0f}")
+        # Speed on the big file too, where start-up and validation weigh less than on the corpus.
+        rows = results["big_file_prepare"] = [measure_prepare(tokenizer, path.parent, corpus_dir / f"shards-big-{w}", w, backend)
+                                              for w in workers]
+        for r in rows:
+            log(f"big file, --workers {r['workers']}: prepare {r['prepare_seconds']:.1f} s + validate {r['validate_seconds']:.1f} s, "
+                f"{r['tokens_per_s'] / 1e6:.2f}M tokens/s end to end ({r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x), "
+                f"{r['loop_tokens_per_s'] / 1e6:.2f}M without start-up ({r['loop_tokens_per_s'] / rows[0]['loop_tokens_per_s']:.2f}x)")
     return results

@@ -19,4 +19,6 @@ def test_bench_prepare_small(tmp_path):
     m = r["memory_over_time"]
     assert m["file_mb"] >= 6 and m["tokens"] > 2 * one["tokens"]
     assert "main" in m["rss"] and any(k.startswith("worker") for k in m["rss"]), m["rss"]
-    assert any("2 workers / 1 worker" in line for line in lines)
+    assert [b["workers"] for b in r["big_file_prepare"]] == [1, 2]
+    assert all(b["tokens"] == m["tokens"] for b in r["big_file_prepare"])  # the same file, every worker count
+    assert any("2 workers / 1 worker" in line for line in lines) and any(line.startswith("big file, --workers 2") for line in lines)
