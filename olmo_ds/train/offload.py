@@ -23,7 +23,7 @@ partition separately. Pinned buffers come from PyTorch's caching host allocator,
 block up to a power of two and keeps freed blocks cached, so zero.Init's copies are still held.
 Measured on one H200 (125 GiB of RAM): olmo2-7b with everything offloaded was killed; with the
 weights on the GPU and all optimizer state on the host, an estimate that left out the kept fp32
-gradients (about 36 GiB of pinned blocks) said 104 GiB and the run was killed too.
+gradients (41 GiB of pinned blocks at that ratio) said 104 GiB and the run was killed too.
 """
 
 from __future__ import annotations
