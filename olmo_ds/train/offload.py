@@ -143,7 +143,7 @@ class HostPlan:
                 f"{g(self.per_rank * self.ranks)} of {g(self.budget)} ({HOST_FRACTION:.0%} of {g(self.available)} available)")
 
 
-def _plan(subs: list[list[int]], ratio: float, *, lp_bytes: int, grad_bytes: int, offload_param: bool, pin_param: bool, pin: bool,
+def _plan(subs: list[list[int]], ratio: float, *, lp_bytes: int, offload_param: bool, pin_param: bool, pin: bool,
           ranks: int, available: int) -> HostPlan:
     flat = [n for group in subs for n in group]
     gpu_count = int((1 - ratio) * len(flat))  # DeepSpeed keeps the first sub-groups on the GPU
@@ -153,7 +153,8 @@ def _plan(subs: list[list[int]], ratio: float, *, lp_bytes: int, grad_bytes: int
     if offload_param:
         params = sum(pinned(lp_bytes * sum(group), pin_param) for group in subs)
         params *= 2 if pin_param else 1  # zero.Init's per-partition pinned copies stay in the host cache
-    return HostPlan(ratio=ratio, param_bytes=params, grad_bytes=pinned(grad_bytes * total, pin),
+    # Gradients are kept in the run's dtype (DeepSpeed's grad_accum_dtype defaults to it), like the weights.
+    return HostPlan(ratio=ratio, param_bytes=params, grad_bytes=pinned(lp_bytes * total, pin),
                     state_bytes=STATE_BYTES * sum(on_host), fp32_grad_bytes=sum(pinned(4 * n, pin) for n in on_host),
                     ranks=ranks, available=available)
 
@@ -199,7 +200,7 @@ def resolve_offload(ds: dict, ds_path: str, cfg: TrainConfig, model: ModelConfig
     subs = sub_group_numels(model, cfg, dp_world_size, int(zero["sub_group_size"]))
     ranks = ranks or local_ranks(dp_world_size)
     available = host_available if host_available is not None else host_memory_available()
-    plan = lambda r: _plan(subs, r, lp_bytes=lp_bytes, grad_bytes=lp_bytes, offload_param=offload_param,  # noqa: E731
+    plan = lambda r: _plan(subs, r, lp_bytes=lp_bytes, offload_param=offload_param,  # noqa: E731
                            pin_param=bool(par.get("pin_memory", False)), pin=bool(opt.get("pin_memory", False)),
                            ranks=ranks, available=available)
 

@@ -23,7 +23,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ import torch
 
 from olmo_ds.train import checkpoint as ckpt
 from olmo_ds.train.config import load_config
+from olmo_ds.train.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PRETRAIN = ROOT / "scripts" / "pretrain.py"
@@ -107,12 +107,6 @@ class ResumeCheck:
 
 
 # --- launching -----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_env() -> dict[str, str]:

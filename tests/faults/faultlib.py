@@ -20,11 +20,12 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from olmo_ds.train.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT / ".." / "shared"
@@ -130,12 +131,6 @@ def base_env() -> dict[str, str]:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

@@ -9,7 +9,6 @@ scripts/export_hf.py, consolidated on CPU, and must give transformers the same l
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,21 +18,16 @@ import torch
 
 from olmo_ds.model import OLMo
 from olmo_ds.model.hf import load_model_weights
+from olmo_ds.train.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / ".." / "shared" / "tokenizers" / "dolma2-tokenizer.json"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_zero3_training_step_and_checkpoint_export(tmp_path):
     transformers = pytest.importorskip("transformers")
     worker = Path(__file__).with_name("zero3_worker.py")
-    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), str(TOKENIZER), str(_free_port())],
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), str(TOKENIZER), str(free_port())],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0 and "ZERO3 OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
     ckpt = tmp_path / "run" / "checkpoints" / "step-0000001"

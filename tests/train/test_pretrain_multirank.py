@@ -21,8 +21,8 @@ import torch
 
 from olmo_ds.train.checkpoint import LATEST, TRAIN_STATE, list_checkpoints, load_model_state, read_train_state
 
-from train_testlib import (ROOT, deepspeed_cmd, launch_env, losses_by_step, read_metrics, run, tiny_config, torchrun_cmd,
-                           write_config, write_markov_shards)
+from train_testlib import (ROOT, deepspeed_cmd, kill_all, launch_env, losses_by_step, read_metrics, run, tiny_config,
+                           torchrun_cmd, write_config, write_markov_shards)
 
 PRETRAIN = ROOT / "scripts" / "pretrain.py"
 FAST_LEARNER = {"optim": {"lr": 3e-2}, "schedule": {"warmup_steps": 1},
@@ -121,21 +121,6 @@ def _workers(proc: subprocess.Popen) -> list[psutil.Process]:
     return found
 
 
-def _kill_all(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every rank at once (torchrun puts its workers in their own sessions)."""
-    try:
-        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:  # the launcher already ended
-        family = []
-    for p in family:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:  # ended between listing and kill (e.g. a compiler subprocess)
-            pass
-    psutil.wait_procs(family, timeout=30)
-    proc.wait()
-
-
 def test_hard_kill_then_preemption_signal(tmp_path, data_dir):
     """SIGKILL mid-run loses only the steps since the last checkpoint; SIGTERM saves where it is and exits 0."""
     cfg = tiny_config(tmp_path, data_dir, max_steps=400, checkpoint={"every": 3, "keep_last": 2})
@@ -147,7 +132,7 @@ def test_hard_kill_then_preemption_signal(tmp_path, data_dir):
     try:
         killed_after = _wait_for_step(run_dir, 7, proc)
     finally:
-        _kill_all(proc)
+        kill_all(proc)
     done = list_checkpoints(run_dir / "checkpoints")
     assert done and all(s % 3 == 0 and s <= killed_after for s, _ in done)
     last_complete = done[-1][0]
@@ -164,7 +149,7 @@ def test_hard_kill_then_preemption_signal(tmp_path, data_dir):
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            _kill_all(proc)
+            kill_all(proc)
     assert proc.returncode == 0, out.decode()[-3000:]
     stopped = read_metrics(run_dir)[-1]["step"]
     assert stopped < 400

@@ -17,7 +17,9 @@ import numpy as np
 import yaml
 
 from olmo_ds.data import shards
-from olmo_ds.train.resume_check import losses_by_step, read_metrics  # noqa: F401 (the tests' readers are the check's)
+from olmo_ds.train import resume_check
+from olmo_ds.train.launch import free_port  # noqa: F401 (tests take the port helper from here)
+from olmo_ds.train.resume_check import kill_all, losses_by_step, read_metrics  # noqa: F401 (the tests' helpers are the check's)
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT / ".." / "shared"
@@ -82,12 +84,8 @@ def write_config(path: Path, cfg: dict) -> Path:
 
 
 def launch_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return env
+    """The check's launch environment (olmo_ds importable, no outer rank), one thread per rank."""
+    return {**resume_check.launch_env(), "OMP_NUM_THREADS": "1"}
 
 
 def torchrun_cmd(script: Path, *args: str, nproc: int = 2) -> list[str]:
@@ -110,14 +108,6 @@ def run(cmd: list[str], timeout: float = 900, **kw) -> subprocess.CompletedProce
             out, err = proc.communicate()
             raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def deepspeed_cmd(script: Path, *args: str) -> list[str]:
