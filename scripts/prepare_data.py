@@ -19,7 +19,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", required=True, help="HF tokenizer.json (or a directory holding one) or a sentencepiece .model")
     p.add_argument("--text-field", default="text", help="JSON key (Parquet: column) of the document text (default: text)")
     p.add_argument("--eos-token", default=None, help="token appended after every document (default: the tokenizer's EOS)")
-    p.add_argument("--workers", type=int, default=1, help="processes that tokenize, one per core: this one and N-1 more (default: 1)")
+    p.add_argument("--workers", type=int, default=1, help="cores that tokenize (default: 1): N worker processes while this one writes, or this one and N-1 more when no core is spare")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="close a shard before it would exceed this many tokens (default: 100,000,000)")
     p.add_argument("--val-fraction", type=float, default=0.0, help="fraction of documents, chosen by a hash of their text, written to OUTPUT/val/")
     p.add_argument("--dry-run", action="store_true", help="tokenize and report per-file counts; write nothing")

@@ -6,7 +6,8 @@ each followed by EOS, whatever the number of workers. Hence the design:
 
 - The main process hands out blocks of whole lines; a pool of worker processes reads (uncompressed
   files: each worker reads its own byte range, `readers.iter_ranges`), parses JSON and tokenizes
-  them. Compressed streams can only be decompressed in order, so the main process reads and cuts
+  them (`pool_layout`: N workers are N processes when a core is spare for the main process,
+  otherwise N - 1 and the main process tokenizes whenever it would wait). Compressed streams can only be decompressed in order, so the main process reads and cuts
   those (`readers.iter_chunks`). Workers number lines within their block and the main process,
   which sees blocks in input order, turns them into file lines; results come back in submission
   order, so output order is input order for any worker count. At most `2 × workers` blocks are in
@@ -143,6 +144,7 @@ class PrepareResult:
     resumed_from: str | None = None
     already_complete: bool = False
     backend: str = ""  # the library that encoded: fastokens, tokenizers or sentencepiece
+    layout: str = ""  # who tokenized (`pool_layout`), for the summary
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,11 +362,12 @@ def _chunk_in_worker(spec: _Spec, *args) -> tuple[ChunkResult, np.ndarray]:
     return res, tokens
 
 
-def _ordered_results(tasks: Iterator[tuple], spec: _Spec, pool: OrderedPool | None) -> Iterator[tuple]:
+def _ordered_results(tasks: Iterator[tuple], spec: _Spec, pool: OrderedPool | None, work_here: bool = True) -> Iterator[tuple]:
     """Yield `(extra, ChunkResult)` for each `(extra, task_args)` in input order.
 
     Without a pool the blocks are tokenized here (one worker is one core: this one). With one, at
-    most two blocks per worker are in flight, so memory does not depend on the input's size.
+    most two blocks per worker are in flight, so memory does not depend on the input's size; with
+    `work_here` this process tokenizes too whenever the next result is not ready (`pool_layout`).
     """
     if pool is None:
         for extra, args in tasks:
@@ -377,7 +380,7 @@ def _ordered_results(tasks: Iterator[tuple], spec: _Spec, pool: OrderedPool | No
             extras.append(extra)
             yield args
 
-    for res, tokens in pool.imap(args_only()):
+    for res, tokens in pool.imap(args_only(), work_here=work_here):
         res.tokens = tokens
         yield extras.popleft(), res
 
@@ -468,15 +471,42 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     spec = _Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if backend["name"] == "fastokens" else "hf", cfg.text_field, cfg.val_fraction)
     _loaded[spec] = encoder
     with contextlib.ExitStack() as stack:
-        # This process tokenizes whenever it would otherwise wait (`OrderedPool.imap`): N workers are N - 1 more processes.
-        pool = stack.enter_context(OrderedPool(_chunk_in_worker, spec, cfg.workers - 1, mp.get_context(_start_method(threads_before)))) if cfg.workers > 1 else None
+        processes, work_here = pool_layout(cfg.workers)
+        pool = stack.enter_context(OrderedPool(_chunk_in_worker, spec, processes, mp.get_context(_start_method(threads_before)))) if processes else None
         if mode == "overwrite":
             for p in _our_files(out):
                 p.unlink()
-        return _run(cfg, files, tok, identity, file_stats, spec, pool, backend, log)
+        result = _run(cfg, files, tok, identity, file_stats, spec, pool, work_here, backend, log)
+        result.layout = ("this process" if not processes else
+                         f"{processes} worker process{'es' if processes > 1 else ''}" + ("" if not work_here else " and this one, whenever it would wait"))
+        return result
 
 
-def _run(cfg: PrepareConfig, files: list[Path], tok, identity: dict, file_stats: list[FileStats], spec: _Spec, pool, backend: dict, log: Callable[[str], None]) -> PrepareResult:
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, where the system has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def pool_layout(workers: int, cores: int | None = None) -> tuple[int, bool]:
+    """How `--workers N` runs: (worker processes, whether this process tokenizes too).
+
+    With a core to spare beyond N, N worker processes tokenize and this process only hands out
+    blocks and writes and hashes the shards (a fifth to a third of a core at two workers), so the N
+    workers never wait for it. Without one, this process is one of the N: N - 1 worker processes, and
+    it tokenizes a block itself whenever the next result in order is not ready (`OrderedPool.imap`),
+    so no core idles.
+    """
+    if workers == 1:
+        return 0, True
+    if (cores or usable_cores()) > workers:
+        return workers, False
+    return workers - 1, True
+
+
+def _run(cfg: PrepareConfig, files: list[Path], tok, identity: dict, file_stats: list[FileStats], spec: _Spec, pool, work_here: bool, backend: dict, log: Callable[[str], None]) -> PrepareResult:
     """Resume or start the output, stream every block through the pool into the shards, write the manifests."""
     out = Path(cfg.output)
     splits: dict[str, _SplitWriter] = {}
@@ -512,7 +542,7 @@ def _run(cfg: PrepareConfig, files: list[Path], tok, identity: dict, file_stats:
     reported = split_position(start)[0]
     next_line = 1  # the file line where the next block of the current file starts
     try:
-        for (fi, first_line, consumed), res in _ordered_results(_tasks(files, start, cfg.chunk_bytes), spec, pool):
+        for (fi, first_line, consumed), res in _ordered_results(_tasks(files, start, cfg.chunk_bytes), spec, pool, work_here):
             while cfg.verbose and reported < fi:
                 _log_file(log, file_stats[reported])
                 reported += 1
@@ -661,7 +691,7 @@ def format_summary(r: PrepareResult, dry_run: bool = False) -> str:
         if r.val_docs or r.val_tokens:
             lines.append(f"val             {r.val_docs:,} docs, {r.val_tokens:,} tokens")
         lines.append(f"shards          {r.num_shards:,}")
-    lines.append(f"tokenizer       {r.backend}")
+    lines.append(f"tokenizer       {r.backend}" + (f", run by {r.layout}" if r.layout else ""))
     lines.append(f"skipped         {sum(r.skipped.counts.values()):,} records")
     for reason, n in sorted(r.skipped.counts.items()):
         lines.append(f"  {reason:<22}{n:>10,}   e.g. {', '.join(r.skipped.examples.get(reason, [])[:3])}")

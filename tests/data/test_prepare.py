@@ -10,7 +10,8 @@ import pytest
 import tokenizers
 
 from olmo_ds.data import shards
-from olmo_ds.data.prepare import PrepareConfig, PrepareError, prepare, val_hash
+from olmo_ds.data import prepare as prepare_mod
+from olmo_ds.data.prepare import PrepareConfig, PrepareError, pool_layout, prepare, val_hash
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO / ".." / "shared"
@@ -66,10 +67,27 @@ def test_ids_equal_the_tokenizers_own_output(tmp_path, tokenizer, dtype):
         assert meta.num_tokens <= 4000 and shards.sha256_file(b) == meta.checksum
 
 
-def test_byte_identical_for_any_worker_count(tmp_path):
-    outputs = [dir_bytes(run([C4_DIR], tmp_path / f"w{w}", DOLMA2, workers=w, shard_tokens=3000).output) for w in (1, 2, 3)]
+@pytest.mark.parametrize("cores", [2, 64])
+def test_byte_identical_for_any_worker_count(tmp_path, monkeypatch, cores):
+    """On 2 cores, 2 and 3 workers include the main process; with cores to spare, N worker processes
+    tokenize and the main process only writes (`pool_layout`). Same bytes either way."""
+    monkeypatch.setattr(prepare_mod, "usable_cores", lambda: cores)
+    results = [run([C4_DIR], tmp_path / f"w{w}", DOLMA2, workers=w, shard_tokens=3000) for w in (1, 2, 3)]
+    outputs = [dir_bytes(r.output) for r in results]
     assert outputs[0] == outputs[1] == outputs[2]
     assert sum(name.endswith(".bin") for name in outputs[0]) > 2
+    assert [r.layout for r in results] == ["this process"] + (
+        ["2 worker processes", "3 worker processes"] if cores == 64 else
+        ["1 worker process and this one, whenever it would wait", "2 worker processes and this one, whenever it would wait"])
+
+
+def test_pool_layout_keeps_a_core_for_the_main_process_when_there_is_one():
+    assert pool_layout(1, cores=16) == (0, True)
+    assert pool_layout(2, cores=16) == (2, False)
+    assert pool_layout(15, cores=16) == (15, False)
+    assert pool_layout(16, cores=16) == (15, True)
+    assert pool_layout(2, cores=2) == (1, True)
+    assert pool_layout(4, cores=2) == (3, True)
 
 
 def test_plain_files_read_by_the_workers_give_the_same_bytes_and_ids(tmp_path):
