@@ -37,6 +37,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5 if gpu else 1)
     p.add_argument("--steps", type=int, default=20 if gpu else 3)
     p.add_argument("--no-reference", dest="reference", action="store_false", help="skip the plain-PyTorch step")
+    p.add_argument("--reference-fp32-master", action="store_true",
+                   help="also time a plain-PyTorch step with DeepSpeed's precision recipe: fp32 master weights and AdamW moments")
     p.add_argument("--no-deepspeed", dest="deepspeed", action="store_false", help="only the plain-PyTorch step")
     p.add_argument("--work-dir", default=BenchOptions.work_dir, help="generated shards (reused) and the resolved DeepSpeed JSON")
     g = p.add_argument_group("experiment switches (patch this process only; see olmo_ds.train.bench.Experiments)")
@@ -73,7 +75,7 @@ def main() -> int:
         opts = BenchOptions(
             preset=args.preset, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
             ds_config=args.ds_config, ds_set=args.ds_set, model_set=args.model_set, precision=args.precision,
-            warmup=args.warmup, steps=args.steps, reference=args.reference, deepspeed=args.deepspeed, work_dir=args.work_dir,
+            warmup=args.warmup, steps=args.steps, reference=args.reference, reference_fp32_master=args.reference_fp32_master, deepspeed=args.deepspeed, work_dir=args.work_dir,
             profile_dir=args.profile_dir,
             experiments=Experiments(compile_pointwise=args.compile_pointwise, loss_chunk=args.loss_chunk, deepcompile=args.deepcompile,
                                     engine_compile=args.engine_compile, compile_backend=args.compile_backend),

@@ -80,6 +80,7 @@ class BenchOptions:
     warmup: int = 5
     steps: int = 20
     reference: bool = True
+    reference_fp32_master: bool = False  # also a plain-PyTorch step with DeepSpeed's fp32 master weights and moments
     deepspeed: bool = True
     work_dir: str = str(ROOT / "out" / "bench-train")  # shards (reused) and the resolved DeepSpeed JSON
     profile_dir: str | None = None  # profile two extra steps of each path and write op tables here
@@ -237,8 +238,15 @@ def _summarise(step_s: list[float], wait_s: float, tokens_per_step: int, flops: 
     }
 
 
-def run_reference(cfg, model_cfg, opts: BenchOptions, flops: dict, peak: float | None) -> dict:
-    """The same model and batches in plain PyTorch: bf16 (or fp32) parameters, fused AdamW, clipping."""
+def run_reference(cfg, model_cfg, opts: BenchOptions, flops: dict, peak: float | None, fp32_master: bool = False) -> dict:
+    """The same model and batches in plain PyTorch: parameters in the run's precision (bf16 on a GPU),
+    fused AdamW, clipping.
+
+    With `fp32_master` the optimizer keeps DeepSpeed's precision recipe instead: fp32 master weights
+    and fp32 AdamW moments, gradients accumulated in the model's dtype over the micro-batches (as
+    DeepSpeed does without `data_types.grad_accum_dtype`) and copied to fp32 for clipping and the
+    update, the updated master copied back into the model's weights.
+    """
     from olmo_ds.data.loader import DataLoader
     from olmo_ds.model import OLMo
     from olmo_ds.train.optim import param_groups
@@ -249,7 +257,17 @@ def run_reference(cfg, model_cfg, opts: BenchOptions, flops: dict, peak: float |
     with torch.device(device):
         model = OLMo(model_cfg).to(dtype)
     o = cfg.optim
-    optimizer = torch.optim.AdamW(param_groups(model, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    groups = param_groups(model, o)
+    pairs = []  # (model weight, fp32 master) with fp32_master
+    if fp32_master:
+        for g in groups:
+            masters = [w.detach().float().requires_grad_(True) for w in g["params"]]
+            pairs += zip(g["params"], masters)
+            g["params"] = masters
+        for _, m in pairs:
+            m.grad = torch.zeros_like(m)
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    updated = [m for _, m in pairs] or list(model.parameters())
     loader = DataLoader(cfg.data, seq_len=cfg.batch.seq_len, global_batch_size=cfg.batch.global_batch_size, dp_rank=0, dp_world_size=1)
     micro = cfg.batch.micro_batch_size
 
@@ -262,17 +280,25 @@ def run_reference(cfg, model_cfg, opts: BenchOptions, flops: dict, peak: float |
             out = model(mb["input_ids"], labels=mb["labels"], doc_lens=mb.get("doc_lens"), z_loss_coef=o.z_loss)
             (out.loss / n_micro).backward()
             loss_sum += out.ce_loss.detach().double()
+        for w, m in pairs:
+            m.grad.copy_(w.grad)
+            w.grad = None
         if o.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip, foreach=True)
+            torch.nn.utils.clip_grad_norm_(updated, o.grad_clip, foreach=True)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([w for w, _ in pairs], [m for _, m in pairs])
+        else:
+            optimizer.zero_grad(set_to_none=True)
         return (loss_sum / n_micro).item()  # synchronises, as the trainer's step does
 
     try:
-        result = _time_steps(step, loader, opts, flops, peak, cfg.batch.global_batch_size * cfg.batch.seq_len, "reference")
+        result = _time_steps(step, loader, opts, flops, peak, cfg.batch.global_batch_size * cfg.batch.seq_len,
+                             "reference_fp32_master" if fp32_master else "reference")
     finally:
         loader.close()
-    del model, optimizer
+    del model, optimizer, groups, pairs, updated
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -402,11 +428,18 @@ def run_bench(opts: BenchOptions) -> dict:
         result["reference"] = run_reference(cfg, model_cfg, opts, flops, peak)
         result["reference"]["counters"] = block_counts()
         BLOCK_CALLS.clear()
+    if opts.reference_fp32_master:
+        log.info("plain-PyTorch reference with fp32 master weights: %d warm-up + %d timed steps", opts.warmup, opts.steps)
+        result["reference_fp32_master"] = run_reference(cfg, model_cfg, opts, flops, peak, fp32_master=True)
+        result["reference_fp32_master"]["counters"] = block_counts()
+        BLOCK_CALLS.clear()
     if opts.deepspeed:
         log.info("DeepSpeed trainer (%s): %d warm-up + %d timed steps", cfg.deepspeed_config, opts.warmup, opts.steps)
         result["deepspeed"] = run_deepspeed(cfg, opts, flops, peak)
     if opts.reference and opts.deepspeed:
         result["ratio_deepspeed_to_reference"] = result["deepspeed"]["tokens_per_s"] / result["reference"]["tokens_per_s"]
+    if opts.reference_fp32_master and opts.deepspeed:
+        result["ratio_deepspeed_to_reference_fp32_master"] = result["deepspeed"]["tokens_per_s"] / result["reference_fp32_master"]["tokens_per_s"]
     return result
 
 
@@ -433,7 +466,8 @@ def format_report(r: dict) -> str:
         f"model overrides: {', '.join(o['model_set']) or 'none'}",
         f"{'run':<28} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'step ms':>8} {'data wait':>9} {'peak GiB':>8} {'loss':>14}",
     ]
-    for name, key in (("plain PyTorch (fused AdamW)", "reference"), (f"DeepSpeed {Path(o['ds_config']).name}", "deepspeed")):
+    for name, key in (("plain PyTorch (fused AdamW)", "reference"), ("plain PyTorch, fp32 master", "reference_fp32_master"),
+                      (f"DeepSpeed {Path(o['ds_config']).name}", "deepspeed")):
         m = r.get(key)
         if m is None:
             continue
@@ -442,7 +476,7 @@ def format_report(r: dict) -> str:
             f"{1000 * m['step_s_median']:>8.1f} "
             f"{100 * m['data_wait_fraction']:>8.2f}% {m['peak_alloc_gib']:>8.1f} {m['loss_first']:>6.3f}->{m['loss_last']:<6.3f}"
         )
-    for key in ("reference", "deepspeed"):
+    for key in ("reference", "reference_fp32_master", "deepspeed"):
         if r.get(key, {}).get("device_busy_fraction") is not None:
             lines.append(f"{key}: device busy {100 * r[key]['device_busy_fraction']:.1f}% of wall time over 2 profiled steps "
                          f"(op table in {o['profile_dir']})")
@@ -455,6 +489,8 @@ def format_report(r: dict) -> str:
                         if ds.get("offload_subgroups_on_host") else ""))
     if "ratio_deepspeed_to_reference" in r:
         lines.append(f"ratio DeepSpeed / plain PyTorch: {r['ratio_deepspeed_to_reference']:.3f}")
+    if "ratio_deepspeed_to_reference_fp32_master" in r:
+        lines.append(f"ratio DeepSpeed / plain PyTorch with fp32 master weights: {r['ratio_deepspeed_to_reference_fp32_master']:.3f}")
     return "\n".join(lines)
 
 
@@ -491,6 +527,7 @@ VARIANTS: dict[str, list[str]] = {
     "accum8": ["--grad-accum", "8"],
     "ckpt": ["--model-set", "activation_checkpointing=true"],
     "noref": ["--no-reference"],
+    "ref_master": ["--reference-fp32-master"],
     "deepcompile": ["--deepcompile"],
     "engine_compile": ["--engine-compile"],
 }
@@ -528,7 +565,7 @@ def run_sweep(names: list[str], base_args: list[str], out_dir: Path, timeout_s: 
 
 
 def format_sweep(rows: list[dict]) -> str:
-    lines = [f"{'variant':<34} {'DS tok/s':>9} {'MFU':>6} {'ref tok/s':>9} {'ratio':>6} {'DS GiB':>7} {'ref GiB':>7} {'host':>6} {'wait':>6} {'wall s':>6}"]
+    lines = [f"{'variant':<34} {'DS tok/s':>9} {'MFU':>6} {'ref tok/s':>9} {'ratio':>6} {'vs fp32m':>8} {'DS GiB':>7} {'ref GiB':>7} {'host':>6} {'wait':>6} {'wall s':>6}"]
     for row in rows:
         r = row.get("result")
         if r is None or "deepspeed" not in r:
@@ -538,6 +575,7 @@ def format_sweep(rows: list[dict]) -> str:
         lines.append(
             f"{row['variant']:<34} {ds['tokens_per_s']:>9,.0f} {_fmt(ds['mfu'], 6, '.1f', 100, '%')} "
             f"{_fmt(ref and ref['tokens_per_s'], 9, ',.0f')} {_fmt(r.get('ratio_deepspeed_to_reference'), 6, '.3f')} "
+            f"{_fmt(r.get('ratio_deepspeed_to_reference_fp32_master'), 8, '.3f')} "
             f"{ds['peak_alloc_gib']:>7.1f} {_fmt(ref and ref['peak_alloc_gib'], 7, '.1f')} {_fmt(ds.get('host_peak_gib'), 6, '.1f')} "
             f"{100 * ds['data_wait_fraction']:>5.2f}% {row['wall_s']:>6.0f}"
         )

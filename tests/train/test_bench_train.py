@@ -84,3 +84,19 @@ def test_bad_ds_override_is_reported(tmp_path):
                 "--ds-set", "zero_optimization.stage=5"], timeout=300)
     assert proc.returncode == 2
     assert "zero_optimization.stage must be 1, 2 or 3" in proc.stderr
+
+
+def test_reference_with_fp32_master_weights(tmp_path):
+    """`--reference-fp32-master` times plain PyTorch with DeepSpeed's precision recipe: in bf16 its
+    first loss is the pure-bf16 reference's (same model, same batch), and its updates differ (fp32
+    master weights and moments instead of bf16 ones)."""
+    out = tmp_path / "r.json"
+    proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(tmp_path), "--no-deepspeed", "--precision", "bf16",
+                "--steps", "4", "--reference-fp32-master", "--json", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    bf16, master = r["reference"], r["reference_fp32_master"]
+    assert master["tokens_per_s"] > 0 and master["peak_alloc_gib"] > 0
+    assert master["loss_first"] == bf16["loss_first"]
+    assert math.isfinite(master["loss_last"]) and master["loss_last"] != bf16["loss_last"]
+    assert "plain PyTorch, fp32 master" in proc.stdout
