@@ -528,6 +528,8 @@ VARIANTS: dict[str, list[str]] = {
     "ckpt": ["--model-set", "activation_checkpointing=true"],
     "noref": ["--no-reference"],
     "ref_master": ["--reference-fp32-master"],
+    # DeepSpeed with the pure-bf16 reference's precision: bf16 master weights, gradients and AdamW moments.
+    "ds_bf16_state": ["--ds-set", "bf16.bf16_master_weights_and_grads=true", "--ds-set", "bf16.bf16_optimizer_states=true"],
     "deepcompile": ["--deepcompile"],
     "engine_compile": ["--engine-compile"],
 }
