@@ -8,9 +8,10 @@ each followed by EOS, whatever the number of workers. Hence the design:
   files: each worker reads its own byte range, `readers.iter_ranges`), parses JSON and tokenizes
   them (`pool_layout`: N workers are N processes when a core is spare for the main process,
   otherwise N - 1 and the main process tokenizes whenever it would wait). Compressed streams can
-  only be decompressed in order, so the main process reads and cuts those (`readers.iter_chunks`). Workers number lines within their block and the main process,
-  which sees blocks in input order, turns them into file lines; results come back in submission
-  order, so output order is input order for any worker count. At most `2 × workers` blocks are in
+  only be decompressed in order, so the main process reads and cuts those (`readers.iter_chunks`).
+  Workers number lines within their block and the main process, which sees blocks in input order,
+  turns them into file lines; results come back in submission order, so output order is input
+  order for any worker count. At most `2 × workers` blocks are in
   flight, so memory is bounded by the block size, never by the corpus or a file.
 - Shards are streamed to temporary files and renamed when complete, metadata last
   (`shards.ShardWriter`). Each shard's metadata records the input position just after its last
