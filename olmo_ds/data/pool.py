@@ -137,7 +137,7 @@ class OrderedPool:
         Every worker's queue is kept `depth` deep. With `work_here`, whenever the next result in
         order is not ready yet, this process runs the next task itself instead of waiting, so N
         workers plus the coordinating process use N + 1 cores' worth of time that would otherwise
-        be idle (prepare_data's `--workers N` starts N - 1 processes and works itself).
+        be idle (prepare_data does this when it has no spare core: `prepare.pool_layout`).
         """
         tasks = iter(tasks)
         order: deque = deque()  # per task in order: the worker it went to, or ("here", result)
