@@ -40,7 +40,7 @@ def load_ds_json(path: str | Path) -> dict:
 COMPILED_REDUCE_BUCKET = 500_000_000
 
 
-def zero3_knobs(d_model: int, stage: int, compiled_blocks: bool) -> dict[str, Any]:
+def zero3_knobs(d_model: int, stage: int, compiled_blocks: bool, dp_world_size: int) -> dict[str, Any]:
     """ZeRO communication knobs for "auto" fields: the values HF Accelerate/Trainer derive from the hidden
     size, except where a measurement with compiled blocks said otherwise.
 
@@ -52,11 +52,19 @@ def zero3_knobs(d_model: int, stage: int, compiled_blocks: bool) -> dict[str, An
     `torch.nn.functional.linear` process-wide with DeepSpeed's own autograd function, which a compiled
     block cannot fuse through (measured +22% tokens/s and 8 GiB less peak memory without it; with eager
     blocks it changed nothing, so eager runs keep DeepSpeed's default, true).
+
+    `reduce_scatter` is false for ZeRO-3 on a single data-parallel rank, where there is nothing to
+    communicate: DeepSpeed's reduce-scatter path then still concatenates each reduce bucket into a new
+    tensor and runs it through a one-rank collective, once per micro-batch, where the all-reduce path
+    works in the contiguous bucket it already has. The gradients are the same bit for bit; on one H200
+    the difference was within noise (+0.3%, BENCHMARKS.md). With more ranks the reduce-scatter moves
+    half the bytes, so it stays on.
     """
     compiled3 = compiled_blocks and stage == 3
     return {
         "overlap_comm": True,
         "contiguous_gradients": True,
+        "reduce_scatter": not (stage == 3 and dp_world_size == 1),
         "reduce_bucket_size": COMPILED_REDUCE_BUCKET if compiled3 else d_model * d_model,
         "stage3_prefetch_bucket_size": int(0.9 * d_model * d_model),
         "stage3_param_persistence_threshold": 10 * d_model,
@@ -163,7 +171,7 @@ def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, 
         params.setdefault("adam_w_mode", True)  # DeepSpeed's "Adam" + adam_w_mode is decoupled AdamW
 
     compiled = model.compiles_blocks(device or device_type())
-    for key, value in zero3_knobs(model.d_model, zero["stage"], compiled).items():
+    for key, value in zero3_knobs(model.d_model, zero["stage"], compiled, dp_world_size).items():
         if key in _STAGE3_ONLY and zero["stage"] != 3:
             if zero.get(key) == AUTO:
                 del zero[key]
@@ -176,6 +184,9 @@ def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, 
         log.info("%s: %s", ds_path, plan.describe())
 
     ds.setdefault("steps_per_print", 10**9)  # olmo-ds prints its own progress line
+    # DeepSpeed's throughput timer synchronizes the device at the start of every forward and the end of
+    # every engine.step(), i.e. twice per micro-batch, to time what olmo-ds already reports (BENCHMARKS.md).
+    ds.setdefault("timers", {"throughput": {"enabled": False}})
     ds.setdefault("wall_clock_breakdown", False)
 
     leftover = _find_auto(ds)

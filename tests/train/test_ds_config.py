@@ -58,6 +58,26 @@ def test_compiled_blocks_take_the_measured_zero3_knobs_unless_the_json_says_othe
     assert (zero["reduce_bucket_size"], zero["memory_efficient_linear"]) == (12345, True)
 
 
+@pytest.mark.parametrize("name", ["zero3_bf16", "zero3_bf16_offload", "zero2_bf16"])
+def test_one_rank_zero3_skips_the_reduce_scatter_path_and_the_throughput_timer(name):
+    """ZeRO-3 on a single data-parallel rank takes DeepSpeed's all-reduce gradient path (no concatenated
+    copy of each bucket; nothing is communicated either way); with more ranks, or stages 1-2, the
+    reduce-scatter stays. DeepSpeed's synchronizing throughput timer is off unless the JSON has one."""
+    cfg = train_config(f"deepspeed_config={ROOT / 'ds_configs' / name}.json")
+    model = cfg.model.build(vocab_size=1000)
+    one = resolve_ds_config(cfg, model, 1, device="cpu", offload_env=dict(host_available=10**12, ranks=1, gpu_bytes=None))
+    two = resolve_ds_config(cfg, model, 2, device="cpu", offload_env=dict(host_available=10**12, ranks=2, gpu_bytes=None))
+    stage3 = one["zero_optimization"]["stage"] == 3
+    assert one["zero_optimization"]["reduce_scatter"] is (not stage3)
+    assert two["zero_optimization"]["reduce_scatter"] is True
+    assert one["timers"] == two["timers"] == {"throughput": {"enabled": False}}
+    ds = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
+    ds["zero_optimization"]["reduce_scatter"] = True
+    ds["timers"] = {"throughput": {"enabled": True, "synchronized": False}}
+    kept = resolve_ds_config(cfg, model, 1, ds=ds, device="cpu", offload_env=dict(host_available=10**12, ranks=1, gpu_bytes=None))
+    assert kept["zero_optimization"]["reduce_scatter"] is True and kept["timers"] == ds["timers"]
+
+
 def test_concrete_value_that_agrees_is_kept_and_one_that_disagrees_names_both(tmp_path):
     ds = json.loads((ROOT / "ds_configs" / "zero3_bf16.json").read_text())
     cfg = train_config()
