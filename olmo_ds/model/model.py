@@ -327,6 +327,9 @@ class OLMo(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         tied = self.embed.weight if cfg.tie_embeddings else None
         self.head = LMHead(cfg.d_model, cfg.padded_vocab_size, cfg.init_std, tied=tied)
+        # RoPE tables of whole-sequence forwards, by (length, device): not state (no buffer, nothing to
+        # partition or save), only the ~15 small kernels and their launches that every forward repeated.
+        self._rope_cache: dict[tuple[int, torch.device], dict] = {}
 
     def _rope_tables(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         """cos/sin per layer kind (keyed by `is_sliding`): YaRN applies to full-attention layers only."""
@@ -336,6 +339,17 @@ class OLMo(nn.Module):
             inv_freq, scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, yarn, device=positions.device)
             tables[sliding] = rope_cos_sin(positions, inv_freq, scale)
         return tables
+
+    def _cached_rope_tables(self, t: int, device: torch.device) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """`_rope_tables` of positions 0..t-1, computed once per length and device. Built as ordinary
+        tensors even under inference_mode, so that a table first made in evaluation serves training."""
+        key = (t, device)
+        if key not in self._rope_cache:
+            if len(self._rope_cache) >= 4:  # a few lengths (train, eval, ...) at most; prompts vary
+                self._rope_cache.clear()
+            with torch.inference_mode(False), torch.no_grad():
+                self._rope_cache[key] = self._rope_tables(torch.arange(t, device=device))
+        return self._rope_cache[key]
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_lens: torch.Tensor | None = None, z_loss_coef: float = 0.0, cache: KVCache | None = None):
@@ -347,8 +361,10 @@ class OLMo(nn.Module):
         if cache is not None and doc_lens is not None:
             raise ValueError("doc_lens is not supported with a KV cache")
         x = self.embed(input_ids)
-        positions = torch.arange(start, start + t, device=input_ids.device)
-        tables = self._rope_tables(positions)
+        if cache is None:
+            tables = self._cached_rope_tables(t, input_ids.device)
+        else:
+            tables = self._rope_tables(torch.arange(start, start + t, device=input_ids.device))
         mask = AttentionMask(b, t, input_ids.device, doc_lens) if cache is None else None
         checkpointing = self.cfg.activation_checkpointing and torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.blocks):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from olmo_ds.data.loader import DataLoader
 from olmo_ds.model.config import EXECUTION_FIELDS, ModelConfig
@@ -290,17 +291,26 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # ce, z, non-finite micro-batches
         n_micro = rows // micro
         assert engine.gradient_accumulation_steps() == n_micro, "engine accumulation out of step with the batch"
+        # DeepSpeed ZeRO-2/3 waits for its gradient stream at the end of every backward, which empties the
+        # device's queue; whatever the host does from there to the next forward's first kernel leaves the
+        # device idle. So the whole batch is copied once per step, and the loss bookkeeping is queued
+        # while the forward still runs (BENCHMARKS.md, "The host between micro-batches").
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         for i in range(n_micro):
-            mb = {k: v[i * micro:(i + 1) * micro].to(self.device, non_blocking=True) for k, v in batch.items()}
+            mb = {k: v[i * micro:(i + 1) * micro] for k, v in batch.items()}
             # Said explicitly: DeepSpeed would infer the boundary from its running micro-step count, which
             # a change of the batch size (and so of the accumulation steps) puts out of phase.
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
-            out = engine(mb["input_ids"], labels=mb["labels"], doc_lens=mb.get("doc_lens"), z_loss_coef=cfg.optim.z_loss)
-            engine.backward(out.loss)
-            engine.step()  # applies the update only at the accumulation boundary
-            ce = out.ce_loss.detach().double()
-            z = out.z_loss.detach().double() if out.z_loss is not None else torch.zeros((), dtype=torch.float64, device=self.device)
-            sums += torch.stack([ce, z, (~torch.isfinite(out.loss.detach())).double()])
+            # The labels name these phases in a torch.profiler trace (scripts/bench_train.py --profile-dir).
+            with record_function("olmo_ds.forward"):
+                out = engine(mb["input_ids"], labels=mb["labels"], doc_lens=mb.get("doc_lens"), z_loss_coef=cfg.optim.z_loss)
+                ce = out.ce_loss.detach().double()
+                z = out.z_loss.detach().double() if out.z_loss is not None else torch.zeros((), dtype=torch.float64, device=self.device)
+                sums += torch.stack([ce, z, (~torch.isfinite(out.loss.detach())).double()])
+            with record_function("olmo_ds.backward"):
+                engine.backward(out.loss)
+            with record_function("olmo_ds.step"):
+                engine.step()  # applies the update only at the accumulation boundary
         torch.distributed.all_reduce(sums)
         ce_loss, z_loss = (sums[:2] / (n_micro * self.world_size)).tolist()
         finite = bool(sums[2].item() == 0) and engine.was_step_applied()
