@@ -47,7 +47,7 @@ def main() -> int:
     g.add_argument("--deepcompile", action="store_true", help="DeepSpeed DeepCompile (engine.compile with deepcompile on)")
     g.add_argument("--engine-compile", action="store_true", help="engine.compile(): torch.compile under DeepSpeed's hooks")
     g.add_argument("--compile-backend", default="inductor", help="for --compile-pointwise and engine.compile()")
-    p.add_argument("--profile-dir", default=None, help="profile two extra steps of each path; op tables go here")
+    p.add_argument("--profile-dir", default=None, help="profile two extra steps of each path; op tables and Chrome traces (trace_<path>.json.gz) go here")
     p.add_argument("--json", type=Path, default=None, help="also write the full result as JSON here")
     p.add_argument("--sweep", default=None, metavar="V1,V2,...",
                    help=f"run named variants, one process each, and print a table; known: {', '.join(VARIANTS)}")

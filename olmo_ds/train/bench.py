@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from olmo_ds.train.config import ConfigError, apply_override, config_from_dict
 from olmo_ds.train.ds_config import load_ds_json, resolve_ds_config
@@ -275,22 +276,26 @@ def run_reference(cfg, model_cfg, opts: BenchOptions, flops: dict, peak: float |
         batch = loader.next_batch()
         n_micro = batch["input_ids"].shape[0] // micro
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # as the trainer does
         for i in range(n_micro):
-            mb = {k: v[i * micro:(i + 1) * micro].to(device, non_blocking=True) for k, v in batch.items()}
-            out = model(mb["input_ids"], labels=mb["labels"], doc_lens=mb.get("doc_lens"), z_loss_coef=o.z_loss)
-            (out.loss / n_micro).backward()
-            loss_sum += out.ce_loss.detach().double()
-        for w, m in pairs:
-            m.grad.copy_(w.grad)
-            w.grad = None
-        if o.grad_clip:
-            torch.nn.utils.clip_grad_norm_(updated, o.grad_clip, foreach=True)
-        optimizer.step()
-        if pairs:
-            with torch.no_grad():
-                torch._foreach_copy_([w for w, _ in pairs], [m for _, m in pairs])
-        else:
-            optimizer.zero_grad(set_to_none=True)
+            mb = {k: v[i * micro:(i + 1) * micro] for k, v in batch.items()}
+            with record_function("olmo_ds.forward"):  # the trainer's labels, for traces side by side
+                out = model(mb["input_ids"], labels=mb["labels"], doc_lens=mb.get("doc_lens"), z_loss_coef=o.z_loss)
+                loss_sum += out.ce_loss.detach().double()
+            with record_function("olmo_ds.backward"):
+                (out.loss / n_micro).backward()
+        with record_function("olmo_ds.step"):
+            for w, m in pairs:
+                m.grad.copy_(w.grad)
+                w.grad = None
+            if o.grad_clip:
+                torch.nn.utils.clip_grad_norm_(updated, o.grad_clip, foreach=True)
+            optimizer.step()
+            if pairs:
+                with torch.no_grad():
+                    torch._foreach_copy_([w for w, _ in pairs], [m for _, m in pairs])
+            else:
+                optimizer.zero_grad(set_to_none=True)
         return (loss_sum / n_micro).item()  # synchronises, as the trainer's step does
 
     try:
@@ -305,9 +310,21 @@ def run_reference(cfg, model_cfg, opts: BenchOptions, flops: dict, peak: float |
     return result
 
 
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals: time in which at least one of them runs."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def _profile(step, name: str, opts: BenchOptions) -> dict:
-    """Two more steps under torch.profiler: the op table goes to `profile_dir`, and the share of wall
-    time the device spent in kernels (well under 1 means the host or a synchronisation starves it)."""
+    """Two more steps under torch.profiler: the op table and a Chrome trace (`trace_<name>.json.gz`,
+    open in Perfetto) go to `profile_dir`. Reports, over the span from the first kernel to the last,
+    the share of time in which the device ran at least one kernel or copy (well under 1 means the host
+    or a synchronisation starves it) and their summed time (above the busy share when streams overlap)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -319,16 +336,23 @@ def _profile(step, name: str, opts: BenchOptions) -> dict:
         _sync()
     wall = time.perf_counter() - t0
     events = prof.key_averages()
-    # Kernels only: operator rows repeat the time of the kernels they launch.
-    kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
-    device_us = sum(e.self_device_time_total for e in kernels)
     sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     directory = Path(opts.profile_dir)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"profile_{name}.txt").write_text(
         events.table(sort_by=sort, row_limit=40, max_name_column_width=70) + "\n"
         + events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
-    return {"profile_wall_s": wall, "device_busy_fraction": device_us / 1e6 / wall if torch.cuda.is_available() else None}
+    prof.export_chrome_trace(str(directory / f"trace_{name}.json.gz"))
+    # Kernels, copies and memsets; not the device-side ranges of record_function labels.
+    kernels_and_copies = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")
+                          and not getattr(e, "is_user_annotation", False) and e.time_range.end > e.time_range.start]
+    if not kernels_and_copies:
+        return {"profile_wall_s": wall, "device_busy_fraction": None, "kernel_time_fraction": None}
+    # Over the span from the first kernel to the last, which leaves out the profiler's own start and stop.
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels_and_copies]
+    span_us = max(end for _, end in spans) - min(start for start, _ in spans)
+    return {"profile_wall_s": wall, "device_busy_fraction": _busy_us(spans) / span_us,
+            "kernel_time_fraction": sum(end - start for start, end in spans) / span_us}
 
 
 def _time_steps(step, loader, opts: BenchOptions, flops: dict, peak: float | None, tokens_per_step: int, name: str = "") -> dict:
@@ -478,8 +502,9 @@ def format_report(r: dict) -> str:
         )
     for key in ("reference", "reference_fp32_master", "deepspeed"):
         if r.get(key, {}).get("device_busy_fraction") is not None:
-            lines.append(f"{key}: device busy {100 * r[key]['device_busy_fraction']:.1f}% of wall time over 2 profiled steps "
-                         f"(op table in {o['profile_dir']})")
+            lines.append(f"{key}: device busy {100 * r[key]['device_busy_fraction']:.1f}% of 2 profiled steps, "
+                         f"kernel time {100 * r[key]['kernel_time_fraction']:.1f}% of it summed over streams "
+                         f"(op table and trace in {o['profile_dir']})")
         if r.get(key, {}).get("counters"):
             lines.append(f"{key} block calls: {r[key]['counters']}")
     ds = r.get("deepspeed", {})
@@ -515,6 +540,10 @@ VARIANTS: dict[str, list[str]] = {
     "persist_all": PERSIST_ALL,
     "prefetch_big": ["--ds-set", "zero_optimization.stage3_prefetch_bucket_size=500000000"],
     "no_overlap": ["--ds-set", "zero_optimization.overlap_comm=false"],
+    # DeepSpeed's default gradient path, which "auto" turns off for ZeRO-3 on one rank (ds_config.zero3_knobs).
+    "rs_on": ["--ds-set", "zero_optimization.reduce_scatter=true"],
+    # DeepSpeed's throughput timer as DeepSpeed defaults it (on, synchronizing); olmo-ds turns it off.
+    "ds_timers": ["--ds-set", "timers.throughput.enabled=true", "--ds-set", "timers.throughput.synchronized=true"],
     "attn_flash": ["--model-set", "attention_backend=sdpa_flash"],
     "attn_flex": ["--model-set", "attention_backend=flex"],
     "compile_pointwise": ["--compile-pointwise"],  # with `eager`: compiled blocks bypass it
@@ -524,6 +553,9 @@ VARIANTS: dict[str, list[str]] = {
     "loss_chunk_8k": ["--loss-chunk", "8192"],
     "mb2": ["--micro-batch-size", "2"],
     "mb8": ["--micro-batch-size", "8"],
+    "mb16": ["--micro-batch-size", "16"],
+    "accum2": ["--grad-accum", "2"],
+    "accum4": ["--grad-accum", "4"],
     "accum8": ["--grad-accum", "8"],
     "ckpt": ["--model-set", "activation_checkpointing=true"],
     "noref": ["--no-reference"],

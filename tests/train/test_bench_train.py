@@ -79,6 +79,29 @@ def test_compiled_blocks_and_experiment_switches_keep_the_loss(sweep):
         assert r[key]["loss_last"] == pytest.approx(base[key]["loss_last"], rel=1e-4)
 
 
+def test_one_rank_gradient_path_without_reduce_scatter_trains_the_same(sweep):
+    """On one rank the trainer's ZeRO-3 skips DeepSpeed's reduce-scatter path (`reduce_scatter` false);
+    DeepSpeed's default path trains to the same losses, bit for bit, through the optimizer updates."""
+    _, rows, work = sweep
+    base = rows[0]["result"]["deepspeed"]
+    assert base["ds_zero_config"]["reduce_scatter"] is False
+    out = work / "rs_on.json"
+    proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(work), "--no-reference", "--steps", "2",
+                "--ds-set", "zero_optimization.reduce_scatter=true", "--json", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())["deepspeed"]
+    assert r["ds_zero_config"]["reduce_scatter"] is True
+    assert (r["loss_first"], r["loss_last"]) == (base["loss_first"], base["loss_last"])
+
+
+def test_device_busy_is_the_union_of_kernel_intervals():
+    from olmo_ds.train.bench import _busy_us
+
+    assert _busy_us([]) == 0
+    assert _busy_us([(5, 6), (0, 2), (1, 3), (1.5, 2.5)]) == 4  # overlapping streams count once
+    assert _busy_us([(0, 10), (2, 3)]) == 10
+
+
 def test_bad_ds_override_is_reported(tmp_path):
     proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(tmp_path), "--no-reference",
                 "--ds-set", "zero_optimization.stage=5"], timeout=300)
