@@ -65,8 +65,9 @@ def test_one_rank_zero3_skips_the_reduce_scatter_path_and_the_throughput_timer(n
     reduce-scatter stays. DeepSpeed's synchronizing throughput timer is off unless the JSON has one."""
     cfg = train_config(f"deepspeed_config={ROOT / 'ds_configs' / name}.json")
     model = cfg.model.build(vocab_size=1000)
-    one = resolve_ds_config(cfg, model, 1, device="cpu", offload_env=dict(host_available=10**12, ranks=1, gpu_bytes=None))
-    two = resolve_ds_config(cfg, model, 2, device="cpu", offload_env=dict(host_available=10**12, ranks=2, gpu_bytes=None))
+    resolve = lambda ranks, ds=None: resolve_ds_config(  # noqa: E731
+        cfg, model, ranks, ds=ds, device="cpu", offload_env=dict(host_available=10**12, ranks=ranks, gpu_bytes=None))
+    one, two = resolve(1), resolve(2)
     stage3 = one["zero_optimization"]["stage"] == 3
     assert one["zero_optimization"]["reduce_scatter"] is (not stage3)
     assert two["zero_optimization"]["reduce_scatter"] is True
@@ -74,7 +75,7 @@ def test_one_rank_zero3_skips_the_reduce_scatter_path_and_the_throughput_timer(n
     ds = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
     ds["zero_optimization"]["reduce_scatter"] = True
     ds["timers"] = {"throughput": {"enabled": True, "synchronized": False}}
-    kept = resolve_ds_config(cfg, model, 1, ds=ds, device="cpu", offload_env=dict(host_available=10**12, ranks=1, gpu_bytes=None))
+    kept = resolve(1, ds)
     assert kept["zero_optimization"]["reduce_scatter"] is True and kept["timers"] == ds["timers"]
 
 
