@@ -10,7 +10,7 @@ model directory written by scripts/import_hf.py. The result loads with
 import argparse
 import sys
 
-from olmo_ds.model.hf import DEFAULT_SHARD_BYTES, export_hf
+from olmo_ds.weights import DEFAULT_SHARD_BYTES, export_hf
 
 
 def main() -> int:

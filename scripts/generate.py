@@ -10,14 +10,13 @@ one is present, else on CPU in fp32.
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
 from olmo_ds.model import OLMo
 from olmo_ds.model.generate import generate
-from olmo_ds.model.hf import load_model_weights
 from olmo_ds.tokenizer import load_tokenizer
+from olmo_ds.weights import load_weights
 
 
 def main() -> int:
@@ -31,14 +30,14 @@ def main() -> int:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json / .model (default: the checkpoint's)")
     args = p.parse_args()
     try:
-        cfg, state, src = load_model_weights(args.checkpoint)
-        tokenizer = load_tokenizer(args.tokenizer or Path(src) / "tokenizer.json")
+        weights = load_weights(args.checkpoint)
+        tokenizer = load_tokenizer(args.tokenizer or weights.directory / "tokenizer.json")
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = OLMo(cfg)
-    model.load_state_dict(state)
+    model = OLMo(weights.cfg)
+    model.load_state_dict(weights.state_dict)
     model.to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     prompts = [tokenizer.encode(text) for text in args.prompt]
     try:

@@ -3,13 +3,13 @@
     python scripts/import_hf.py path/to/OLMo-2-0425-1B models/olmo2-1b
 
 OUT holds model_config.json (our ModelConfig), model.safetensors (fp32, our parameter names) and the
-tokenizer files; see olmo_ds/model/hf.py. Converting back with scripts/export_hf.py is bit-identical.
+tokenizer files; see olmo_ds/weights.py. Converting back with scripts/export_hf.py is bit-identical.
 """
 
 import argparse
 import sys
 
-from olmo_ds.model.hf import import_hf
+from olmo_ds.weights import import_hf
 
 
 def main() -> int:

@@ -12,7 +12,7 @@ What a batch is. A dict of CPU tensors (pinned when CUDA is available) with
 - `labels` int64 [B, T]: `input_ids` shifted left by one, the last position -100 (ignored).
 - `doc_lens` int32 [B, D], only with `DataConfig.document_masking`: the lengths of the document
   pieces each row is cut into, from the shards' offsets index, zero-padded on the right; each row's
-  non-zero entries sum to T. `olmo_ds.data.masking` turns it into flash-attn varlen's
+  non-zero entries sum to T. `olmo_ds.model.masking` turns it into flash-attn varlen's
   (`cu_seqlens`, `max_seqlen`) or a document-causal mask for flex_attention / SDPA.
 Rank r holds rows [r * B, (r + 1) * B) of the global batch; the trainer cuts its rows into
 micro-batches itself.
@@ -43,7 +43,6 @@ import torch
 
 from olmo_ds.data.config import DataConfig, SourceConfig
 from olmo_ds.data.dataset import TokenSource
-from olmo_ds.data.masking import pad_doc_lens
 from olmo_ds.data.mixture import Mixture
 from olmo_ds.data.order import BatchSizeSchedule, GlobalOrder
 
@@ -350,3 +349,12 @@ def _validation_stream(src: TokenSource, n: int, seq_len: int, batch_size: int, 
             rows += [np.array([seq_len])] * (batch_size - real)
             batch["doc_lens"] = pad_doc_lens(rows)
         yield _to_tensors(batch, False)
+
+
+def pad_doc_lens(rows: list[np.ndarray]) -> torch.Tensor:
+    """Stack variable-length per-instance document lengths into a zero-padded int32 [B, D] tensor (`doc_lens`)."""
+    width = max(len(r) for r in rows)
+    out = np.zeros((len(rows), width), dtype=np.int32)
+    for b, r in enumerate(rows):
+        out[b, : len(r)] = r
+    return torch.from_numpy(out)

@@ -42,6 +42,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 import olmo_ds
+from olmo_ds.atomic import atomic_write_json
 from olmo_ds.data import readers, shards
 from olmo_ds.data.pool import OrderedPool
 from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastBackendError, fast_beside, first_difference, load_tokenizer
@@ -534,7 +535,7 @@ def _run(cfg: PrepareConfig, files: list[Path], tok, identity: dict, file_stats:
             fi, line = split_position(start)
             resumed_from = f"{files[fi]}:{line}" if fi < len(files) else "the end of the input"
             log(f"resuming {out} from {resumed_from} (complete shards kept: " + ", ".join(f"{n} {s.next_index}" for n, s in splits.items()) + ")")
-        shards.atomic_write_json(out / STATE_FILE, identity)
+        atomic_write_json(out / STATE_FILE, identity)
 
     t0 = time.perf_counter()
     totals = {"docs": 0, "tokens": 0, "text_bytes": 0}

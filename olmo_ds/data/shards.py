@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from olmo_ds.atomic import atomic_write_bytes, atomic_write_json
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_PREFIX = "shard-"
@@ -80,21 +82,6 @@ class ShardMeta:
         if missing:
             raise ValueError(f"{path}: shard metadata lacks keys {sorted(missing)}")
         return cls(**{k: v for k, v in d.items() if k in names})
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that `path` is either absent/old or complete, never partial."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def write_shard(directory: Path, index: int, tokens: np.ndarray, doc_offsets: np.ndarray, *, vocab_size: int, eos_id: int) -> ShardMeta:

@@ -1,12 +1,8 @@
-"""Load what `scripts/eval.sh` is pointed at: a checkpoint, a run, or an exported model directory.
+"""Load what `scripts/eval.sh` is pointed at as a model in eval mode with its own tokenizer.
 
-- a checkpoint `RUN/checkpoints/step-NNNNNNN/`: consolidated fp32 weights from the ZeRO files of
-  however many ranks wrote them (`olmo_ds.train.checkpoint.load_model_state`), the tokenizer
-  copied beside them, the step and tokens seen from `train_state.json`;
-- a run directory `RUN/`: its newest complete checkpoint;
-- an exported transformers directory (`config.json` of model_type olmo2/olmo3 + safetensors +
-  tokenizer.json, as `scripts/export_hf.py` writes) or our own model directory
-  (`model_config.json`, as `scripts/import_hf.py` writes).
+The weights come through `olmo_ds.weights.load_weights` (a checkpoint, a run's newest checkpoint,
+our model directory or a transformers directory); the tokenizer is the one saved beside them, and
+a checkpoint's step and tokens seen come from its `train_state.json`.
 
 Exported weights are loaded into our OLMo by default (no transformers needed at run time; the
 conversion is exact), or into transformers' own class with `backend="transformers"`, which is how
@@ -16,17 +12,17 @@ the agreement between the two is checked.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from olmo_ds import checkpoint as ckpt
+from olmo_ds import weights
 from olmo_ds.eval.scoring import DistContext
+from olmo_ds.model import ModelConfig, OLMo
 from olmo_ds.tokenizer import Tokenizer, load_tokenizer
-
-HF_MODEL_TYPES = ("olmo2", "olmo3")
 
 
 @dataclass
@@ -45,33 +41,7 @@ class LoadedModel:
 
 def resolve_target(path: str | Path) -> tuple[str, Path]:
     """(kind, directory) of an eval target; a run directory resolves to its newest checkpoint."""
-    from olmo_ds.train import checkpoint as ckpt
-
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such checkpoint, run or model directory")
-    if (path / ckpt.TRAIN_STATE).is_file():
-        return "checkpoint", path
-    if (path / ckpt.CHECKPOINTS).is_dir():
-        latest = ckpt.latest_checkpoint(ckpt.checkpoints_dir(path))
-        if latest is None:
-            raise FileNotFoundError(f"{path}: run directory has no complete checkpoint under {ckpt.CHECKPOINTS}/ (none with {ckpt.TRAIN_STATE})")
-        return "checkpoint", latest
-    if (path / "config.json").is_file():
-        return "hf", path
-    from olmo_ds.model.hf import MODEL_CONFIG_FILE
-
-    if (path / MODEL_CONFIG_FILE).is_file():
-        return "model_dir", path
-    if ckpt.list_checkpoints(path.parent, complete_only=False) and not (path / ckpt.TRAIN_STATE).exists():
-        raise ValueError(f"{path}: checkpoint is incomplete (no {ckpt.TRAIN_STATE}; the save was interrupted)")
-    raise ValueError(f"{path}: not a checkpoint (no {ckpt.TRAIN_STATE}), run (no {ckpt.CHECKPOINTS}/), transformers (no config.json) or olmo-ds model directory")
-
-
-def run_dir_of(checkpoint: Path) -> Path | None:
-    from olmo_ds.train import checkpoint as ckpt
-
-    return checkpoint.parent.parent if checkpoint.parent.name == ckpt.CHECKPOINTS else None
+    return weights.resolve_weights(path)
 
 
 def load_for_eval(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -97,16 +67,41 @@ def load_for_eval(path: str | Path, *, device: str | torch.device = "cpu", dtype
 
 
 def _load(kind: str, directory: Path, tokenizer: Tokenizer, backend: str) -> LoadedModel:
-    if kind == "checkpoint":
-        return _load_checkpoint(directory, tokenizer)
-    if kind == "hf":
-        return _load_hf(directory, tokenizer, backend)
-    return _load_model_dir(directory, tokenizer)
+    if backend == "transformers":  # transformers' own class: how the agreement of the two is checked
+        import transformers
+
+        cfg = weights.model_config_from_hf(directory, weights.read_hf_config(directory), tokenizer.vocab_size)
+        _check_vocab(cfg, tokenizer, directory)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+        provenance = weights.export_provenance(directory)
+        return LoadedModel(model=model, tokenizer=tokenizer, max_len=cfg.max_seq_len, path=directory, kind=kind,
+                           step=provenance.get("step"), tokens_seen=provenance.get("tokens_seen"),
+                           model_config=cfg.to_dict(), train_config=provenance.get("config", {}))
+    # DeepSpeed's consolidation of a checkpoint narrates on stdout; stdout is for the results table.
+    with contextlib.redirect_stdout(sys.stderr):
+        w = weights.load_weights(directory, vocab_size=tokenizer.vocab_size if kind == "hf" else None)
+    _check_vocab(w.cfg, tokenizer, directory)
+    recorded = w.train_state.get("tokenizer_fingerprint") if kind == "checkpoint" else None
+    if recorded and recorded != tokenizer.fingerprint:
+        raise ValueError(f"{directory}: tokenizer.json ({tokenizer.fingerprint}) is not the one the run trained with ({recorded})")
+    model = OLMo(w.cfg)
+    model.load_state_dict(w.state_dict)
+    step = w.train_state.get("step", ckpt.step_of(directory)) if kind == "checkpoint" else w.train_state.get("step")
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        max_len=w.cfg.max_seq_len,
+        path=directory,
+        kind=kind,
+        run_dir=ckpt.run_dir_of(directory) if kind == "checkpoint" else None,
+        step=step,
+        tokens_seen=w.train_state.get("tokens_seen"),
+        model_config=w.cfg.to_dict(),
+        train_config=w.train_state.get("config", {}),
+    )
 
 
 def _load_broadcast(kind: str, directory: Path, tokenizer: Tokenizer, device, dtype: torch.dtype, dist_ctx: DistContext) -> LoadedModel:
-    from olmo_ds.model import ModelConfig, OLMo
-
     loaded, error = None, None
     if dist_ctx.rank == 0:
         try:
@@ -145,91 +140,6 @@ def _check_vocab(cfg, tokenizer: Tokenizer, where: Path) -> None:
         raise ValueError(f"{where}: tokenizer has {tokenizer.vocab_size} ids but the model only {cfg.vocab_size}; they do not belong together")
 
 
-def _our_model(cfg, state_dict) -> torch.nn.Module:
-    from olmo_ds.model import OLMo
-
-    model = OLMo(cfg)
-    model.load_state_dict(state_dict)
-    return model
-
-
-def _load_checkpoint(directory: Path, tokenizer: Tokenizer) -> LoadedModel:
-    from olmo_ds.train.checkpoint import load_model_state
-
-    # DeepSpeed's consolidation narrates on stdout; stdout is for the results table.
-    with contextlib.redirect_stdout(sys.stderr):
-        cfg, state_dict, train_state = load_model_state(directory)
-    _check_vocab(cfg, tokenizer, directory)
-    recorded = train_state.get("tokenizer_fingerprint")
-    if recorded and recorded != tokenizer.fingerprint:
-        raise ValueError(f"{directory}: tokenizer.json ({tokenizer.fingerprint}) is not the one the run trained with ({recorded})")
-    return LoadedModel(
-        model=_our_model(cfg, state_dict),
-        tokenizer=tokenizer,
-        max_len=cfg.max_seq_len,
-        path=directory,
-        kind="checkpoint",
-        run_dir=run_dir_of(directory),
-        step=train_state.get("step", _step_from_name(directory)),
-        tokens_seen=train_state.get("tokens_seen"),
-        model_config=cfg.to_dict(),
-        train_config=train_state.get("config", {}),
-    )
-
-
-def _step_from_name(directory: Path) -> int | None:
-    name = directory.name
-    return int(name[len("step-") :]) if name.startswith("step-") and name[len("step-") :].isdigit() else None
-
-
-def _load_hf(directory: Path, tokenizer: Tokenizer, backend: str) -> LoadedModel:
-    from olmo_ds.model import hf
-
-    config_path = directory / "config.json"
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path}: invalid JSON: {e}") from None
-    if hf_config.get("model_type") not in HF_MODEL_TYPES:
-        raise ValueError(f"{config_path}: model_type {hf_config.get('model_type')!r} is not one of {HF_MODEL_TYPES}")
-    cfg = hf.from_hf_config(hf_config, vocab_size=tokenizer.vocab_size, where=str(config_path))
-    _check_vocab(cfg, tokenizer, directory)
-    if backend == "transformers":
-        import transformers
-
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
-    else:
-        model = _our_model(cfg, hf.from_hf_state_dict(cfg, hf.load_safetensors(directory)))
-    provenance = _read_provenance(directory)
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        max_len=cfg.max_seq_len,
-        path=directory,
-        kind="hf",
-        step=provenance.get("step"),
-        tokens_seen=provenance.get("tokens_seen"),
-        model_config=cfg.to_dict(),
-        train_config=provenance.get("config", {}),
-    )
-
-
-def _load_model_dir(directory: Path, tokenizer: Tokenizer) -> LoadedModel:
-    from olmo_ds.model.hf import load_model_dir
-
-    cfg, state_dict = load_model_dir(directory)
-    _check_vocab(cfg, tokenizer, directory)
-    return LoadedModel(model=_our_model(cfg, state_dict), tokenizer=tokenizer, max_len=cfg.max_seq_len, path=directory, kind="model_dir", model_config=cfg.to_dict())
-
-
-def _read_provenance(directory: Path) -> dict:
-    """An export's `train_state.json`, when the exporter copied it (step, tokens seen, config)."""
-    path = directory / "train_state.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def read_train_config(checkpoint: Path) -> dict:
     """The resolved training config recorded in a checkpoint's train_state.json (data sources, ...)."""
-    from olmo_ds.train.checkpoint import read_train_state
-
-    return read_train_state(checkpoint).get("config", {})
+    return ckpt.read_train_state(checkpoint).get("config", {})

@@ -15,7 +15,7 @@ import math
 import platform
 from pathlib import Path
 
-from olmo_ds.data.shards import atomic_write_bytes, atomic_write_json
+from olmo_ds.atomic import atomic_write_bytes, atomic_write_json
 
 RESULTS = "results.json"
 EVAL_DIR = "eval"

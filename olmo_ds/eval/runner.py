@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from olmo_ds import checkpoint as ckpt
 from olmo_ds.eval import loading
 from olmo_ds.eval import results as res
 from olmo_ds.eval.multiple_choice import PreparedTasks, evaluate_tasks, prepare_tasks
@@ -80,8 +81,6 @@ def _default_sources(train_config: dict) -> list[str]:
 
 
 def _targets(options: EvalOptions) -> list[tuple[str, Path]]:
-    from olmo_ds.train import checkpoint as ckpt
-
     path = Path(options.target)
     if options.all_checkpoints:
         if not (path / ckpt.CHECKPOINTS).is_dir():
@@ -110,7 +109,7 @@ def _out_dir(options: EvalOptions, kind: str, directory: Path, multiple: bool) -
     for a checkpoint of a run, else DIR/eval."""
     if options.out:
         return Path(options.out) / directory.name if multiple else Path(options.out)
-    run_dir = loading.run_dir_of(directory) if kind == "checkpoint" else None
+    run_dir = ckpt.run_dir_of(directory) if kind == "checkpoint" else None
     return run_dir / res.EVAL_DIR / directory.name if run_dir else directory / res.EVAL_DIR
 
 

@@ -32,7 +32,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from olmo_ds.data.masking import cu_seqlens, document_ids
+from olmo_ds.model.masking import cu_seqlens, document_ids
 
 _SDPA_KERNELS = {
     "sdpa_cudnn": "CUDNN_ATTENTION",
@@ -76,7 +76,7 @@ def resolve_backend(name: str, device: torch.device, needs_mask: bool) -> str:
 
 def validate_doc_lens(doc_lens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
     """Check the loader's `doc_lens` (int [B, D], zero-padded on the right, each row summing to T;
-    see olmo_ds/data/masking.py) before any kernel sees it."""
+    see olmo_ds/model/masking.py) before any kernel sees it."""
     if doc_lens.dim() != 2 or doc_lens.shape[0] != batch:
         raise ValueError(f"doc_lens must have shape [batch={batch}, max_docs], got {tuple(doc_lens.shape)}")
     if doc_lens.dtype.is_floating_point:

@@ -1,33 +1,19 @@
-"""Conversion between our model and transformers' Olmo2ForCausalLM / Olmo3ForCausalLM, and the model
-directory format that `scripts/import_hf.py` writes and the trainer starts from.
+"""The mapping between our model and transformers' Olmo2ForCausalLM / Olmo3ForCausalLM: parameter
+names, state dicts and config.json. Files (safetensors, export, import) are `olmo_ds.weights`'s.
 
 Parameter names map one to one (no tensor is split, fused or transposed), so conversion is exact in
 both directions. The exported `vocab_size` is our padded vocabulary (as in allenai's released
 OLMo 2/3 configs, e.g. 100352); on import the unpadded size is taken from the tokenizer when the
 directory has one.
-
-Our model directory (the import format; also accepted by `scripts/export_hf.py`):
-    model_config.json         ModelConfig.to_dict()
-    model.safetensors         fp32 weights under our parameter names (or model-0000i-of-0000n.safetensors
-                              + model.safetensors.index.json when larger than the shard size)
-    tokenizer.json            when the source had one
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import torch
 
 from olmo_ds.model.config import ModelConfig, YarnConfig
-
-MODEL_CONFIG_FILE = "model_config.json"
-SAFETENSORS_FILE = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-DEFAULT_SHARD_BYTES = 5 * 1024**3
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 # (our name pattern, HF name pattern); {i} is the layer index.
 _LAYER_NAMES = [
@@ -58,25 +44,7 @@ def name_map(cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our parameter name -> shape, from a model built on the meta device (no memory, any size)."""
-    from olmo_ds.model.model import OLMo
-
-    with torch.device("meta"):
-        model = OLMo(cfg)
-    return {name: tuple(p.shape) for name, p in model.state_dict(keep_vars=True).items()}
-
-
-def check_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], where: str) -> None:
-    """Names and shapes of `state` are exactly those of `OLMo(cfg)`; the error names the first mismatches."""
-    shapes = expected_shapes(cfg)
-    _check_keys(set(state), set(shapes), where)
-    wrong = [f"{k}: {tuple(state[k].shape)} != {shapes[k]}" for k in shapes if tuple(state[k].shape) != shapes[k]]
-    if wrong:
-        raise ValueError(f"{where}: tensor shapes do not match the model config: {wrong[:6]}")
-
-
-def _check_keys(have, want, what: str) -> None:
+def check_keys(have, want, what: str) -> None:
     missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or unexpected:
         raise ValueError(f"{what}: missing keys {missing[:8]}{'...' if len(missing) > 8 else ''}, "
@@ -88,7 +56,7 @@ def to_hf_state_dict(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> d
     names = name_map(cfg)
     want = set(names) - ({"head.weight"} if cfg.tie_embeddings else set())
     have = set(state_dict) - ({"head.weight"} if cfg.tie_embeddings else set())
-    _check_keys(have, want, "model state dict")
+    check_keys(have, want, "model state dict")
     return {names[k]: state_dict[k] for k in want}
 
 
@@ -99,7 +67,7 @@ def from_hf_state_dict(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> d
     if cfg.tie_embeddings:
         have.discard("lm_head.weight")
         inverse.pop("lm_head.weight")
-    _check_keys(have, inverse, "transformers state dict")
+    check_keys(have, inverse, "transformers state dict")
     out = {inverse[k]: hf_state[k] for k in inverse}
     if cfg.tie_embeddings:
         out["head.weight"] = out["embed.weight"]
@@ -230,221 +198,3 @@ def _shortest_period(flags: list[bool]) -> list[bool]:
         if all(flags[i] == flags[i % period] for i in range(len(flags))):
             return flags[:period]
     return flags
-
-
-# ---- safetensors directories ----------------------------------------------------------------------
-
-def save_safetensors(directory: Path, state: dict[str, torch.Tensor], metadata: dict | None = None,
-                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
-    """`model.safetensors`, or numbered shards plus the index transformers reads, when larger."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    shards, current, size = [], {}, 0
-    for name in sorted(state):
-        tensor = state[name].detach().cpu().contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = tensor
-        size += nbytes
-    shards.append(current)
-    metadata = {"format": "pt", **(metadata or {})}
-    if len(shards) == 1:
-        path = directory / SAFETENSORS_FILE
-        save_file(shards[0], str(path), metadata=metadata)
-        return [path]
-    paths, weight_map, total = [], {}, 0
-    for n, shard in enumerate(shards, 1):
-        path = directory / f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path), metadata=metadata)
-        paths.append(path)
-        for name, tensor in shard.items():
-            weight_map[name] = path.name
-            total += tensor.numel() * tensor.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    return paths
-
-
-def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a single-file or sharded safetensors model directory."""
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    single, index = directory / SAFETENSORS_FILE, directory / SAFETENSORS_INDEX
-    if single.is_file():
-        return load_file(str(single))
-    if not index.is_file():
-        raise FileNotFoundError(f"{directory}: neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX} found")
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    state = {}
-    for name in files:
-        state.update(load_file(str(directory / name)))
-    return state
-
-
-def save_model_dir(directory, cfg: ModelConfig, state_dict: dict[str, torch.Tensor],
-                   tokenizer_dir: Path | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
-    """Write our model directory (see the module docstring); fp32 weights under our names."""
-    directory = Path(directory)
-    check_state_dict(cfg, state_dict, "model state dict")
-    state = {k: v.float() for k, v in state_dict.items() if not (cfg.tie_embeddings and k == "head.weight")}
-    save_safetensors(directory, state, max_shard_bytes=max_shard_bytes)
-    (directory / MODEL_CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    if tokenizer_dir is not None:
-        copy_tokenizer_files(Path(tokenizer_dir), directory)
-
-
-def load_model_dir(directory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, state dict) from our model directory."""
-    directory = Path(directory)
-    config_path = directory / MODEL_CONFIG_FILE
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{directory}: no {MODEL_CONFIG_FILE}; not an olmo-ds model directory "
-                                f"(make one with scripts/import_hf.py)")
-    try:
-        cfg = ModelConfig.from_dict(json.loads(config_path.read_text()))
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{config_path}: {e}") from e
-    state = load_safetensors(directory)
-    if cfg.tie_embeddings:
-        state["head.weight"] = state["embed.weight"]
-    check_state_dict(cfg, state, str(directory))
-    return cfg, state
-
-
-def load_weights_into(model, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy a full state dict into `model`, also when its parameters are ZeRO-3 partitioned.
-
-    For starting a run from imported weights: build the model under `deepspeed.zero.Init`, then call
-    this on every rank (collective under ZeRO-3: each parameter is gathered, overwritten on rank 0
-    and broadcast back into its partitions).
-    """
-    check_state_dict(model.cfg, state_dict, "state dict to load")
-    for name, param in model.named_parameters():  # de-duplicates tied weights
-        source = state_dict[name]
-        if hasattr(param, "ds_id"):
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                if torch.distributed.get_rank() == 0:
-                    param.data.copy_(source)
-        else:
-            with torch.no_grad():
-                param.copy_(source)
-
-
-def copy_tokenizer_files(src: Path, dst: Path) -> list[Path]:
-    """Copy the tokenizer files found in `src` (a directory) into `dst`."""
-    import shutil
-
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            copied.append(Path(shutil.copy2(src / name, dst / name)))
-    return copied
-
-
-
-
-# ---- export / import --------------------------------------------------------------------------------
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def load_model_weights(path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
-    """(config, fp32 state dict, directory holding its tokenizer) from our model directory or a
-    training checkpoint (`RUN/checkpoints/step-NNNNNNN`, consolidated on CPU from its ZeRO shards)."""
-    path = Path(path)
-    if (path / MODEL_CONFIG_FILE).is_file():
-        cfg, state = load_model_dir(path)
-        return cfg, state, path
-    from olmo_ds.train.checkpoint import TRAIN_STATE, load_model_state
-
-    if not (path / TRAIN_STATE).is_file():
-        raise FileNotFoundError(f"{path}: neither an olmo-ds model directory ({MODEL_CONFIG_FILE}) nor a complete "
-                                f"training checkpoint ({TRAIN_STATE})")
-    cfg, state, _ = load_model_state(path)
-    check_state_dict(cfg, state, f"{path} (consolidated checkpoint)")
-    return cfg, state, path
-
-
-def _tokenizer_config(tok, max_len: int) -> dict:
-    def token(i):
-        return tok.decode([i]) if i is not None else None
-
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": token(tok.eos_id),
-        "pad_token": token(tok.pad_id),
-        "bos_token": token(tok.eos_id),  # OLMo documents are separated by EOS; there is no separate BOS
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "model_max_length": max_len,
-        "clean_up_tokenization_spaces": False,
-    }
-
-
-def export_hf(source, out_dir, dtype: str = "float32", max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write a transformers model directory from a checkpoint or one of our model directories.
-
-    config.json (Olmo2ForCausalLM or Olmo3ForCausalLM), generation_config.json, model.safetensors (or
-    shards with an index), and the tokenizer: tokenizer.json plus a tokenizer_config.json naming its
-    EOS and PAD tokens, so `AutoTokenizer.from_pretrained(out_dir)` works.
-    """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-    cfg, state, src = load_model_weights(source)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = None
-    if (src / "tokenizer.json").is_file():
-        from olmo_ds.tokenizer import load_tokenizer
-
-        tok = load_tokenizer(src / "tokenizer.json")
-        if tok.vocab_size > cfg.padded_vocab_size:
-            raise ValueError(f"{src / 'tokenizer.json'}: vocab {tok.vocab_size} exceeds the model's "
-                             f"embedding rows {cfg.padded_vocab_size}")
-    hf_state = {k: v.to(_DTYPES[dtype]) for k, v in to_hf_state_dict(cfg, state).items()}
-    save_safetensors(out_dir, hf_state, max_shard_bytes=max_shard_bytes)
-    eos = tok.eos_id if tok else None
-    pad = tok.pad_id if tok else None
-    hf_cfg = to_hf_config(cfg, eos_token_id=eos, pad_token_id=pad, dtype=dtype)
-    (out_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-    generation = {"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None}
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    if tok is not None:
-        import shutil
-
-        shutil.copy2(src / "tokenizer.json", out_dir / "tokenizer.json")
-        (out_dir / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tok, cfg.max_seq_len), indent=2) + "\n")
-    return out_dir
-
-
-def import_hf(hf_dir, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[ModelConfig, Path]:
-    """Our model directory (fp32) from a transformers OLMo-2/3 directory, to continue pretraining it."""
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{hf_dir}: no config.json; expected a transformers model directory")
-    try:
-        hf_cfg = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path}: invalid JSON: {e}") from e
-    vocab = None
-    if (hf_dir / "tokenizer.json").is_file():
-        from olmo_ds.tokenizer import load_tokenizer
-
-        vocab = load_tokenizer(hf_dir / "tokenizer.json").vocab_size
-    try:
-        cfg = from_hf_config(hf_cfg, vocab_size=vocab, where=str(config_path))
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{config_path}: missing or invalid key {e}") from e
-    state = {k: v.float() for k, v in from_hf_state_dict(cfg, load_safetensors(hf_dir)).items()}
-    check_state_dict(cfg, state, f"{hf_dir} (vocab_size {hf_cfg.get('vocab_size')} must be a multiple of 128)"
-                     if hf_cfg.get("vocab_size", 0) % 128 else str(hf_dir))
-    save_model_dir(out_dir, cfg, state, tokenizer_dir=hf_dir, max_shard_bytes=max_shard_bytes)
-    return cfg, out_dir

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from olmo_ds.data.config import DataConfig
+from olmo_ds.data.order import BatchSizeSchedule
 from olmo_ds.model.config import PRESETS, ModelConfig, preset
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -60,16 +61,9 @@ class BatchConfig:
     # the last entry's size must equal global_batch_size (the size the run ends with).
     schedule: list[BatchRamp] = field(default_factory=list)
 
-    def global_batch_size_at(self, step: int) -> int:
-        size = self.global_batch_size
-        for ramp in self.schedule:
-            if step >= ramp.step:
-                size = ramp.global_batch_size
-        return size
-
-    def loader_schedule(self) -> int | list[tuple[int, int]]:
-        """The global batch size in the form `olmo_ds.data.loader.DataLoader` takes."""
-        return [(r.step, r.global_batch_size) for r in self.schedule] or self.global_batch_size
+    def size_schedule(self) -> BatchSizeSchedule:
+        """The global batch size per step: the one rule the data order, the loader and DeepSpeed's config share."""
+        return BatchSizeSchedule.parse([(r.step, r.global_batch_size) for r in self.schedule] or self.global_batch_size)
 
 
 @dataclass
@@ -136,11 +130,13 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    source: str = field(default="<defaults>", metadata={"internal": True})  # where it was read from
+    source: str = field(default="<defaults>", metadata={"internal": True})  # where it was read from, for messages
+    path: str | None = field(default=None, metadata={"internal": True})  # the YAML file, when read from one
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("source")
+        d.pop("path")
         model = d.pop("model")
         d["model"] = {"preset": model["preset"], **model["overrides"]}
         return d
@@ -158,9 +154,10 @@ class TrainConfig:
         for name in ("global_batch_size", "micro_batch_size", "seq_len"):
             if getattr(b, name) <= 0:
                 raise ConfigError(f"{where}: batch.{name} must be > 0, got {getattr(b, name)}")
-        starts = [r.step for r in b.schedule]
-        if starts and (starts != sorted(set(starts)) or starts[0] != 0):
-            raise ConfigError(f"{where}: batch.schedule step values {starts} must be increasing and begin at 0")
+        try:
+            b.size_schedule()
+        except ValueError as e:
+            raise ConfigError(f"{where}: batch.schedule: {e}") from None
         if b.schedule and b.schedule[-1].global_batch_size != b.global_batch_size:
             raise ConfigError(
                 f"{where}: the last batch.schedule entry's global_batch_size {b.schedule[-1].global_batch_size} "
@@ -367,6 +364,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         source += " (with --set overrides)"
     cfg = _Parser(source, lines).dataclass(TrainConfig, tree, "")
     cfg.source = source
+    cfg.path = str(path) if path is not None else None
     cfg.validate()
     return cfg
 

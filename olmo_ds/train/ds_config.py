@@ -24,6 +24,33 @@ log = logging.getLogger("olmo_ds")
 AUTO = "auto"
 
 
+SHIPPED_DIR = Path(__file__).resolve().parent / "ds_configs"  # package data; `ds_configs/` in a clone links here
+
+
+def find_ds_config(path: str | Path, config_file: str | Path | None = None) -> Path:
+    """The DeepSpeed JSON that `deepspeed_config: PATH` names: PATH itself (absolute, or relative to the
+    working directory), else relative to the train config file, else one of the configs shipped with the
+    package when PATH is `ds_configs/NAME.json` or `NAME.json` — so the defaults work from an installed
+    package and from any directory, while a file of the user's own always wins."""
+    path = Path(path)
+    tried = [path]
+    if path.is_file():
+        return path
+    if config_file is not None and not path.is_absolute():
+        beside = Path(config_file).parent / path
+        tried.append(beside)
+        if beside.is_file():
+            return beside
+    if not path.is_absolute() and path.parent in (Path("."), Path("ds_configs")):
+        shipped = SHIPPED_DIR / path.name
+        tried.append(shipped)
+        if shipped.is_file():
+            return shipped
+    names = ", ".join(sorted(p.name for p in SHIPPED_DIR.glob("*.json")))
+    raise ConfigError(f"DeepSpeed config {path} does not exist (train config key deepspeed_config); looked at "
+                      f"{', '.join(map(str, tried))}. Shipped configs: ds_configs/ + one of {names}")
+
+
 def load_ds_json(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
@@ -86,7 +113,7 @@ def device_type() -> str:
 def check_batch_divisible(cfg: TrainConfig, dp_world_size: int) -> None:
     """Every global batch size of the run splits into whole micro-batches on every rank."""
     b = cfg.batch
-    for size in sorted({b.global_batch_size} | {ramp.global_batch_size for ramp in b.schedule}):
+    for size in sorted({size for _, size in b.size_schedule().points}):
         if size % (b.micro_batch_size * dp_world_size):
             raise ConfigError(
                 f"{cfg.source}: global batch size {size} is not divisible by batch.micro_batch_size "
@@ -128,7 +155,7 @@ def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, 
     keeps the offload choices of the run being resumed.
     """
     ds_path = cfg.deepspeed_config
-    ds = copy.deepcopy(ds if ds is not None else load_ds_json(ds_path))
+    ds = copy.deepcopy(ds if ds is not None else load_ds_json(find_ds_config(ds_path, cfg.path)))
     r = _Resolver(ds, ds_path, cfg)
     b, o = cfg.batch, cfg.optim
 
@@ -142,7 +169,7 @@ def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, 
         raise ConfigError(f"{ds_path}: zero_optimization.stage must be 1, 2 or 3 (olmo-ds trains with ZeRO)")
 
     check_batch_divisible(cfg, dp_world_size)
-    first = b.global_batch_size_at(0)
+    first = b.size_schedule().at(0)
     r.fill(ds, "train_batch_size", b.global_batch_size, "batch.global_batch_size")
     ds["train_batch_size"] = first  # a batch-size schedule starts smaller; the trainer steps it up
     r.fill(ds, "train_micro_batch_size_per_gpu", b.micro_batch_size, "batch.micro_batch_size")

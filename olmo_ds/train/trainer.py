@@ -29,7 +29,7 @@ from torch.profiler import record_function
 
 from olmo_ds.data.loader import DataLoader
 from olmo_ds.model.config import EXECUTION_FIELDS, ModelConfig
-from olmo_ds.train import checkpoint as ckpt
+from olmo_ds import checkpoint as ckpt
 from olmo_ds.train.config import ConfigError, TrainConfig
 from olmo_ds.train.ds_config import check_batch_divisible, device_type, resolve_ds_config
 from olmo_ds.train.evaluation import InLoopEvaluator
@@ -159,7 +159,7 @@ class Trainer:
             raise ConfigError(f"{cfg.source}: tokenizer: {e}") from None
         try:
             self.loader = DataLoader(
-                cfg.data, seq_len=cfg.batch.seq_len, global_batch_size=cfg.batch.loader_schedule(),
+                cfg.data, seq_len=cfg.batch.seq_len, global_batch_size=cfg.batch.size_schedule(),
                 dp_rank=self.rank, dp_world_size=self.world_size,
             )
         except (FileNotFoundError, ValueError) as e:

@@ -345,7 +345,7 @@ def test_document_index_that_does_not_span_its_shard_is_named(tmp_path):
 
 
 def test_bench_data_measures_on_generated_shards(tmp_path):
-    from olmo_ds.data.loader_bench import generate_shards, run
+    from olmo_ds.tools.bench_data import generate_shards, run
 
     d = generate_shards(tmp_path, 1 << 16, shard_tokens=1 << 14, mean_doc_len=100)
     assert len(shards.Manifest.load(d).shards) == 4

@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from olmo_ds.data import shards
-from olmo_ds.model import OLMo, hf, preset
+from olmo_ds import weights
+from olmo_ds.model import OLMo, preset
 
 SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
 NEOX = SHARED / "tokenizers" / "gpt-neox-olmo-dolma-v1_5.json"
@@ -30,9 +31,9 @@ def tiny_olmo(vocab_size: int, max_seq_len: int = 128, seed: int = 0) -> OLMo:
 def export_hf(model: OLMo, tokenizer_path: Path, out: Path) -> Path:
     """`model` as scripts/export_hf.py writes it (via our model directory, as scripts/import_hf.py would)."""
     ours = out.with_name(out.name + "-olmo")
-    hf.save_model_dir(ours, model.cfg, model.state_dict())
+    weights.save_model_dir(ours, model.cfg, model.state_dict())
     shutil.copy(tokenizer_path, ours / "tokenizer.json")
-    return hf.export_hf(ours, out)
+    return weights.export_hf(ours, out)
 
 
 def write_shards(directory, tokens, tokenizer, docs):

@@ -18,7 +18,7 @@ from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
 from olmo_ds.eval.loglikelihood import score_requests
 from olmo_ds.eval.perplexity import evaluate_perplexity, load_source, token_byte_lengths, window_batches
 from olmo_ds.eval.tasks import load_task
-from olmo_ds.model.hf import export_hf
+from olmo_ds.weights import export_hf
 from olmo_ds.tokenizer import load_tokenizer
 
 from eval_testlib import ARC_EASY, C4, NEOX, PIQA

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from olmo_ds.data import shards
-from olmo_ds.train import checkpoint as ckpt
+from olmo_ds import checkpoint as ckpt
 from tests.faults.faultlib import MODE, ROOT, Ranks, base_env, dir_bytes, record, write_c4_corpus
 from tests.faults.test_prepare_kill import prepare_cmd
 from tests.train.train_testlib import tiny_config, write_config, write_markov_shards

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from olmo_ds.train import checkpoint as ckpt
+from olmo_ds import checkpoint as ckpt
 from tests.faults.faultlib import MODE, ROOT, Ranks, base_env, check, record, rng, trials, wait_for
 from tests.train.train_testlib import tiny_config, write_config, write_markov_shards
 

@@ -49,7 +49,7 @@ def test_generate_script_reads_a_model_directory(tmp_path):
     import sys
     from pathlib import Path
 
-    from olmo_ds.model.hf import save_model_dir
+    from olmo_ds.weights import save_model_dir
 
     root = Path(__file__).resolve().parents[2]
     cfg = ModelConfig(**dict(OLMO3_TINY, vocab_size=100278))

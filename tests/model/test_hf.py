@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from olmo_ds.model import ModelConfig
-from olmo_ds.model.hf import from_hf_config, import_hf, load_model_dir, save_model_dir, to_hf_config
+from olmo_ds.model.hf import from_hf_config, to_hf_config
+from olmo_ds.weights import import_hf, load_model_dir, save_model_dir
 
 from model_testlib import OLMO2_TINY, OLMO3_TINY, hf_model_from, random_model
 

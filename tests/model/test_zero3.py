@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from olmo_ds.model import OLMo
-from olmo_ds.model.hf import load_model_weights
+from olmo_ds.weights import load_weights
 from olmo_ds.train.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,8 @@ def test_zero3_training_step_and_checkpoint_export(tmp_path):
     assert proc.returncode == 0 and "ZERO3 OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
     ckpt = tmp_path / "run" / "checkpoints" / "step-0000001"
 
-    cfg, state, _ = load_model_weights(ckpt)
+    loaded = load_weights(ckpt)
+    cfg, state = loaded.cfg, loaded.state_dict
     trained = torch.load(tmp_path / "weights.pt")
     assert all(torch.equal(state[k], v) for k, v in trained.items())
 

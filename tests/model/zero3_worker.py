@@ -3,7 +3,7 @@
 Checks, in order: weights initialised inside `deepspeed.zero.Init` (truncated normal, norms one);
 other weights loaded into the partitioned model (`load_weights_into`); loss and every full gradient equal a plain-PyTorch copy of the same weights, with activation
 checkpointing on under ZeRO-3 and off in the copy; then one optimizer step and a real checkpoint
-through olmo_ds.train.checkpoint.save_checkpoint, whose weights are also saved for the test to
+through olmo_ds.checkpoint.save_checkpoint, whose weights are also saved for the test to
 compare the export against.
 
     python zero3_worker.py OUT_DIR TOKENIZER_JSON PORT
@@ -23,8 +23,8 @@ import deepspeed  # noqa: E402
 from deepspeed.utils import safe_get_full_grad  # noqa: E402
 
 from olmo_ds.model import ModelConfig, OLMo  # noqa: E402
-from olmo_ds.model.hf import load_weights_into  # noqa: E402
-from olmo_ds.train.checkpoint import save_checkpoint  # noqa: E402
+from olmo_ds.weights import load_weights_into  # noqa: E402
+from olmo_ds.checkpoint import save_checkpoint  # noqa: E402
 
 cfg = ModelConfig(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, mlp_hidden=96, vocab_size=100278, max_seq_len=64,
                   sliding_window=8, sliding_window_pattern=[True, False], activation_checkpointing=True)

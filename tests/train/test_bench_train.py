@@ -95,7 +95,7 @@ def test_one_rank_gradient_path_without_reduce_scatter_trains_the_same(sweep):
 
 
 def test_device_busy_is_the_union_of_kernel_intervals():
-    from olmo_ds.train.bench import _busy_us
+    from olmo_ds.tools.bench_train import _busy_us
 
     assert _busy_us([]) == 0
     assert _busy_us([(5, 6), (0, 2), (1, 3), (1.5, 2.5)]) == 4  # overlapping streams count once

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from olmo_ds.train.resume_check import ResumeCheck, compare, compare_weights, load_weights, losses_by_step, verdict
+from olmo_ds.tools.check_resume import ResumeCheck, compare, compare_weights, load_weights, losses_by_step, verdict
 
 from train_testlib import ROOT, launch_env, tiny_config, write_config, write_markov_shards
 

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 
-from olmo_ds.train.checkpoint import LATEST, TRAIN_STATE, list_checkpoints, load_model_state, read_train_state
+from olmo_ds.checkpoint import LATEST, TRAIN_STATE, list_checkpoints, load_model_state, read_train_state
 
 from train_testlib import (ROOT, deepspeed_cmd, kill_all, launch_env, losses_by_step, read_metrics, run, tiny_config,
                            torchrun_cmd, write_config, write_markov_shards)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from olmo_ds.train.checkpoint import UNIVERSAL, read_train_state
+from olmo_ds.checkpoint import UNIVERSAL, read_train_state
 
 from train_testlib import ROOT, losses_by_step, run, tiny_config, torchrun_cmd, write_config, write_markov_shards
 

@@ -17,9 +17,9 @@ import numpy as np
 import yaml
 
 from olmo_ds.data import shards
-from olmo_ds.train import resume_check
+from olmo_ds.tools import check_resume
 from olmo_ds.train.launch import free_port  # noqa: F401 (tests take the port helper from here)
-from olmo_ds.train.resume_check import kill_all, losses_by_step, read_metrics  # noqa: F401 (the tests' helpers are the check's)
+from olmo_ds.tools.check_resume import kill_all, losses_by_step, read_metrics  # noqa: F401 (the tests' helpers are the check's)
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT / ".." / "shared"
@@ -85,7 +85,7 @@ def write_config(path: Path, cfg: dict) -> Path:
 
 def launch_env() -> dict:
     """The check's launch environment (olmo_ds importable, no outer rank), one thread per rank."""
-    return {**resume_check.launch_env(), "OMP_NUM_THREADS": "1"}
+    return {**check_resume.launch_env(), "OMP_NUM_THREADS": "1"}
 
 
 def torchrun_cmd(script: Path, *args: str, nproc: int = 2) -> list[str]:

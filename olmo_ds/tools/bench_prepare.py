@@ -1,4 +1,14 @@
-"""Data preparation throughput against the tokenizer's own ceiling (`scripts/bench_prepare.py`).
+"""Data preparation throughput: each tokenizer backend's raw ceiling vs prepare_data.py + validate_shards.py
+end to end at 1 and 2 workers, and where the fast path's time goes.
+
+    python scripts/bench_prepare.py                          # 256 MB generated corpus, OLMo 2/3 tokenizer, both backends
+    python scripts/bench_prepare.py --size-mb 16             # a quick run
+    python scripts/bench_prepare.py --backends fast          # only fastokens
+    python scripts/bench_prepare.py --backends fast --big-file-mb 4000   # and on one 4 GB file: RSS over time, speed
+
+Prints tokens/s, MB/s, peak RSS and the ratios against the targets.
+
+Data preparation throughput against the tokenizer's own ceiling (`scripts/bench_prepare.py`).
 
 The question users ask is how much of the tokenizer's speed the pipeline keeps: so one run
 measures, for each backend (HF `tokenizers`, `fastokens`), the raw ceiling (the encoder alone on
@@ -10,6 +20,7 @@ into its stages, since once tokenizing is fast the rest of the pipeline is what 
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import json
@@ -27,7 +38,9 @@ from pathlib import Path
 
 import orjson
 
-REPO = Path(__file__).resolve().parents[2]
+from olmo_ds.tools import package_env
+
+SHARED = Path("../shared")  # the shared test data beside a clone, when the bench runs from the repository root
 
 
 def _unique_documents(limit: int) -> list[str]:
@@ -38,7 +51,7 @@ def _unique_documents(limit: int) -> list[str]:
     Repeated documents would flatter any tokenizer with a cache, so a document is taken once.
     """
     seen, docs, total = set(), [], 0
-    c4 = REPO / ".." / "shared" / "data" / "c4-sample"
+    c4 = SHARED / "data" / "c4-sample"
     for f in sorted(c4.glob("*.json.gz")):
         with gzip.open(f, "rt") as fh:
             docs += [json.loads(line)["text"] for line in fh]
@@ -111,7 +124,7 @@ def _ceiling_cmd(tokenizer: Path, corpus: Path, backend: str) -> list[str]:
 
 def measure_ceiling(tokenizer: Path, corpus: Path, backend: str) -> dict:
     """The encoder alone on one thread over the corpus, texts already in memory (fresh process)."""
-    proc = subprocess.run(_ceiling_cmd(tokenizer, corpus, backend), capture_output=True, text=True, check=True)
+    proc = subprocess.run(_ceiling_cmd(tokenizer, corpus, backend), capture_output=True, text=True, check=True, env=package_env())
     r = json.loads(proc.stdout)
     r["tokens_per_s"] = r["tokens"] / r["seconds"]
     r["tokens_per_cpu_s"] = r["tokens"] / r["cpu_seconds"]
@@ -123,7 +136,7 @@ def measure_ceiling_together(tokenizer: Path, corpus: Path, backend: str, n: int
     """`n` ceiling runs started at once, each in its own process on the whole corpus: how much `n`
     independent tokenizers get out of this machine together, the upper bound for `n` workers over one
     (cores that share a physical core, memory bandwidth or a noisy neighbour all show up here)."""
-    procs = [subprocess.Popen(_ceiling_cmd(tokenizer, corpus, backend), stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    procs = [subprocess.Popen(_ceiling_cmd(tokenizer, corpus, backend), stdout=subprocess.PIPE, text=True, env=package_env()) for _ in range(n)]
     runs = []
     for p in procs:
         out, _ = p.communicate()
@@ -137,7 +150,7 @@ def _timed(cmd: list[str]) -> dict:
     """Run a command to completion: wall seconds, CPU seconds and peak RSS of it and its workers."""
     with tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=package_env())
         out = proc.stdout.read().decode()  # a short summary: reading it to the end cannot block the child
         # wait4 reports the child's own usage plus that of the children it reaped (the pool
         # workers); ru_maxrss is the largest of those processes' peaks (KiB on Linux).
@@ -154,10 +167,10 @@ def _timed(cmd: list[str]) -> dict:
 def measure_prepare(tokenizer: Path, corpus: Path, output: Path, workers: int, backend: str) -> dict:
     """`prepare_data.py`, then `validate_shards.py` on its output, each in a fresh process."""
     prep = _timed([
-        sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--input", str(corpus), "--output", str(output),
+        sys.executable, "-m", "olmo_ds.cli.prepare_data", "--input", str(corpus), "--output", str(output),
         "--tokenizer", str(tokenizer), "--workers", str(workers), "--overwrite", "--no-progress", "--tokenizer-backend", backend,
     ])
-    val = _timed([sys.executable, str(REPO / "scripts" / "validate_shards.py"), str(output), "--tokenizer", str(tokenizer), "--workers", str(workers)])
+    val = _timed([sys.executable, "-m", "olmo_ds.cli.validate_shards", str(output), "--tokenizer", str(tokenizer), "--workers", str(workers)])
     manifest = json.loads((Path(output) / "manifest.json").read_text())
     ran = manifest["tokenizer_backend"]["name"]
     if (backend == "fast") != (ran == "fastokens"):
@@ -272,10 +285,10 @@ def measure_memory_over_time(tokenizer: Path, path: Path, output: Path, workers:
     run should equal that in the first."""
     import psutil
 
-    cmd = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--input", str(path), "--output", str(output),
+    cmd = [sys.executable, "-m", "olmo_ds.cli.prepare_data", "--input", str(path), "--output", str(output),
            "--tokenizer", str(tokenizer), "--workers", str(workers), "--overwrite", "--no-progress", "--tokenizer-backend", backend]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=package_env())
     main = psutil.Process(proc.pid)
     samples: dict[int, list[tuple[float, float]]] = {}
     while proc.poll() is None:
@@ -376,3 +389,24 @@ def run(tokenizer: Path, corpus_dir: Path, size_mb: int, workers: list[int], bac
                 f"{r['tokens_per_s'] / 1e6:.2f}M tokens/s end to end ({r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x), "
                 f"{r['loop_tokens_per_s'] / 1e6:.2f}M without start-up ({r['loop_tokens_per_s'] / rows[0]['loop_tokens_per_s']:.2f}x)")
     return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "dolma2-tokenizer.json")
+    p.add_argument("--dir", type=Path, default=Path("data/bench-prepare"), help="where the generated corpus and the shards go (corpus reused when present)")
+    p.add_argument("--size-mb", type=int, default=256, help="size of the generated corpus (default: 256)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--backends", nargs="+", choices=("hf", "fast"), default=["hf", "fast"])
+    p.add_argument("--repeats", type=int, default=1, help="run each prepare this many times and keep the fastest (default: 1)")
+    p.add_argument("--big-file-mb", type=int, default=0, help="also run on one file of this many MB: each process's RSS over time at the most workers, and prepare+validate at every worker count (0: skip)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    a = p.parse_args(argv)
+    results = run(a.tokenizer.resolve(), a.dir, a.size_mb, a.workers, a.backends, big_file_mb=a.big_file_mb, repeats=a.repeats)
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

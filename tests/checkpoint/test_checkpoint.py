@@ -2,8 +2,7 @@
 
 import pytest
 
-from olmo_ds.train.checkpoint import (TRAIN_STATE, latest_checkpoint, list_checkpoints, prune_checkpoints, resolve_resume,
-                                      step_tag)
+from olmo_ds.checkpoint import TRAIN_STATE, latest_checkpoint, list_checkpoints, prune_checkpoints, resolve_resume, step_tag
 
 
 def make(root, step, complete=True):

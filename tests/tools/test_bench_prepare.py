@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from olmo_ds.data.prepare_bench import run
+from olmo_ds.tools.bench_prepare import run
 
 DOLMA2 = Path(__file__).resolve().parents[2] / ".." / "shared" / "tokenizers" / "dolma2-tokenizer.json"
 

@@ -1,4 +1,15 @@
-"""Training throughput of the real pretrain step path on one device, against a plain-PyTorch step.
+"""Training throughput, MFU, memory and data wait of the real pretrain step on one device,
+against a plain-PyTorch step of the same model and batches (see olmo_ds/tools/bench_train.py).
+
+    python scripts/bench_train.py                                    # GPU: olmo2-1b, seq 4096, micro-batch 4, ZeRO-3
+    python scripts/bench_train.py --preset tiny --seq-len 64 --micro-batch-size 2 --steps 3   # CPU smoke run
+    python scripts/bench_train.py --ds-set zero_optimization.reduce_bucket_size=500000000
+    python scripts/bench_train.py --sweep baseline,eager,baseline+accum8   # one process per variant, table last
+
+Runs as a single rank without a launcher (or under `deepspeed --num_gpus 1`). On a machine without a
+GPU it defaults to the tiny preset in fp32 so that it finishes in seconds.
+
+Training throughput of the real pretrain step path on one device, against a plain-PyTorch step.
 
 What is timed is what `scripts/pretrain.py` runs: a `Trainer` (DeepSpeed engine with the chosen ZeRO
 config, the real `DataLoader` over shards written with `olmo_ds.data.shards`) and its `train_step`,
@@ -22,6 +33,7 @@ crash cannot affect the next; the sweep prints one table at the end.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import json
@@ -39,12 +51,12 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
+from olmo_ds.tools import package_env
 from olmo_ds.train.config import ConfigError, apply_override, config_from_dict
-from olmo_ds.train.ds_config import load_ds_json, resolve_ds_config
+from olmo_ds.train.ds_config import find_ds_config, load_ds_json, resolve_ds_config
 
 log = logging.getLogger("olmo_ds")
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -83,7 +95,7 @@ class BenchOptions:
     reference: bool = True
     reference_fp32_master: bool = False  # also a plain-PyTorch step with DeepSpeed's fp32 master weights and moments
     deepspeed: bool = True
-    work_dir: str = str(ROOT / "out" / "bench-train")  # shards (reused) and the resolved DeepSpeed JSON
+    work_dir: str = "out/bench-train"  # shards (reused) and the resolved DeepSpeed JSON
     profile_dir: str | None = None  # profile two extra steps of each path and write op tables here
     experiments: Experiments = field(default_factory=Experiments)
 
@@ -145,9 +157,7 @@ def _sync() -> None:
 
 def write_ds_config(opts: BenchOptions, work: Path) -> str:
     """The chosen DeepSpeed JSON with `ds_set` overrides applied, written next to the run (or the file itself)."""
-    path = Path(opts.ds_config)
-    if not path.is_absolute() and not path.exists():
-        path = ROOT / path
+    path = find_ds_config(opts.ds_config)
     if not opts.ds_set and not opts.experiments.deepcompile:
         return str(path)
     ds = load_ds_json(path)
@@ -188,7 +198,7 @@ def build_train_config(opts: BenchOptions, data_dir: Path, work: Path):
 
 def write_bench_shards(opts: BenchOptions, directory: Path, vocab_size: int) -> Path:
     """Random-id shards (never zeros: they can run faster than real data) big enough for both runs."""
-    from olmo_ds.data.loader_bench import generate_shards
+    from olmo_ds.tools.bench_data import generate_shards
 
     rows = (opts.warmup + opts.steps) * opts.micro_batch_size * opts.grad_accum
     tokens = (rows + 8) * opts.seq_len * 2
@@ -583,11 +593,11 @@ def run_sweep(names: list[str], base_args: list[str], out_dir: Path, timeout_s: 
     for name, extra in commands.items():
         json_path = out_dir / f"{name}.json"
         json_path.unlink(missing_ok=True)
-        cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), *base_args, *extra, "--json", str(json_path)]
+        cmd = [sys.executable, "-m", "olmo_ds.tools.bench_train", *base_args, *extra, "--json", str(json_path)]
         print(f"=== {name}: {shlex.join(cmd)}", flush=True)
         t0 = time.perf_counter()
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s).returncode
+            rc = subprocess.run(cmd, env=package_env(), timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         row = {"variant": name, "rc": rc, "wall_s": time.perf_counter() - t0}
@@ -614,3 +624,78 @@ def format_sweep(rows: list[dict]) -> str:
             f"{100 * ds['data_wait_fraction']:>5.2f}% {row['wall_s']:>6.0f}"
         )
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="olmo2-1b" if gpu else "tiny", help="model preset (default: olmo2-1b on GPU, tiny on CPU)")
+    p.add_argument("--seq-len", type=int, default=4096 if gpu else 128)
+    p.add_argument("--micro-batch-size", type=int, default=4 if gpu else 2)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--ds-config", default="ds_configs/zero3_bf16.json")
+    p.add_argument("--ds-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a DeepSpeed JSON field, e.g. zero_optimization.reduce_bucket_size=500000000")
+    p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a model config field, e.g. compile=eager (no compiled blocks) or attention_backend=sdpa_flash")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--warmup", type=int, default=5 if gpu else 1)
+    p.add_argument("--steps", type=int, default=20 if gpu else 3)
+    p.add_argument("--no-reference", dest="reference", action="store_false", help="skip the plain-PyTorch step")
+    p.add_argument("--reference-fp32-master", action="store_true",
+                   help="also time a plain-PyTorch step with DeepSpeed's precision recipe: fp32 master weights and AdamW moments")
+    p.add_argument("--no-deepspeed", dest="deepspeed", action="store_false", help="only the plain-PyTorch step")
+    p.add_argument("--work-dir", default=BenchOptions.work_dir, help="generated shards (reused) and the resolved DeepSpeed JSON")
+    g = p.add_argument_group("experiment switches (patch this process only; see olmo_ds.tools.bench_train.Experiments)")
+    g.add_argument("--compile-pointwise", action="store_true", help="torch.compile RMSNorm, RoPE and SwiGLU math")
+    g.add_argument("--loss-chunk", type=int, default=None, help="tokens per chunk of the fused head + loss")
+    g.add_argument("--deepcompile", action="store_true", help="DeepSpeed DeepCompile (engine.compile with deepcompile on)")
+    g.add_argument("--engine-compile", action="store_true", help="engine.compile(): torch.compile under DeepSpeed's hooks")
+    g.add_argument("--compile-backend", default="inductor", help="for --compile-pointwise and engine.compile()")
+    p.add_argument("--profile-dir", default=None, help="profile two extra steps of each path; op tables and Chrome traces (trace_<path>.json.gz) go here")
+    p.add_argument("--json", type=Path, default=None, help="also write the full result as JSON here")
+    p.add_argument("--sweep", default=None, metavar="V1,V2,...",
+                   help=f"run named variants, one process each, and print a table; known: {', '.join(VARIANTS)}")
+    p.add_argument("--sweep-timeout", type=float, default=None, help="seconds per variant before it is killed")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
+
+    try:
+        if args.sweep:
+            # Everything after the script name except --sweep/--json is passed on to each variant.
+            base, skip = [], False
+            for a in argv:
+                if skip:
+                    skip = False
+                elif a in ("--sweep", "--json", "--sweep-timeout"):
+                    skip = True
+                elif not a.startswith(("--sweep=", "--json=", "--sweep-timeout=")):
+                    base.append(a)
+            out_dir = Path(args.work_dir) / "sweep"
+            rows = run_sweep(args.sweep.split(","), base, out_dir, args.sweep_timeout)
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=2))
+            print(format_sweep(rows))
+            return 0 if all(r.get("result") for r in rows) else 1
+        opts = BenchOptions(
+            preset=args.preset, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
+            ds_config=args.ds_config, ds_set=args.ds_set, model_set=args.model_set, precision=args.precision,
+            warmup=args.warmup, steps=args.steps, reference=args.reference, reference_fp32_master=args.reference_fp32_master, deepspeed=args.deepspeed, work_dir=args.work_dir,
+            profile_dir=args.profile_dir,
+            experiments=Experiments(compile_pointwise=args.compile_pointwise, loss_chunk=args.loss_chunk, deepcompile=args.deepcompile,
+                                    engine_compile=args.engine_compile, compile_backend=args.compile_backend),
+        )
+        result = run_bench(opts)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    print(format_report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

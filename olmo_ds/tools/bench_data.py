@@ -1,4 +1,10 @@
-"""Throughput of the training data loader: tokens/s one rank receives, and its wait share of a step.
+"""Data loader throughput per rank (tokens/s, instances/s) and its wait share of a simulated GPU step.
+
+    python scripts/bench_data.py                       # 2 GB of generated uint32 shards, seq 4096
+    python scripts/bench_data.py --gb 4 --document-masking
+    python scripts/bench_data.py --cold                # shards evicted from the page cache first
+
+Throughput of the training data loader: tokens/s one rank receives, and its wait share of a step.
 
 Two measurements on generated shards (random ids, documents of geometric length):
 - raw: `next_batch` with no prefetch thread, i.e. what one CPU core assembles per second for one rank
@@ -9,7 +15,10 @@ Two measurements on generated shards (random ids, documents of geometric length)
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -44,7 +53,7 @@ def generate_shards(directory: Path, total_tokens: int, *, shard_tokens: int = 1
         index += 1
     shards.Manifest(
         num_tokens=total_tokens, num_docs=num_docs, shards=names, dtype=dtype.name, vocab_size=vocab_size, eos_id=0,
-        tokenizer_fingerprint="sha256:random-ids", extra={"generated_by": "olmo_ds.data.loader_bench"},
+        tokenizer_fingerprint="sha256:random-ids", extra={"generated_by": "olmo_ds.tools.bench_data"},
     ).save(directory)
     return directory
 
@@ -101,3 +110,28 @@ def run(directory: Path, *, seq_len: int, rows_per_rank: int, world_size: int, s
         "simulated_gpu_tokens_per_s": gpu_tokens_per_s,
         "wait_fraction": over.wait_seconds / wall,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", type=Path, default=Path("data/bench-loader"), help="where the generated shards go (reused when present)")
+    p.add_argument("--gb", type=float, default=2.0, help="size of the generated shards (uint32 ids: 4 bytes a token)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--rows-per-rank", type=int, default=8, help="rows of each global batch one rank receives")
+    p.add_argument("--world-size", type=int, default=8, help="ranks sharing each global batch (rank 0 is measured)")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--document-masking", action="store_true", help="also return doc_lens")
+    p.add_argument("--cold", action="store_true", help="evict the shards from the page cache first (reads hit the disk)")
+    p.add_argument("--gpu-tokens-per-s", type=float, default=60_000, help="simulated consumption per rank")
+    args = p.parse_args(argv)
+    directory = generate_shards(args.dir, int(args.gb * 2**30) // 4)
+    result = run(
+        directory, seq_len=args.seq_len, rows_per_rank=args.rows_per_rank, world_size=args.world_size,
+        steps=args.steps, document_masking=args.document_masking, gpu_tokens_per_s=args.gpu_tokens_per_s, cold=args.cold,
+    )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

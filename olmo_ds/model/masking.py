@@ -1,9 +1,9 @@
-"""Document masking: the per-instance document lengths the loader returns, and the forms the
-attention backends take them in.
+"""Document masking inside the model: from the loader's per-instance document lengths to the forms
+the attention backends take.
 
 A batch's `doc_lens` is `int32 [B, D]`: row b lists the lengths of the document pieces instance b
-is cut into, in order, padded on the right with zeros; each row's non-zero entries sum to seq_len.
-Rows can be sliced into micro-batches as they are (trailing all-zero columns are harmless).
+is cut into, in order, padded on the right with zeros; each row's non-zero entries sum to seq_len
+(the loader's contract, `olmo_ds.data.loader`). The model builds its masks from it here:
 - flash-attn varlen: `cu_seqlens(doc_lens)` flattens the batch into one packed sequence of
   documents: (`cu_seqlens` int32 [num_docs + 1], `max_seqlen` int).
 - flex_attention / SDPA: `document_ids(doc_lens, seq_len)` numbers each token's document, and
@@ -12,17 +12,7 @@ Rows can be sliced into micro-batches as they are (trailing all-zero columns are
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-
-
-def pad_doc_lens(rows: list[np.ndarray]) -> torch.Tensor:
-    """Stack variable-length per-instance document lengths into a zero-padded int32 [B, D] tensor."""
-    width = max(len(r) for r in rows)
-    out = np.zeros((len(rows), width), dtype=np.int32)
-    for b, r in enumerate(rows):
-        out[b, : len(r)] = r
-    return torch.from_numpy(out)
 
 
 def cu_seqlens(doc_lens: torch.Tensor) -> tuple[torch.Tensor, int]:

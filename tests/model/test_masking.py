@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from olmo_ds.data import masking
+from olmo_ds.model import masking
 
 
 def test_document_causal_attention_equals_attending_each_document_alone():

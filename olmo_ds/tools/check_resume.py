@@ -1,4 +1,15 @@
-"""Does a hard kill and `--resume auto` reproduce an uninterrupted run on this machine?
+"""Check on this machine that N steps straight equal K steps, a hard kill (SIGKILL) and `--resume auto`.
+
+    python scripts/check_resume.py --config configs/my_run.yaml --steps 6 --kill-after 4        # CPU: bit-identical
+    python scripts/check_resume.py --config configs/olmo2-1b.yaml --set schedule.warmup_steps=10 \
+        --steps 40 --kill-after 30 --launcher torchrun --nproc 8 --noise    # GPUs: the difference and the noise floor
+
+Runs DIR/straight, then DIR/resumed (killed after its step-K checkpoint, then resumed), and with
+--noise DIR/straight2; compares the losses of steps K+1..N and the final weights. Exit 0 when the
+resume is bit-identical (or max |dloss| <= --tolerance), 1 when it differs, 2 on bad arguments or a
+failed run (its log's tail is printed). See olmo_ds/tools/check_resume.py.
+
+Does a hard kill and `--resume auto` reproduce an uninterrupted run on this machine?
 
 Three real launches of `scripts/pretrain.py` with the user's config: "straight" trains N steps;
 "killed" trains the same config in another run directory and is SIGKILLed as a whole (launcher and
@@ -15,6 +26,7 @@ checkpoint is K and the resume redoes steps K+1..N.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -32,12 +44,12 @@ from pathlib import Path
 import psutil  # a DeepSpeed dependency
 import torch
 
-from olmo_ds.train import checkpoint as ckpt
-from olmo_ds.train.config import load_config
+from olmo_ds import checkpoint as ckpt
+from olmo_ds.tools import package_env
+from olmo_ds.train.config import ConfigError, load_config
 from olmo_ds.train.launch import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-PRETRAIN = ROOT / "scripts" / "pretrain.py"
+PRETRAIN = "olmo_ds.cli.pretrain"  # started by module name, so the check runs from an installed package too
 LAUNCHERS = ("python", "torchrun", "deepspeed")
 RUNS = ("straight", "resumed", "straight2")
 LOGS = ("straight.log", "killed.log", "resumed.log", "straight2.log")
@@ -92,7 +104,7 @@ class ResumeCheck:
                 "checkpoint.keep_last=2", "checkpoint.save_final=true", "logging.every=1", "logging.wandb=false"]
 
     def command(self, name: str, *extra: str) -> list[str]:
-        args = [str(PRETRAIN), "--config", str(self.config)]
+        args = ["-m", PRETRAIN, "--config", str(self.config)]
         for o in self.run_overrides(name):
             args += ["--set", o]
         args += extra
@@ -103,7 +115,8 @@ class ResumeCheck:
         # Without a hostfile DeepSpeed's launcher runs locally on GPUs 0..P-1 (it ignores CUDA_VISIBLE_DEVICES
         # once --num_gpus is given); a free port lets two checks share a machine.
         # The `deepspeed` command is this module's wrapper; running the module needs no bin/ on PATH.
-        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(self.nproc), "--master_port", str(free_port()), *args]
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(self.nproc), "--master_port", str(free_port()),
+                "--module", *args[1:]]
 
 
 # --- launching -----------------------------------------------------------------------------------
@@ -111,8 +124,7 @@ class ResumeCheck:
 
 def launch_env() -> dict[str, str]:
     """This environment, able to import olmo_ds from this checkout, and not mistaken for a rank of an outer launch."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env = package_env()
     env["PYTHONUNBUFFERED"] = "1"  # the log's tail is current when a run is killed
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
@@ -310,3 +322,48 @@ def run_check(check: ResumeCheck, say=print) -> dict:
         "resume": compare(ref, ref_weights, wd / "resumed", steps, n),
         "noise": compare(ref, ref_weights, wd / "straight2", steps, n) if check.noise else None,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, type=Path, help="train config YAML (see configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, as for scripts/pretrain.py (repeatable)")
+    p.add_argument("--steps", type=int, required=True, help="N: steps of every run")
+    p.add_argument("--kill-after", type=int, required=True, help="K: kill the second run after its step-K checkpoint (N/2 < K < N)")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="python",
+                   help="python: one rank, no launcher (default); torchrun; deepspeed (uses GPUs 0..P-1 whatever "
+                        "CUDA_VISIBLE_DEVICES says; torchrun honours it)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks for torchrun / deepspeed")
+    p.add_argument("--work-dir", type=Path, default=Path("runs/check_resume"), help="where the runs and their logs go")
+    p.add_argument("--overwrite", action="store_true", help="replace the runs of an earlier check in --work-dir")
+    p.add_argument("--noise", action="store_true", help="also run straight twice: the device's run-to-run difference")
+    p.add_argument("--tolerance", type=float, default=None, help="pass when max |dloss| <= this (default: bit-identical only)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per launch before it is killed")
+    p.add_argument("--json", type=Path, default=None, help="also write every number here")
+    args = p.parse_args(argv)
+
+    check = ResumeCheck(config=args.config, steps=args.steps, kill_after=args.kill_after, work_dir=args.work_dir,
+                        overrides=args.overrides, launcher=args.launcher, nproc=args.nproc, noise=args.noise,
+                        timeout=args.timeout, overwrite=args.overwrite)
+    try:
+        report = run_check(check, say=lambda line: print(line, flush=True))
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RunFailed as e:
+        tail = e.log.read_text(errors="replace")[-6000:] if e.log.exists() else ""
+        print(f"--- tail of {e.log}\n{tail}\n---\nerror: {e} (full log: {e.log})", file=sys.stderr)
+        return 2
+    code, line = verdict(report, args.tolerance)
+    report["tolerance"], report["passed"], report["verdict"] = args.tolerance, code == 0, line
+    print(format_report(report))
+    print(line)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Checkpoints and run directories: the one place that reads or writes them.
+
+Training saves and resumes through here; evaluation, generation, HF export and starting a run from
+weights (`olmo_ds.weights`) read through here. The layer sits low in the package: it imports
+`olmo_ds.atomic` and `olmo_ds.model.config` and nothing else of olmo_ds, so every room above it
+(train, eval, the tools) can use it without reaching into the trainer.
+
+- `layout`: the names (`RUN/checkpoints/step-NNNNNNN/`, `latest`, `train_state.json`) and which
+  checkpoints are complete;
+- `save`: a collective, crash-safe save, retention, RNG streams;
+- `load`: RNG streams back, DeepSpeed's universal form for another world size, consolidated fp32
+  weights on CPU.
+"""
+
+from olmo_ds.checkpoint.layout import (
+    CHECKPOINTS,
+    LATEST,
+    TOKENIZER_COPY,
+    TRAIN_STATE,
+    UNIVERSAL,
+    checkpoints_dir,
+    is_complete,
+    latest_checkpoint,
+    list_checkpoints,
+    read_train_state,
+    resolve_resume,
+    rng_file,
+    run_dir_of,
+    step_of,
+    step_tag,
+)
+from olmo_ds.checkpoint.load import load_model_state, load_rng, universal_checkpoint
+from olmo_ds.checkpoint.save import prune_checkpoints, rng_state, save_checkpoint, set_rng_state, versions
+
+__all__ = [
+    "CHECKPOINTS", "LATEST", "TOKENIZER_COPY", "TRAIN_STATE", "UNIVERSAL", "checkpoints_dir", "is_complete",
+    "latest_checkpoint", "list_checkpoints", "load_model_state", "load_rng", "prune_checkpoints", "read_train_state",
+    "resolve_resume", "rng_file", "rng_state", "run_dir_of", "save_checkpoint", "set_rng_state", "step_of", "step_tag",
+    "universal_checkpoint", "versions",
+]

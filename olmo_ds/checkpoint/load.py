@@ -1,0 +1,73 @@
+"""Reading a checkpoint back: RNG streams, DeepSpeed's universal form for another world size, and
+consolidated fp32 weights without the GPUs (or the number of ranks) the run used.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from olmo_ds.checkpoint.layout import UNIVERSAL, read_train_state, rng_file
+from olmo_ds.checkpoint.save import barrier, set_rng_state
+from olmo_ds.model.config import ModelConfig
+
+
+def load_rng(ckpt_dir: Path, rank: int, *, seed: int, step: int) -> None:
+    """Restore this rank's RNG streams; a rank the checkpointed run did not have gets fresh streams
+    seeded from (seed, step, rank), so a resume on more ranks is still repeatable."""
+    path = rng_file(ckpt_dir, rank)
+    if path.is_file():
+        set_rng_state(torch.load(path, weights_only=False))
+        return
+    derived = int(np.random.SeedSequence([seed, step, rank]).generate_state(1, np.uint64)[0])
+    random.seed(derived)
+    np.random.seed(derived % 2**32)
+    torch.manual_seed(derived)
+
+
+def universal_checkpoint(ckpt_dir: Path, rank: int) -> Path:
+    """Collective: `ckpt_dir/universal`, DeepSpeed's world-size-independent form of the checkpoint.
+
+    Rank 0 converts once with DeepSpeed's ds_to_universal (every parameter's fp32 weights and Adam
+    moments whole, one file each) into a temporary directory renamed into place when complete, so an
+    interrupted conversion is redone and a finished one is reused by every later resume.
+    """
+    target = Path(ckpt_dir) / UNIVERSAL
+    if rank == 0 and not target.is_dir():
+        from argparse import Namespace
+
+        from deepspeed.checkpoint import ds_to_universal
+
+        tmp = Path(ckpt_dir) / f"{UNIVERSAL}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        # One worker: the conversion runs inside a training rank, where forking a process pool is unwelcome.
+        ds_to_universal.main(Namespace(input_folder=str(ckpt_dir), output_folder=str(tmp), num_extract_workers=1,
+                                       num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+        # ds_to_universal also points a `latest_universal` file at its output folder, i.e. at the temporary name.
+        (Path(ckpt_dir) / "latest_universal").unlink(missing_ok=True)
+        os.replace(tmp, target)
+    barrier()
+    return target
+
+
+def load_model_state(ckpt_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """Consolidated fp32 weights of a checkpoint, on CPU, from any ZeRO stage and any world size.
+
+    No GPU, no process group: DeepSpeed's zero_to_fp32 stitches the per-rank partitions together.
+    Returns (model config, state dict keyed like `OLMo(cfg).state_dict()`, train_state).
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {ckpt_dir} does not exist")
+    train_state = read_train_state(ckpt_dir)
+    model_cfg = ModelConfig.from_dict(train_state["model"])
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir.parent), tag=ckpt_dir.name)
+    state_dict = {k: v.float().cpu() for k, v in state_dict.items()}
+    return model_cfg, state_dict, train_state

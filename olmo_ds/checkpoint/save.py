@@ -1,0 +1,113 @@
+"""Writing a checkpoint so that it survives anything: atomic completion, `latest`, retention, RNG streams.
+
+Rank 0 writes `train_state.json` (atomically) only after a barrier that every rank reaches once its own
+files are on disk, then switches `latest` (atomically). A crash at any moment therefore leaves either
+the new checkpoint complete or the previous one untouched and still named by `latest`; resume never
+picks a half-written directory.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import platform
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from olmo_ds.atomic import atomic_write_bytes, atomic_write_json
+from olmo_ds.checkpoint.layout import LATEST, TOKENIZER_COPY, TRAIN_STATE, checkpoints_dir, is_complete, list_checkpoints, rng_file, step_tag
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def versions() -> dict[str, str]:
+    import deepspeed
+
+    import olmo_ds
+
+    return {
+        "olmo_ds": olmo_ds.__version__,
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda or "none",
+    }
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op without a process group)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def save_checkpoint(engine, run_dir: str | Path, step: int, train_state: dict, *, rank: int, tokenizer_path: str | None) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory once it is complete."""
+    root = checkpoints_dir(run_dir)
+    tag = step_tag(step)
+    ckpt = root / tag
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if ckpt.exists():  # leftover of an interrupted save of the same step: never mix two saves
+            shutil.rmtree(ckpt)
+    barrier()
+    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+    atomic_write_bytes(rng_file(ckpt, rank), _torch_bytes(rng_state()))
+    barrier()  # every rank's ZeRO shard and RNG file is on disk
+    if rank == 0:
+        if tokenizer_path:
+            atomic_write_bytes(ckpt / TOKENIZER_COPY, Path(tokenizer_path).read_bytes())
+        state = dict(train_state)
+        state["step"] = step
+        state["tag"] = tag
+        state["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        state["versions"] = versions()
+        state["rng_files"] = sorted(p.name for p in ckpt.glob("rng-rank*.pt"))
+        atomic_write_json(ckpt / TRAIN_STATE, state)
+        atomic_write_bytes(root / LATEST, (tag + "\n").encode())
+    barrier()
+    return ckpt
+
+
+def _torch_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def prune_checkpoints(root: Path, keep_last: int, keep_every: int = 0, *, protect: Path | None = None) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep_last` (sparing multiples of `keep_every`) and
+    interrupted saves older than the newest complete one. Rank 0 only. Returns what was deleted."""
+    complete = list_checkpoints(root)
+    if not complete:
+        return []
+    keep = {d for _, d in complete[-keep_last:]}
+    if keep_every:
+        keep |= {d for s, d in complete if s % keep_every == 0}
+    if protect is not None:
+        keep.add(Path(protect))
+    newest = complete[-1][0]
+    doomed = [d for _, d in complete if d not in keep]
+    doomed += [d for s, d in list_checkpoints(root, complete_only=False) if not is_complete(d) and s < newest]
+    for d in doomed:
+        # Drop the completion marker first so a crash mid-delete leaves an incomplete dir, not a broken "complete" one.
+        (d / TRAIN_STATE).unlink(missing_ok=True)
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed

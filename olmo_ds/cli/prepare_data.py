@@ -1,0 +1,56 @@
+"""Raw text (JSON lines, optionally gzip/zstd, .txt, or Parquet) → token shards + manifest.
+
+    python scripts/prepare_data.py --input data/raw --output data/shards --tokenizer tokenizer.json --workers 8
+
+See olmo_ds/data/prepare.py for what the output promises; validate it with scripts/validate_shards.py.
+"""
+
+import argparse
+import sys
+
+from olmo_ds.data.prepare import PrepareConfig, PrepareError, format_summary, prepare
+from olmo_ds.data.readers import CorruptInputError
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files, directories (recursive) or globs: .jsonl, .jsonl.gz, .json.gz, .jsonl.zst, .txt, .parquet (needs pyarrow)")
+    p.add_argument("--output", required=True, help="shard directory (created; a validation split goes to OUTPUT/val/)")
+    p.add_argument("--tokenizer", required=True, help="HF tokenizer.json (or a directory holding one) or a sentencepiece .model")
+    p.add_argument("--text-field", default="text", help="JSON key (Parquet: column) of the document text (default: text)")
+    p.add_argument("--eos-token", default=None, help="token appended after every document (default: the tokenizer's EOS)")
+    p.add_argument("--workers", type=int, default=1, help="cores that tokenize (default: 1): N worker processes while this one writes, or this one and N-1 more when no core is spare")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, help="close a shard before it would exceed this many tokens (default: 100,000,000)")
+    p.add_argument("--val-fraction", type=float, default=0.0, help="fraction of documents, chosen by a hash of their text, written to OUTPUT/val/")
+    p.add_argument("--dry-run", action="store_true", help="tokenize and report per-file counts; write nothing")
+    p.add_argument("--verbose", action="store_true", help="print per-file counts as each file finishes")
+    p.add_argument("--strict", action="store_true", help="stop at the first bad record (file:line) instead of skipping and counting it")
+    p.add_argument("--overwrite", action="store_true", help="delete existing shards in OUTPUT and start over instead of resuming")
+    p.add_argument("--tokenizer-backend", choices=("auto", "fast", "hf"), default="auto", help="auto (default): fastokens when it matches HF tokenizers on a sample of the input and an adversarial set, else HF with a warning; fast: fastokens or stop; hf: HF tokenizers only")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown when stderr is a terminal)")
+    a = p.parse_args(argv)
+    cfg = PrepareConfig(
+        inputs=a.input, output=a.output, tokenizer=a.tokenizer, text_field=a.text_field, workers=a.workers,
+        shard_tokens=a.shard_tokens, val_fraction=a.val_fraction, eos_token=a.eos_token, dry_run=a.dry_run,
+        verbose=a.verbose, strict=a.strict, overwrite=a.overwrite, progress=False if a.no_progress else None,
+        tokenizer_backend=a.tokenizer_backend,
+    )
+    try:
+        result = prepare(cfg)
+    except PrepareError as e:
+        print(f"prepare_data: error: {e}", file=sys.stderr)
+        return 2
+    except CorruptInputError as e:  # found where decompression fails, maybe after hours of work
+        print(f"prepare_data: error: {e}. Complete shards in {a.output} are kept", file=sys.stderr)
+        return 1
+    except OSError as e:  # mid-run: a full disk, a vanished input; what was written so far stays valid
+        print(f"prepare_data: error: {e}. Complete shards in {a.output} are kept: fix this and rerun the same "
+              f"command to resume", file=sys.stderr)
+        return 1
+    if not result.already_complete:
+        print(format_summary(result, dry_run=a.dry_run))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

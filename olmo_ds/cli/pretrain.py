@@ -1,0 +1,45 @@
+"""Pretrain an OLMo model on DeepSpeed.
+
+    deepspeed --hostfile hostfile scripts/pretrain.py --config configs/demo.yaml [--set optim.lr=3e-4 ...] [--resume auto]
+
+Also runs under torchrun, Slurm's srun, or plain `python` (one rank). See olmo_ds/train/trainer.py.
+"""
+
+import argparse
+import os
+import sys
+
+from olmo_ds.train.config import ConfigError, load_config
+from olmo_ds.train.launch import collective_failure, lost_ranks
+from olmo_ds.train.trainer import CheckpointSaveError, NonFiniteLossError, Trainer
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="train config YAML (see configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set optim.lr=3e-4 (repeatable)")
+    p.add_argument("--resume", default=None, metavar="auto|CKPT_DIR",
+                   help="auto: continue from the run's newest complete checkpoint if there is one")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    args = p.parse_args()
+    try:
+        trainer = Trainer(load_config(args.config, args.overrides), resume=args.resume)
+        trainer.fit()
+    except (ConfigError, NonFiniteLossError, CheckpointSaveError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        lost = lost_ranks() if collective_failure(e) else []
+        if not lost:
+            raise
+        print(f"error: rank {os.environ.get('RANK', '0')}: rank {', '.join(map(str, lost))} died or stopped responding "
+              f"({str(e).splitlines()[0][:200]}); stopping. Restart the run with --resume auto", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(3)  # a normal exit tears down the process group, which can block on the dead rank's sockets
+    trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""Model weights as files, and the one path that loads them: training checkpoints, our model
+directory, transformers directories.
+
+Every consumer of weights — evaluation, generation, HF export and import, (next) a run that starts from
+existing weights — calls `load_weights(path)`, which works out what `path` is (`resolve_weights`):
+- a checkpoint `RUN/checkpoints/step-NNNNNNN/` (or a run `RUN/`: its newest complete checkpoint):
+  consolidated fp32 weights from the ZeRO files of however many ranks wrote them (`olmo_ds.checkpoint`);
+- our model directory, as `scripts/import_hf.py` writes it:
+      model_config.json         ModelConfig.to_dict()
+      model.safetensors         fp32 weights under our parameter names (or model-0000i-of-0000n.safetensors
+                                + model.safetensors.index.json when larger than the shard size)
+      tokenizer.json            when the source had one
+- a transformers directory of an Olmo2/Olmo3 model (config.json + safetensors, as `export_hf` writes or
+  `save_pretrained` saves), converted exactly by `olmo_ds.model.hf`.
+Every kind is checked against its config: names and shapes exactly those of `OLMo(cfg)`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from olmo_ds import checkpoint as ckpt
+from olmo_ds.model import hf
+from olmo_ds.model.config import ModelConfig
+
+MODEL_CONFIG_FILE = "model_config.json"
+HF_CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+HF_MODEL_TYPES = ("olmo2", "olmo3")
+KINDS = ("checkpoint", "model_dir", "hf")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Weights:
+    kind: str  # one of KINDS
+    directory: Path  # the checkpoint or model directory actually read (its tokenizer.json is beside the weights)
+    cfg: ModelConfig
+    state_dict: dict[str, torch.Tensor]  # fp32 on CPU, keyed like OLMo(cfg).state_dict()
+    train_state: dict = field(default_factory=dict)  # a checkpoint's train_state.json (or an export's copy); {} if none
+
+
+def resolve_weights(path: str | Path) -> tuple[str, Path]:
+    """(kind, directory) of a path holding weights; a run directory resolves to its newest complete checkpoint."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint, run or model directory")
+    if ckpt.is_complete(path):
+        return "checkpoint", path
+    if (path / ckpt.CHECKPOINTS).is_dir():
+        latest = ckpt.latest_checkpoint(ckpt.checkpoints_dir(path))
+        if latest is None:
+            raise FileNotFoundError(f"{path}: run directory has no complete checkpoint under {ckpt.CHECKPOINTS}/ (none with {ckpt.TRAIN_STATE})")
+        return "checkpoint", latest
+    if (path / HF_CONFIG_FILE).is_file():
+        return "hf", path
+    if (path / MODEL_CONFIG_FILE).is_file():
+        return "model_dir", path
+    if ckpt.step_of(path) is not None:
+        raise ValueError(f"{path}: checkpoint is incomplete (no {ckpt.TRAIN_STATE}; the save was interrupted)")
+    raise ValueError(f"{path}: not a checkpoint (no {ckpt.TRAIN_STATE}), run (no {ckpt.CHECKPOINTS}/), transformers "
+                     f"({HF_CONFIG_FILE}) or olmo-ds model directory ({MODEL_CONFIG_FILE})")
+
+
+def load_weights(path: str | Path, *, vocab_size: int | None = None) -> Weights:
+    """The weights at `path`, whatever kind it is (see the module docstring), checked against their config.
+
+    `vocab_size` (transformers directories only): the unpadded vocabulary, which their config.json
+    does not record; default: the directory's tokenizer.json, else the padded size.
+    """
+    kind, directory = resolve_weights(path)
+    if kind == "checkpoint":
+        cfg, state, train_state = ckpt.load_model_state(directory)
+        check_state_dict(cfg, state, f"{directory} (consolidated checkpoint)")
+        return Weights(kind, directory, cfg, state, train_state)
+    if kind == "model_dir":
+        cfg, state = load_model_dir(directory)
+        return Weights(kind, directory, cfg, state)
+    hf_config = read_hf_config(directory)
+    cfg = model_config_from_hf(directory, hf_config, vocab_size)
+    state = {k: v.float() for k, v in hf.from_hf_state_dict(cfg, load_safetensors(directory)).items()}
+    padded = hf_config.get("vocab_size", 0)
+    check_state_dict(cfg, state, f"{directory} (vocab_size {padded} must be a multiple of 128)" if padded % 128 else str(directory))
+    return Weights(kind, directory, cfg, state, export_provenance(directory))
+
+
+def export_provenance(directory: Path) -> dict:
+    """A transformers directory's copy of its run's train_state.json (step, tokens seen, config), or {}."""
+    path = Path(directory) / ckpt.TRAIN_STATE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def read_hf_config(directory: Path) -> dict:
+    """A transformers directory's config.json, which must describe an Olmo2 or Olmo3 model."""
+    config_path = Path(directory) / HF_CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory}: no {HF_CONFIG_FILE}; expected a transformers model directory")
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path}: invalid JSON: {e}") from None
+    if hf_config.get("model_type") not in HF_MODEL_TYPES:
+        raise ValueError(f"{config_path}: model_type {hf_config.get('model_type')!r} is not one of {HF_MODEL_TYPES}")
+    return hf_config
+
+
+def model_config_from_hf(directory: Path, hf_config: dict, vocab_size: int | None = None) -> ModelConfig:
+    """Our ModelConfig for a transformers directory; the unpadded vocabulary from its tokenizer.json when not given."""
+    if vocab_size is None and (Path(directory) / "tokenizer.json").is_file():
+        from olmo_ds.tokenizer import load_tokenizer
+
+        vocab_size = load_tokenizer(Path(directory) / "tokenizer.json").vocab_size
+    config_path = Path(directory) / HF_CONFIG_FILE
+    try:
+        return hf.from_hf_config(hf_config, vocab_size=vocab_size, where=str(config_path))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{config_path}: missing or invalid key {e}") from e
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter name -> shape, from a model built on the meta device (no memory, any size)."""
+    from olmo_ds.model.model import OLMo
+
+    with torch.device("meta"):
+        model = OLMo(cfg)
+    return {name: tuple(p.shape) for name, p in model.state_dict(keep_vars=True).items()}
+
+
+def check_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], where: str) -> None:
+    """Names and shapes of `state` are exactly those of `OLMo(cfg)`; the error names the first mismatches."""
+    shapes = expected_shapes(cfg)
+    hf.check_keys(set(state), set(shapes), where)
+    wrong = [f"{k}: {tuple(state[k].shape)} != {shapes[k]}" for k in shapes if tuple(state[k].shape) != shapes[k]]
+    if wrong:
+        raise ValueError(f"{where}: tensor shapes do not match the model config: {wrong[:6]}")
+
+
+# ---- safetensors directories ----------------------------------------------------------------------
+
+def save_safetensors(directory: Path, state: dict[str, torch.Tensor], metadata: dict | None = None,
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+    """`model.safetensors`, or numbered shards plus the index transformers reads, when larger."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    shards, current, size = [], {}, 0
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensor
+        size += nbytes
+    shards.append(current)
+    metadata = {"format": "pt", **(metadata or {})}
+    if len(shards) == 1:
+        path = directory / SAFETENSORS_FILE
+        save_file(shards[0], str(path), metadata=metadata)
+        return [path]
+    paths, weight_map, total = [], {}, 0
+    for n, shard in enumerate(shards, 1):
+        path = directory / f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path), metadata=metadata)
+        paths.append(path)
+        for name, tensor in shard.items():
+            weight_map[name] = path.name
+            total += tensor.numel() * tensor.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return paths
+
+
+def load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a single-file or sharded safetensors model directory."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    single, index = directory / SAFETENSORS_FILE, directory / SAFETENSORS_INDEX
+    if single.is_file():
+        return load_file(str(single))
+    if not index.is_file():
+        raise FileNotFoundError(f"{directory}: neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX} found")
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    state = {}
+    for name in files:
+        state.update(load_file(str(directory / name)))
+    return state
+
+
+def save_model_dir(directory, cfg: ModelConfig, state_dict: dict[str, torch.Tensor],
+                   tokenizer_dir: Path | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Write our model directory (see the module docstring); fp32 weights under our names."""
+    directory = Path(directory)
+    check_state_dict(cfg, state_dict, "model state dict")
+    state = {k: v.float() for k, v in state_dict.items() if not (cfg.tie_embeddings and k == "head.weight")}
+    save_safetensors(directory, state, max_shard_bytes=max_shard_bytes)
+    (directory / MODEL_CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(Path(tokenizer_dir), directory)
+
+
+def load_model_dir(directory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(ModelConfig, state dict) from our model directory."""
+    directory = Path(directory)
+    config_path = directory / MODEL_CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory}: no {MODEL_CONFIG_FILE}; not an olmo-ds model directory "
+                                f"(make one with scripts/import_hf.py)")
+    try:
+        cfg = ModelConfig.from_dict(json.loads(config_path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{config_path}: {e}") from e
+    state = load_safetensors(directory)
+    if cfg.tie_embeddings:
+        state["head.weight"] = state["embed.weight"]
+    check_state_dict(cfg, state, str(directory))
+    return cfg, state
+
+
+def load_weights_into(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy a full state dict into `model`, also when its parameters are ZeRO-3 partitioned.
+
+    For starting a run from imported weights: build the model under `deepspeed.zero.Init`, then call
+    this on every rank (collective under ZeRO-3: each parameter is gathered, overwritten on rank 0
+    and broadcast back into its partitions).
+    """
+    check_state_dict(model.cfg, state_dict, "state dict to load")
+    for name, param in model.named_parameters():  # de-duplicates tied weights
+        source = state_dict[name]
+        if hasattr(param, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if torch.distributed.get_rank() == 0:
+                    param.data.copy_(source)
+        else:
+            with torch.no_grad():
+                param.copy_(source)
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> list[Path]:
+    """Copy the tokenizer files found in `src` (a directory) into `dst`."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            copied.append(Path(shutil.copy2(src / name, dst / name)))
+    return copied
+
+
+# ---- export / import --------------------------------------------------------------------------------
+
+def _tokenizer_config(tok, max_len: int) -> dict:
+    def token(i):
+        return tok.decode([i]) if i is not None else None
+
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": token(tok.eos_id),
+        "pad_token": token(tok.pad_id),
+        "bos_token": token(tok.eos_id),  # OLMo documents are separated by EOS; there is no separate BOS
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def export_hf(source, out_dir, dtype: str = "float32", max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write a transformers model directory from anything `load_weights` reads (a checkpoint, a run, our model directory).
+
+    config.json (Olmo2ForCausalLM or Olmo3ForCausalLM), generation_config.json, model.safetensors (or
+    shards with an index), and the tokenizer: tokenizer.json plus a tokenizer_config.json naming its
+    EOS and PAD tokens, so `AutoTokenizer.from_pretrained(out_dir)` works.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    weights = load_weights(source)
+    cfg, state, src = weights.cfg, weights.state_dict, weights.directory
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = None
+    if (src / "tokenizer.json").is_file():
+        from olmo_ds.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(src / "tokenizer.json")
+        if tok.vocab_size > cfg.padded_vocab_size:
+            raise ValueError(f"{src / 'tokenizer.json'}: vocab {tok.vocab_size} exceeds the model's "
+                             f"embedding rows {cfg.padded_vocab_size}")
+    hf_state = {k: v.to(_DTYPES[dtype]) for k, v in hf.to_hf_state_dict(cfg, state).items()}
+    save_safetensors(out_dir, hf_state, max_shard_bytes=max_shard_bytes)
+    eos = tok.eos_id if tok else None
+    pad = tok.pad_id if tok else None
+    hf_cfg = hf.to_hf_config(cfg, eos_token_id=eos, pad_token_id=pad, dtype=dtype)
+    (out_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    generation = {"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tok is not None:
+        shutil.copy2(src / "tokenizer.json", out_dir / "tokenizer.json")
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tok, cfg.max_seq_len), indent=2) + "\n")
+    return out_dir
+
+
+def import_hf(hf_dir, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[ModelConfig, Path]:
+    """Our model directory (fp32) from a transformers OLMo-2/3 directory, to continue pretraining it."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    read_hf_config(hf_dir)  # a clear error when hf_dir is not a transformers Olmo2/Olmo3 directory
+    weights = load_weights(hf_dir)
+    save_model_dir(out_dir, weights.cfg, weights.state_dict, tokenizer_dir=hf_dir, max_shard_bytes=max_shard_bytes)
+    return weights.cfg, out_dir

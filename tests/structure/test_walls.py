@@ -1,0 +1,100 @@
+"""The package's walls (docs/architecture.md), checked on every import statement, function-local ones included.
+
+- eval, model and data import nothing from train; model imports nothing from data;
+- the checkpoint layer imports only `olmo_ds.atomic` and `olmo_ds.model.config` (and itself); `atomic` imports nothing of olmo_ds;
+- nothing under olmo_ds/ builds a path to, or runs, a file under scripts/ (messages may name a command).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "olmo_ds"
+
+# room -> olmo_ds modules it must not import (a prefix matches the module and everything under it)
+FORBIDDEN = {
+    "olmo_ds.eval": ["olmo_ds.train", "olmo_ds.tools", "olmo_ds.cli"],
+    "olmo_ds.model": ["olmo_ds.train", "olmo_ds.data", "olmo_ds.eval", "olmo_ds.checkpoint", "olmo_ds.weights", "olmo_ds.tools", "olmo_ds.cli"],
+    "olmo_ds.weights": ["olmo_ds.train", "olmo_ds.data", "olmo_ds.eval", "olmo_ds.tools", "olmo_ds.cli"],
+    "olmo_ds.data": ["olmo_ds.train", "olmo_ds.eval", "olmo_ds.tools", "olmo_ds.cli"],
+    "olmo_ds.train": ["olmo_ds.tools", "olmo_ds.cli"],
+}
+# low layers: the only olmo_ds modules they may import
+ALLOWED_ONLY = {
+    "olmo_ds.checkpoint": ["olmo_ds.checkpoint", "olmo_ds.atomic", "olmo_ds.model.config", "olmo_ds"],
+    "olmo_ds.atomic": [],
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, source: str) -> list[tuple[int, str]]:
+    """(line, module) of every olmo_ds import in the file, wherever the statement is."""
+    found = []
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from olmo_ds import checkpoint` imports olmo_ds.checkpoint
+            found += [(node.lineno, f"{node.module}.{a.name}") if node.module == "olmo_ds" else (node.lineno, node.module) for a in node.names]
+    return [(line, m) for line, m in found if m == "olmo_ds" or m.startswith("olmo_ds.")]
+
+
+def under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def breaches(path: Path, source: str | None = None) -> list[str]:
+    me = module_name(path)
+    bad = []
+    for line, target in imports_of(path, path.read_text() if source is None else source):
+        for room, banned in FORBIDDEN.items():
+            if under(me, room) and any(under(target, b) for b in banned):
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {room} imports {target}")
+        for room, allowed in ALLOWED_ONLY.items():
+            if under(me, room) and not any(target == a or (a != "olmo_ds" and under(target, a)) for a in allowed):
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {room} may import only {allowed or 'nothing of olmo_ds'}, imports {target}")
+    return bad
+
+
+def test_the_walls_hold():
+    bad = [b for path in SOURCES for b in breaches(path)]
+    assert not bad, "imports across the package's walls:\n" + "\n".join(bad)
+
+
+def test_the_check_catches_function_local_imports():
+    """The check must see an import inside a function, where every earlier breach was."""
+    fake = PACKAGE / "model" / "_wall_probe.py"
+    assert breaches(fake, "def f():\n    from olmo_ds.data.shards import MANIFEST\n") == [
+        "olmo_ds/model/_wall_probe.py:2: olmo_ds.model imports olmo_ds.data.shards"]
+    assert breaches(PACKAGE / "checkpoint" / "_probe.py", "import olmo_ds.eval.tasks\n")
+
+
+def path_literals_to_scripts(path: Path, source: str | None = None) -> list[str]:
+    """String constants that are a path into scripts/ ("scripts", "scripts/x.py"): messages have spaces, paths do not."""
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source, str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value.strip()
+            if (text == "scripts" or text.startswith(("scripts/", "./scripts/"))) and " " not in text:
+                hits.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {text!r}")
+    return hits
+
+
+def test_nothing_in_the_package_runs_a_script_by_path():
+    hits = [h for path in SOURCES for h in path_literals_to_scripts(path)]
+    assert not hits, "the package reaches into scripts/ (start `python -m olmo_ds.cli.NAME` or call the function instead):\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("source", ['ROOT / "scripts" / "pretrain.py"', 'cmd = ["scripts/pretrain.py"]'])
+def test_the_script_check_catches_paths(source):
+    assert path_literals_to_scripts(PACKAGE / "tools" / "_probe.py", source)
