@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from olmo_ds import hub
+
 # Names under which tokenizers in the wild spell their end-of-document and padding tokens, in the
 # order we prefer them when no tokenizer_config.json names them.
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
@@ -209,8 +211,10 @@ def _read_tokenizer_config(directory: Path) -> dict:
         raise ValueError(f"{path}: invalid JSON: {e}") from e
 
 
-def _resolve_path(path: Path) -> Path:
-    path = Path(path)
+def _resolve_path(spec: str | Path) -> Path:
+    path = Path(spec)
+    if not path.exists() and hub.parse_hub_id(str(spec)) is not None:
+        return hub.resolve_file(str(spec), "tokenizer.json")  # e.g. allenai/dolma2-tokenizer, through the HF cache
     if path.is_dir():
         candidate = path / "tokenizer.json"
         if candidate.is_file():
@@ -220,7 +224,8 @@ def _resolve_path(path: Path) -> Path:
             return models[0]
         raise FileNotFoundError(f"{path}: directory holds no tokenizer.json (nor exactly one sentencepiece .model)")
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: tokenizer file not found (expected an HF tokenizer.json, a directory holding one, or a sentencepiece .model)")
+        raise FileNotFoundError(f"{path}: tokenizer file not found (expected an HF tokenizer.json, a directory holding one, a sentencepiece .model, "
+                                f"or a Hugging Face hub id such as allenai/dolma2-tokenizer)")
     return path
 
 
@@ -240,7 +245,9 @@ def fast_beside(reference: HFTokenizer, single_thread: bool = True) -> FastHFTok
 
 
 def load_tokenizer(path, eos_token: str | None = None, backend: str = "hf") -> Tokenizer:
-    """Load an HF tokenizer.json (or a directory holding one) or a sentencepiece .model.
+    """Load an HF tokenizer.json (or a directory holding one), a sentencepiece .model, or the
+    tokenizer.json of a Hugging Face hub repo (`allenai/dolma2-tokenizer`, through the HF cache;
+    see olmo_ds/hub.py). `.path` is then the cached file.
 
     The EOS id is `eos_token`'s id when given, else the tokenizer's own (tokenizer_config.json's
     `eos_token`, the sentencepiece model's eos, or a conventional name such as `<|endoftext|>`).
@@ -250,7 +257,7 @@ def load_tokenizer(path, eos_token: str | None = None, backend: str = "hf") -> T
     """
     if backend not in ("hf", "fast"):
         raise ValueError(f"tokenizer backend {backend!r}: expected 'hf' or 'fast'")
-    path = _resolve_path(Path(path))
+    path = _resolve_path(path)
     tok: Tokenizer
     if path.suffix == ".model":
         tok = SentencePieceTokenizer(path)

@@ -13,7 +13,8 @@ Normally run through `bash scripts/eval.sh`, which picks the launcher.
 import argparse
 import sys
 
-from olmo_ds.eval.runner import DEFAULT_TASK_DIRS, EvalOptions, run
+from olmo_ds.eval.runner import EvalOptions, run
+from olmo_ds.eval.tasks import TASK_DIRS_ENV
 
 
 def parse_args(argv=None) -> EvalOptions:
@@ -24,7 +25,7 @@ def parse_args(argv=None) -> EvalOptions:
     p.add_argument("--tasks", nargs="+", action="extend", default=[], metavar="TASK",
                    help="multiple-choice tasks: OLMES request directories, plain JSON-lines files, or task names in --task-dir")
     p.add_argument("--task-dir", dest="task_dirs", action="append", default=None, metavar="DIR",
-                   help=f"where task names are looked up (default: {', '.join(str(d) for d in DEFAULT_TASK_DIRS)})")
+                   help=f"where task names are looked up (repeatable; default: ${TASK_DIRS_ENV}, paths separated by ':')")
     p.add_argument("--out", help="where results.json goes (default: RUN/eval/step-N/, or DIR/eval/ for an exported model)")
     p.add_argument("--all-checkpoints", action="store_true", help="evaluate every complete checkpoint of the run, then compare them")
     p.add_argument("--skip-evaluated", action="store_true", help="with --all-checkpoints: only checkpoints without a results.json yet")
@@ -40,7 +41,7 @@ def parse_args(argv=None) -> EvalOptions:
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", help="do not add scalars to RUN/tb")
     a = p.parse_args(argv)
     return EvalOptions(
-        target=a.target, data=a.data, tasks=a.tasks, task_dirs=a.task_dirs or [str(d) for d in DEFAULT_TASK_DIRS], out=a.out,
+        target=a.target, data=a.data, tasks=a.tasks, task_dirs=a.task_dirs or [], out=a.out,
         all_checkpoints=a.all_checkpoints, skip_evaluated=a.skip_evaluated, seq_len=a.seq_len, batch_tokens=a.batch_tokens, max_tokens=a.max_tokens, limit=a.limit,
         uncond=a.uncond, device=a.device, dtype=a.dtype, backend=a.backend, text_field=a.text_field, tensorboard=a.tensorboard,
     )

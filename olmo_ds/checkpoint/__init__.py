@@ -15,17 +15,21 @@ weights (`olmo_ds.weights`) read through here. The layer sits low in the package
 from olmo_ds.checkpoint.layout import (
     CHECKPOINTS,
     LATEST,
+    METRICS,
     TOKENIZER_COPY,
     TRAIN_STATE,
     UNIVERSAL,
+    WANDB_ID,
     checkpoints_dir,
     is_complete,
     latest_checkpoint,
     list_checkpoints,
+    move_run_aside,
     read_train_state,
     resolve_resume,
     rng_file,
     run_dir_of,
+    run_markers,
     step_of,
     step_tag,
 )
@@ -33,8 +37,8 @@ from olmo_ds.checkpoint.load import load_model_state, load_rng, universal_checkp
 from olmo_ds.checkpoint.save import prune_checkpoints, rng_state, save_checkpoint, set_rng_state, versions
 
 __all__ = [
-    "CHECKPOINTS", "LATEST", "TOKENIZER_COPY", "TRAIN_STATE", "UNIVERSAL", "checkpoints_dir", "is_complete",
-    "latest_checkpoint", "list_checkpoints", "load_model_state", "load_rng", "prune_checkpoints", "read_train_state",
-    "resolve_resume", "rng_file", "rng_state", "run_dir_of", "save_checkpoint", "set_rng_state", "step_of", "step_tag",
-    "universal_checkpoint", "versions",
+    "CHECKPOINTS", "LATEST", "METRICS", "TOKENIZER_COPY", "TRAIN_STATE", "UNIVERSAL", "WANDB_ID", "checkpoints_dir",
+    "is_complete", "latest_checkpoint", "list_checkpoints", "load_model_state", "load_rng", "move_run_aside",
+    "prune_checkpoints", "read_train_state", "resolve_resume", "rng_file", "rng_state", "run_dir_of", "run_markers",
+    "save_checkpoint", "set_rng_state", "step_of", "step_tag", "universal_checkpoint", "versions",
 ]

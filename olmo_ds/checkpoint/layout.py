@@ -5,6 +5,7 @@ Layout (docs/architecture.md, "Checkpoints"):
     RUN/checkpoints/step-NNNNNNN/   DeepSpeed's ZeRO files (tag step-NNNNNNN), rng-rankNNNNN.pt per rank,
                                     tokenizer.json, and train_state.json, written LAST
     RUN/checkpoints/latest          the tag of the newest complete checkpoint
+    RUN/metrics.jsonl, RUN/wandb_id, RUN/tb/, RUN/eval/   what a run logs beside its checkpoints
 
 A checkpoint is complete exactly when its `train_state.json` exists (see `olmo_ds.checkpoint.save`), so
 a reader never picks a half-written directory: it lists `step-*` directories and keeps the complete ones.
@@ -12,7 +13,9 @@ a reader never picks a half-written directory: it lists `step-*` directories and
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import re
 from pathlib import Path
 
@@ -21,6 +24,8 @@ TRAIN_STATE = "train_state.json"
 LATEST = "latest"
 TOKENIZER_COPY = "tokenizer.json"
 UNIVERSAL = "universal"
+METRICS = "metrics.jsonl"
+WANDB_ID = "wandb_id"
 _TAG = re.compile(r"^step-(\d{7,})$")
 
 
@@ -90,3 +95,24 @@ def step_of(checkpoint: str | Path) -> int | None:
     """The step in a checkpoint directory's name (`step-0000100` -> 100), else None."""
     m = _TAG.match(Path(checkpoint).name)
     return int(m.group(1)) if m else None
+
+
+def run_markers(run_dir: str | Path) -> list[str]:
+    """What makes `run_dir` hold a run, relative to it: any `checkpoints/step-*` directory (complete or
+    not), `metrics.jsonl`, `wandb_id`. Empty for a new or empty run directory."""
+    run_dir = Path(run_dir)
+    found = [f"{CHECKPOINTS}/{d.name}" for _, d in list_checkpoints(checkpoints_dir(run_dir), complete_only=False)]
+    return found + [name for name in (METRICS, WANDB_ID) if (run_dir / name).exists()]
+
+
+def move_run_aside(run_dir: str | Path) -> Path:
+    """Rename `run_dir` to `RUN.replaced-<UTC time>` (deleting nothing) so a new run can start there."""
+    run_dir = Path(run_dir)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    target = run_dir.with_name(f"{run_dir.name}.replaced-{stamp}")
+    n = 1
+    while target.exists():  # two restarts within a second
+        target = run_dir.with_name(f"{run_dir.name}.replaced-{stamp}-{n}")
+        n += 1
+    os.rename(run_dir, target)
+    return target

@@ -21,10 +21,12 @@ def main() -> int:
                    help="override a config value, e.g. --set optim.lr=3e-4 (repeatable)")
     p.add_argument("--resume", default=None, metavar="auto|CKPT_DIR",
                    help="auto: continue from the run's newest complete checkpoint if there is one")
+    p.add_argument("--start-over", action="store_true",
+                   help="run_dir holds an earlier run: move it aside (to RUN.replaced-<time>; nothing is deleted) and start a new one")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     args = p.parse_args()
     try:
-        trainer = Trainer(load_config(args.config, args.overrides), resume=args.resume)
+        trainer = Trainer(load_config(args.config, args.overrides), resume=args.resume, start_over=args.start_over)
         trainer.fit()
     except (ConfigError, NonFiniteLossError, CheckpointSaveError) as e:
         print(f"error: {e}", file=sys.stderr)

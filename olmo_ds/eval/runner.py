@@ -27,8 +27,6 @@ from olmo_ds.eval.perplexity import TextSource, evaluate_perplexity, load_source
 from olmo_ds.eval.scoring import DistContext
 from olmo_ds.eval.tasks import Task, load_task, resolve_task
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TASK_DIRS = [REPO_ROOT.parent / "shared" / "eval"]
 
 
 @dataclass
@@ -36,7 +34,7 @@ class EvalOptions:
     target: str  # checkpoint dir, run dir, or exported model dir
     data: list[str] = field(default_factory=list)  # NAME=PATH or PATH; empty = the run's validation sources
     tasks: list[str] = field(default_factory=list)
-    task_dirs: list[str] = field(default_factory=lambda: [str(d) for d in DEFAULT_TASK_DIRS])
+    task_dirs: list[str] = field(default_factory=list)  # where task names are looked up (default: $OLMO_DS_TASK_DIRS)
     out: str | None = None
     all_checkpoints: bool = False
     skip_evaluated: bool = False  # with all_checkpoints: leave out checkpoints that already have results.json

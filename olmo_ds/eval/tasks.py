@@ -18,6 +18,7 @@ mistyped field, or a gold index outside the choices is an error naming the file 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,16 +64,28 @@ def load_task(path: str | Path) -> Task:
     raise FileNotFoundError(f"{path}: no such task file or directory")
 
 
+TASK_DIRS_ENV = "OLMO_DS_TASK_DIRS"
+
+
+def default_task_dirs() -> list[Path]:
+    """Where task names are looked up when no task directory is given: $OLMO_DS_TASK_DIRS (separated by
+    the OS path separator), else nowhere (a task is then named by its path)."""
+    return [Path(d) for d in os.environ.get(TASK_DIRS_ENV, "").split(os.pathsep) if d]
+
+
 def resolve_task(spec: str, task_dirs: list[Path]) -> Path:
-    """A task argument as given, or a task name looked up in `task_dirs` (e.g. ../shared/eval)."""
+    """A task argument as given, or a task name looked up in `task_dirs` (else `default_task_dirs()`)."""
     path = Path(spec)
     if path.exists():
         return path
+    task_dirs = list(task_dirs) or default_task_dirs()
     for d in task_dirs:
         if (d / spec).exists():
             return d / spec
-    looked = ", ".join(str(d) for d in task_dirs) or "nowhere"
-    raise FileNotFoundError(f"task {spec!r}: no such path, and no task of that name in {looked}")
+    if not task_dirs:
+        raise FileNotFoundError(f"task {spec!r}: no such path, and no task directory to look the name up in "
+                                f"(give the task's path, --task-dir / eval.task_dirs, or set {TASK_DIRS_ENV})")
+    raise FileNotFoundError(f"task {spec!r}: no such path, and no task of that name in {', '.join(map(str, task_dirs))}")
 
 
 def _field(record: dict, key: str, kind, where: str):

@@ -38,21 +38,19 @@ from pathlib import Path
 
 import orjson
 
+from olmo_ds import hub
 from olmo_ds.tools import package_env
 
-SHARED = Path("../shared")  # the shared test data beside a clone, when the bench runs from the repository root
-
-
-def _unique_documents(limit: int) -> list[str]:
+def _unique_documents(limit: int, extra_text: Path | None = None) -> list[str]:
     """Real code and prose that every installation of the project carries, no text twice: the
     Python sources (code with docstrings) and the .md/.rst/.txt files of the standard library and
-    the installed packages, plus the C4 web sample when ../shared is present; up to `limit` bytes.
+    the installed packages, after the web text of `extra_text`'s .json.gz files (e.g. the C4 sample
+    beside a clone, ../shared/data/c4-sample) when given; up to `limit` bytes.
 
     Repeated documents would flatter any tokenizer with a cache, so a document is taken once.
     """
     seen, docs, total = set(), [], 0
-    c4 = SHARED / "data" / "c4-sample"
-    for f in sorted(c4.glob("*.json.gz")):
+    for f in sorted(Path(extra_text).glob("*.json.gz")) if extra_text else []:
         with gzip.open(f, "rt") as fh:
             docs += [json.loads(line)["text"] for line in fh]
     roots = {Path(sysconfig.get_paths()[k]) for k in ("stdlib", "purelib")}
@@ -74,7 +72,7 @@ def _unique_documents(limit: int) -> list[str]:
     return docs
 
 
-def generate_corpus(directory: Path, size_mb: int, files: int = 8) -> Path:
+def generate_corpus(directory: Path, size_mb: int, files: int = 8, extra_text: Path | None = None) -> Path:
     """JSON-lines files holding about `size_mb` MB of distinct real documents; reused when present.
 
     If the installation holds less text than asked for, the corpus is what there is (it says so).
@@ -86,7 +84,7 @@ def generate_corpus(directory: Path, size_mb: int, files: int = 8) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     for old in directory.glob("part-*.jsonl"):
         old.unlink()
-    lines = [orjson.dumps({"text": d}) + b"\n" for d in _unique_documents(size_mb * 1_000_000)]
+    lines = [orjson.dumps({"text": d}) + b"\n" for d in _unique_documents(size_mb * 1_000_000, extra_text)]
     per_file = -(-len(lines) // files)
     for i in range(files):
         with open(directory / f"part-{i:03d}.jsonl", "wb") as out:
@@ -320,14 +318,15 @@ def measure_memory_over_time(tokenizer: Path, path: Path, output: Path, workers:
     return {"file_mb": path.stat().st_size / 1e6, "workers": workers, "seconds": seconds, "tokens": manifest["num_tokens"], "rss": rows}
 
 
-def run(tokenizer: Path, corpus_dir: Path, size_mb: int, workers: list[int], backends: list[str], log=print, big_file_mb: int = 0, repeats: int = 1) -> dict:
+def run(tokenizer: Path, corpus_dir: Path, size_mb: int, workers: list[int], backends: list[str], log=print, big_file_mb: int = 0, repeats: int = 1,
+        extra_text: Path | None = None) -> dict:
     # The corpus, the big file and the outputs in separate directories: prepare_data.py reads its
     # input directory recursively, so anything else left there would be tokenized too.
     corpus = corpus_dir / "corpus"
     # Generated in a child process: this one must stay small, because Linux counts a parent's memory
     # at fork time in the peak RSS (ru_maxrss) of every child it starts, so the prepare runs timed
     # below would report this process's size instead of their own.
-    gen = mp.get_context("fork").Process(target=generate_corpus, args=(corpus, size_mb))
+    gen = mp.get_context("fork").Process(target=generate_corpus, args=(corpus, size_mb), kwargs={"extra_text": extra_text})
     gen.start()
     gen.join()
     if gen.exitcode != 0:
@@ -393,7 +392,8 @@ def run(tokenizer: Path, corpus_dir: Path, size_mb: int, workers: list[int], bac
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokenizer", type=Path, default=SHARED / "tokenizers" / "dolma2-tokenizer.json")
+    p.add_argument("--tokenizer", default="allenai/dolma2-tokenizer", help="tokenizer.json, or a hub id from the HF cache (default: OLMo 2/3's)")
+    p.add_argument("--extra-text", type=Path, default=None, help="a directory of .json.gz web text to put first in the corpus (the measured runs used ../shared/data/c4-sample)")
     p.add_argument("--dir", type=Path, default=Path("data/bench-prepare"), help="where the generated corpus and the shards go (corpus reused when present)")
     p.add_argument("--size-mb", type=int, default=256, help="size of the generated corpus (default: 256)")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
@@ -402,7 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big-file-mb", type=int, default=0, help="also run on one file of this many MB: each process's RSS over time at the most workers, and prepare+validate at every worker count (0: skip)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = p.parse_args(argv)
-    results = run(a.tokenizer.resolve(), a.dir, a.size_mb, a.workers, a.backends, big_file_mb=a.big_file_mb, repeats=a.repeats)
+    try:
+        tokenizer = hub.resolve_file(a.tokenizer, "tokenizer.json", what="--tokenizer").resolve()
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = run(tokenizer, a.dir, a.size_mb, a.workers, a.backends, big_file_mb=a.big_file_mb, repeats=a.repeats, extra_text=a.extra_text)
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
     return 0

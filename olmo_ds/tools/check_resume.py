@@ -203,7 +203,7 @@ def train_and_kill(check: ResumeCheck) -> int:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / ckpt.METRICS
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 

@@ -109,7 +109,7 @@ class EvalConfig:
     every: int = 0  # in-loop evaluation every N steps and at the end (0 = never)
     max_batches: int = 8  # validation batches (of batch.micro_batch_size rows) per rank and source
     tasks: list[str] = field(default_factory=list)  # task directories/files, or names under task_dirs
-    task_dirs: list[str] = field(default_factory=list)  # where task names are looked up (default ../shared/eval)
+    task_dirs: list[str] = field(default_factory=list)  # where task names are looked up (default: $OLMO_DS_TASK_DIRS)
     task_limit: int = 200  # first N questions of each task (0 = all)
 
 
@@ -141,6 +141,15 @@ class TrainConfig:
         d["model"] = {"preset": model["preset"], **model["overrides"]}
         return d
 
+    def warnings(self) -> list[str]:
+        """Settings that run, but probably not as meant; the trainer logs them at start-up."""
+        found = []
+        s = self.schedule
+        if s.warmup_steps > self.max_steps and s.kind != "wsd":
+            found.append(f"{self.source}: schedule.warmup_steps {s.warmup_steps} exceeds max_steps {self.max_steps}: the run ends "
+                         f"during warm-up, at {self.max_steps / s.warmup_steps:.1%} of optim.lr (a short trial of a long config?)")
+        return found
+
     def validate(self) -> None:
         """Checks that need only the config itself (no files, no devices)."""
         where = self.source
@@ -170,8 +179,6 @@ class TrainConfig:
             raise ConfigError(f"{where}: schedule.final_lr_fraction must be in [0, 1], got {s.final_lr_fraction}")
         if s.warmup_steps < 0 or s.decay_steps < 0:
             raise ConfigError(f"{where}: schedule.warmup_steps and schedule.decay_steps must be >= 0")
-        if s.warmup_steps > self.max_steps:
-            raise ConfigError(f"{where}: schedule.warmup_steps {s.warmup_steps} exceeds max_steps {self.max_steps}")
         if s.kind == "wsd":
             if s.decay_steps <= 0:
                 raise ConfigError(f"{where}: schedule.kind wsd needs schedule.decay_steps > 0")

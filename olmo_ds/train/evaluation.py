@@ -18,9 +18,6 @@ import numpy as np
 from olmo_ds.data.config import SourceConfig
 from olmo_ds.train.config import ConfigError, TrainConfig
 
-DEFAULT_TASK_DIRS = [Path(__file__).resolve().parents[2].parent / "shared" / "eval"]
-
-
 def _val_sources(cfg: TrainConfig) -> list[SourceConfig]:
     """`data.val_sources`, else each training source's `val/` split where prepare_data wrote one."""
     if cfg.data.val_sources:
@@ -57,14 +54,16 @@ class InLoopEvaluator:
             if tokenizer is None:
                 raise ConfigError(f"{cfg.source}: eval.tasks needs `tokenizer` set (tasks are text)")
             try:
-                loaded = [load_task(resolve_task(t, [Path(d) for d in e.task_dirs] or DEFAULT_TASK_DIRS)) for t in e.tasks]
+                loaded = [load_task(resolve_task(t, [Path(d) for d in e.task_dirs])) for t in e.tasks]
             except (FileNotFoundError, ValueError) as err:
                 raise ConfigError(f"{cfg.source}: eval.tasks: {err}") from None
             self.tasks = prepare_tasks(tokenizer, loaded, limit=e.task_limit or None)
         if not self.val and not self.tasks:
             raise ConfigError(
-                f"{cfg.source}: eval.every is {e.every} but there is nothing to evaluate: set data.val_sources "
-                f"(or prepare the data with a validation split) and/or eval.tasks"
+                f"{cfg.source}: eval.every is {e.every} but there is nothing to evaluate: no data source has a "
+                f"validation split (SOURCE/val/, which `prepare_data.py --val-fraction 0.01` writes), data.val_sources "
+                f"is empty and eval.tasks is empty. Prepare the data with --val-fraction, set data.val_sources or "
+                f"eval.tasks, or turn in-loop evaluation off with --set eval.every=0"
             )
 
     def __call__(self, engine) -> dict[str, float]:

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
+from olmo_ds.checkpoint import METRICS, WANDB_ID
+
 log = logging.getLogger("olmo_ds")
 
-WANDB_ID_FILE = "wandb_id"
 
 # Dense bf16 peak TFLOP/s per device by datasheet, for MFU. Matched as substrings of the device name.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0, "B200": 2250.0}
@@ -71,7 +72,7 @@ def wandb_run_id(run_dir: Path) -> str:
     the same id with resume="allow", so W&B continues one run instead of opening one per restart. A
     random id rather than one derived from the path: two clusters' `runs/demo` must not collide.
     """
-    path = run_dir / WANDB_ID_FILE
+    path = run_dir / WANDB_ID
     if path.exists():
         return path.read_text().strip()
     run_id = secrets.token_hex(6)
@@ -115,7 +116,7 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.jsonl = open(run_dir / METRICS, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

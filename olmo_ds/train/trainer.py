@@ -75,9 +75,13 @@ def check_run(cfg: TrainConfig, model: ModelConfig, loader: DataLoader, tokenize
         if model.vocab_size < tokenizer.vocab_size:
             raise ConfigError(f"model vocab_size {model.vocab_size} is smaller than tokenizer vocab {tokenizer.vocab_size} ({cfg.tokenizer})")
         if tokenizer.fingerprint != loader.tokenizer_fingerprint:
+            given = cfg.tokenizer if str(tokenizer.path) == str(cfg.tokenizer) else f"{cfg.tokenizer} (file {tokenizer.path})"
+            prepared_with = loader.sources[0].manifest.extra.get("arguments", {}).get("tokenizer")
             raise ConfigError(
-                f"tokenizer {cfg.tokenizer} ({tokenizer.fingerprint}) is not the tokenizer the data was prepared with "
-                f"({loader.tokenizer_fingerprint}, {manifest}); re-tokenize the data or point `tokenizer` at the right file"
+                f"tokenizer {given}, content {tokenizer.fingerprint}, is not the tokenizer the data was prepared with: "
+                f"{manifest} records {loader.tokenizer_fingerprint}"
+                + (f" (prepare_data.py --tokenizer {prepared_with})" if prepared_with else "")
+                + "; re-tokenize the data or point `tokenizer` at the file it was prepared with"
             )
     if model.vocab_size < loader.vocab_size:
         raise ConfigError(f"model vocab_size {model.vocab_size} is smaller than tokenizer vocab {loader.vocab_size} ({manifest})")
@@ -90,6 +94,33 @@ def check_run(cfg: TrainConfig, model: ModelConfig, loader: DataLoader, tokenize
             f"batch.seq_len {cfg.batch.seq_len} exceeds model.max_seq_len {model.max_seq_len} "
             f"(model preset {cfg.model.preset!r}); lower batch.seq_len or set model.max_seq_len"
         )
+
+
+def claim_run_dir(run_dir: Path, resume: str | None, start_over: bool, rank: int) -> None:
+    """Refuse to start a second run in a run directory that holds one, unless told what to do with it.
+
+    A run dir holds a run when it has any checkpoint directory, `metrics.jsonl` or `wandb_id`
+    (`olmo_ds.checkpoint.run_markers`). Then `--resume` continues that run; `--start-over` moves it
+    aside (rank 0, before any rank writes) and starts a new one; neither is an error that changes no file.
+    Two runs therefore never share metrics, a W&B id or checkpoint names.
+    """
+    if start_over and resume not in (None, "none"):
+        raise ConfigError(f"--start-over and --resume {resume} exclude each other: one starts a new run, the other continues one")
+    markers = ckpt.run_markers(run_dir)
+    if not markers:
+        return
+    if start_over:
+        if rank == 0:
+            moved = ckpt.move_run_aside(run_dir)
+            log.info("--start-over: moved the earlier run in %s to %s", run_dir, moved)
+        return
+    held = f"run_dir {run_dir} already holds a run ({', '.join(markers[:4])}{', ...' if len(markers) > 4 else ''})"
+    if resume in (None, "none"):
+        raise ConfigError(f"{held}; continue it with --resume auto, or start a new run there with --start-over "
+                          f"(moves the old one to {run_dir.name}.replaced-<time>, deletes nothing), or choose another run_dir")
+    if resume != "auto" and ckpt.checkpoints_dir(run_dir).resolve() != Path(resume).resolve().parent:
+        raise ConfigError(f"--resume {resume}: a checkpoint of another run, and {held}; resume it into a new run_dir, "
+                          f"or start over here with --start-over (and without --resume)")
 
 
 def _offloaded(ds_config: dict) -> bool:
@@ -141,7 +172,7 @@ def exact_resume_optimizer(ds_config: dict) -> dict:
 class Trainer:
     """See the module docstring."""
 
-    def __init__(self, cfg: TrainConfig, *, resume: str | None = None):
+    def __init__(self, cfg: TrainConfig, *, resume: str | None = None, start_over: bool = False):
         from olmo_ds.tokenizer import load_tokenizer
 
         self.cfg = cfg
@@ -149,7 +180,10 @@ class Trainer:
         self.rank, self.world_size = env.rank, env.world_size
         setup_console_logging(self.rank)
         normalize_cuda_arch_list()  # before DeepSpeed builds any op; logs what it changed
+        for warning in cfg.warnings():
+            log.warning(warning)
         self.run_dir = Path(cfg.run_dir)
+        claim_run_dir(self.run_dir, resume, start_over, self.rank)
 
         # Everything below up to the engine is cheap and checks the run before any heavy work.
         check_batch_divisible(cfg, self.world_size)
@@ -167,6 +201,8 @@ class Trainer:
         vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.loader.vocab_size
         self.model_cfg = cfg.model.build(vocab_size=vocab)
         check_run(cfg, self.model_cfg, self.loader, self.tokenizer, self.world_size)
+        # The run's own checkpoint is where a continued run starts; weights from elsewhere (a later
+        # `init_from`) may only seed a run that has none, so they are consulted after this, never instead.
         try:
             self.resume_dir = ckpt.resolve_resume(resume, cfg.run_dir)
             self.resume_state = ckpt.read_train_state(self.resume_dir) if self.resume_dir else None
@@ -374,7 +410,7 @@ class Trainer:
             raise NonFiniteLossError(f"step {self.step}: the weights hold non-finite values; refusing to save them over good checkpoints")
         t0 = time.perf_counter()
         try:
-            path = ckpt.save_checkpoint(self.engine, self.run_dir, self.step, self.train_state(), rank=self.rank, tokenizer_path=self.cfg.tokenizer)
+            path = ckpt.save_checkpoint(self.engine, self.run_dir, self.step, self.train_state(), rank=self.rank, tokenizer_path=self.tokenizer.path if self.tokenizer else None)
         except (OSError, RuntimeError) as e:
             # The half-written directory has no train_state.json, so resume skips it and the next save of
             # this step replaces it; say so, because a raw traceback from torch.save reads like corruption.

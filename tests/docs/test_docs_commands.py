@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from testdata import DOLMA2_HUB_ID, SHARED, fill_hf_cache
+
 REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO / ".." / "shared"
 MARKER = re.compile(r"^\s*#\s*(gpu-only|multi-node|not-run\b)", re.M)
 BLOCK_TIMEOUT_S = 300
 
@@ -132,12 +133,17 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
     corpus.mkdir(parents=True)
     for f in sorted((SHARED / "data" / "c4-sample").glob("*.json.gz")):
         shutil.copy(f, corpus / f.name)
+    # OLMo's tokenizer by hub id, as `hf download allenai/dolma2-tokenizer tokenizer.json` leaves it; offline.
+    cache = root / "hf-cache"
+    fill_hf_cache(cache, DOLMA2_HUB_ID, {"tokenizer.json": SHARED / "tokenizers" / "dolma2-tokenizer.json"})
     env = dict(os.environ)
     env.update(
         PATH=f"{repo / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}",
         VIRTUAL_ENV=str(repo / ".venv"),
         PYTHONPATH=str(repo),
         PYTHONUNBUFFERED="1",
+        HF_HUB_CACHE=str(cache),
+        HF_HUB_OFFLINE="1",
     )
     stamp = subprocess.run(["make", "-q", ".venv/.installed"], cwd=repo, env=env)
     assert stamp.returncode == 0, "the copy's install stamp is stale: make would reinstall into the shared .venv"

@@ -100,7 +100,7 @@ def test_bad_arguments_fail_before_any_run(config, tmp_path):
     assert "between 1 and --steps - 1" in problem(kill_after=6)
     assert "the python launcher runs one rank" in problem(nproc=2)
     assert "does not exist" in problem(config=tmp_path / "missing.yaml")
-    assert "schedule.warmup_steps" in problem(overrides=["schedule.warmup_steps=50"])
+    assert "batch.seq_len must be > 0" in problem(overrides=["batch.seq_len=0"])
     work.mkdir()
     (work / "keep.txt").write_text("mine")
     assert "is not empty" in problem()

@@ -1,0 +1,59 @@
+"""Tokenizers (and, through the same resolver, weights and datasets) by path or Hugging Face hub id, offline."""
+
+from __future__ import annotations
+
+import pytest
+
+from olmo_ds import hub
+from olmo_ds.tokenizer import load_tokenizer
+
+from testdata import DOLMA2_HUB_ID, SHARED, fill_hf_cache
+
+
+def test_a_hub_id_loads_the_cached_tokenizer_offline(hf_cache):
+    tok = load_tokenizer(DOLMA2_HUB_ID)
+    local = load_tokenizer(SHARED / "tokenizers" / "dolma2-tokenizer.json")
+    assert tok.path.is_relative_to(hf_cache) and tok.path.name == "tokenizer.json"
+    assert (tok.vocab_size, tok.eos_id, tok.pad_id, tok.fingerprint) == (local.vocab_size, local.eos_id, local.pad_id, local.fingerprint)
+    assert tok.encode("Hello, world") == local.encode("Hello, world")
+
+
+def test_a_revision_is_honoured(hf_cache):
+    fill_hf_cache(hf_cache, DOLMA2_HUB_ID, {"tokenizer.json": SHARED / "tokenizers" / "gpt-neox-olmo-dolma-v1_5.json"},
+                  commit="1" * 40, ref=None)
+    assert load_tokenizer(f"{DOLMA2_HUB_ID}@{'1' * 40}").vocab_size == 50280
+    assert load_tokenizer(DOLMA2_HUB_ID).vocab_size == 100278  # refs/main still names the first commit
+
+
+def test_offline_and_not_cached_is_one_error_with_the_fetch_command(hf_cache):
+    with pytest.raises(FileNotFoundError) as e:
+        load_tokenizer("allenai/OLMo-2-0425-1B")
+    text = str(e.value)
+    assert "is not in the HF cache" in text and "HF_HUB_OFFLINE is set" in text
+    assert "hf download allenai/OLMo-2-0425-1B tokenizer.json" in text
+
+
+def test_a_path_always_wins_and_a_missing_path_is_not_taken_for_a_hub_id(tmp_path, hf_cache, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "allenai").mkdir()
+    (tmp_path / "allenai" / "dolma2-tokenizer").mkdir()
+    (tmp_path / "allenai" / "dolma2-tokenizer" / "tokenizer.json").write_bytes((SHARED / "tokenizers" / "gpt-neox-olmo-dolma-v1_5.json").read_bytes())
+    assert load_tokenizer(DOLMA2_HUB_ID).vocab_size == 50280  # the local directory of that name
+    with pytest.raises(FileNotFoundError, match="tokenizer file not found"):
+        load_tokenizer("data/my_tokenizer.json")  # a file name, never a hub id
+
+
+@pytest.mark.parametrize("spec, parsed", [
+    ("allenai/dolma2-tokenizer", ("allenai/dolma2-tokenizer", None)),
+    ("allenai/OLMo-2-0425-1B@stage1-step1000", ("allenai/OLMo-2-0425-1B", "stage1-step1000")),
+    ("data/tokenizer.json", None), ("./allenai/x", None), ("/abs/path", None), ("tokenizer", None), ("a/b/c", None),
+])
+def test_what_reads_as_a_hub_id(spec, parsed):
+    assert hub.parse_hub_id(spec) == parsed
+
+
+def test_a_snapshot_resolves_from_the_cache(hf_cache):
+    snap = hub.resolve_snapshot(DOLMA2_HUB_ID, ["*.json"], what="--init-from")
+    assert (snap / "tokenizer.json").is_file()
+    with pytest.raises(hub.HubError, match=r"--init-from: allenai/OLMo-2-0425-1B is a Hugging Face hub id.*hf download allenai/OLMo-2-0425-1B"):
+        hub.resolve_snapshot("allenai/OLMo-2-0425-1B", ["*.safetensors", "config.json"], what="--init-from")

@@ -1,0 +1,28 @@
+"""Where the tests find their real data, and an offline Hugging Face cache made from it.
+
+Importable by name from any test module (pytest puts tests/ on sys.path for tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("OLMO_DS_SHARED", ROOT.parent / "shared"))
+DOLMA2_HUB_ID = "allenai/dolma2-tokenizer"
+
+
+def fill_hf_cache(cache: Path, repo_id: str, files: dict[str, Path], commit: str = "0" * 40, ref: str | None = "main") -> Path:
+    """`files` (name in the repo -> local file) laid out as `hf download` leaves them in an HF cache:
+    models--ORG--NAME/snapshots/COMMIT/NAME, with refs/REF naming the commit. Returns the snapshot dir."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name, src in files.items():
+        shutil.copyfile(src, snapshot / name)
+    if ref is not None:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
