@@ -125,6 +125,105 @@ def model_config_from_hf(directory: Path, hf_config: dict, vocab_size: int | Non
         raise ValueError(f"{config_path}: missing or invalid key {e}") from e
 
 
+# ---- starting a run from weights ----------------------------------------------------------------
+
+# The files of a hub repo that starting from its weights needs (resolve_snapshot's allow_patterns).
+HUB_WEIGHT_FILES = [HF_CONFIG_FILE, "*.safetensors", SAFETENSORS_INDEX, "tokenizer.json", "tokenizer_config.json",
+                    MODEL_CONFIG_FILE]
+
+
+@dataclass
+class WeightsInfo:
+    """What a weights source is, read without loading a tensor: enough to check a run against it."""
+
+    kind: str
+    directory: Path
+    cfg: ModelConfig
+    tokenizer_fingerprint: str | None  # None when the source carries no tokenizer
+    step: int | None  # the training step the weights are from, where known
+    train_state: dict  # a checkpoint's train_state.json (or an export's copy); {} if none
+
+
+def inspect_weights(spec: str | Path, *, what: str = "") -> WeightsInfo:
+    """Describe the weights `spec` names (a checkpoint, a run dir, our model dir, a transformers dir, or
+    a hub id from the HF cache) from their config and train_state alone."""
+    from olmo_ds import hub
+
+    path = Path(spec)
+    if not path.exists() and hub.parse_hub_id(str(spec)) is not None:
+        path = hub.resolve_snapshot(str(spec), HUB_WEIGHT_FILES, what=what)
+    kind, directory = resolve_weights(path)
+    if kind == "checkpoint":
+        state = ckpt.read_train_state(directory)
+        return WeightsInfo(kind, directory, ModelConfig.from_dict(state["model"]), state.get("tokenizer_fingerprint"),
+                           state.get("step", ckpt.step_of(directory)), state)
+    if kind == "model_dir":
+        cfg = ModelConfig.from_dict(json.loads((directory / MODEL_CONFIG_FILE).read_text()))
+        state = {}
+    else:
+        cfg, state = model_config_from_hf(directory, read_hf_config(directory)), export_provenance(directory)
+    fingerprint = None
+    if (directory / "tokenizer.json").is_file():
+        from olmo_ds.tokenizer import load_tokenizer
+
+        fingerprint = load_tokenizer(directory).fingerprint
+    return WeightsInfo(kind, directory, cfg, fingerprint, state.get("step"), state)
+
+
+def weights_fingerprint(state_dict: dict[str, torch.Tensor], samples_per_tensor: int = 1 << 16) -> str:
+    """A content fingerprint of a state dict that reads at most `samples_per_tensor` evenly spaced values
+    of each tensor (names, shapes and dtypes in full): two different sets of weights differ in it with
+    near certainty, and fingerprinting a 32B model costs a fraction of a second, not a pass over 128 GB."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().reshape(-1)
+        h.update(f"{name}:{tuple(state_dict[name].shape)}:{t.dtype};".encode())
+        stride = max(1, t.numel() // samples_per_tensor)
+        h.update(t[::stride].float().cpu().numpy().tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def load_weights_into(model, state_dict: dict[str, torch.Tensor] | None) -> int:
+    """Copy rank 0's `state_dict` into `model` on every rank; collective. Returns the number of elements
+    of the largest tensor this rank received.
+
+    Only rank 0 needs the weights (other ranks pass None: they never read a weight file). Under ZeRO-3
+    (parameters built under `deepspeed.zero.Init`) each parameter goes out as a scatter of its
+    partitions, so rank r receives only its own slice and no rank but 0 ever holds a full tensor;
+    other parameters (ZeRO-1/2, where every rank holds the whole model anyway) are broadcast. Call it
+    after building the model and before `deepspeed.initialize`, so the optimizer's fp32 master copies
+    are made from the loaded weights.
+    """
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        check_state_dict(model.cfg, state_dict, "weights to load")
+    largest = 0
+    for name, param in model.named_parameters():  # de-duplicates tied weights
+        if hasattr(param, "ds_tensor"):  # ZeRO-3: this rank's flat, padded partition
+            part = param.ds_tensor
+            chunks = None
+            if rank == 0:
+                flat = state_dict[name].to(part.dtype).reshape(-1)
+                padded = torch.zeros(part.numel() * world, dtype=part.dtype)
+                padded[: flat.numel()] = flat
+                chunks = [c.to(part.device) for c in padded.split(part.numel())]
+            received = torch.empty(part.numel(), dtype=part.dtype, device=part.device)
+            dist.scatter(received, chunks, src=0)
+            with torch.no_grad():
+                part.copy_(received.view_as(part))
+        else:
+            received = state_dict[name].to(device=param.device, dtype=param.dtype) if rank == 0 else torch.empty_like(param.data)
+            dist.broadcast(received, src=0)
+            with torch.no_grad():
+                param.data.copy_(received)
+        largest = max(largest, received.numel())
+    return largest
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our parameter name -> shape, from a model built on the meta device (no memory, any size)."""
     from olmo_ds.model.model import OLMo
@@ -225,27 +324,6 @@ def load_model_dir(directory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         state["head.weight"] = state["embed.weight"]
     check_state_dict(cfg, state, str(directory))
     return cfg, state
-
-
-def load_weights_into(model, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy a full state dict into `model`, also when its parameters are ZeRO-3 partitioned.
-
-    For starting a run from imported weights: build the model under `deepspeed.zero.Init`, then call
-    this on every rank (collective under ZeRO-3: each parameter is gathered, overwritten on rank 0
-    and broadcast back into its partitions).
-    """
-    check_state_dict(model.cfg, state_dict, "state dict to load")
-    for name, param in model.named_parameters():  # de-duplicates tied weights
-        source = state_dict[name]
-        if hasattr(param, "ds_id"):
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                if torch.distributed.get_rank() == 0:
-                    param.data.copy_(source)
-        else:
-            with torch.no_grad():
-                param.copy_(source)
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[Path]:

@@ -25,6 +25,7 @@ from olmo_ds.train.config import (
     BatchRamp,
     CheckpointConfig,
     EvalConfig,
+    InitFromConfig,
     LoggingConfig,
     OptimConfig,
     ScheduleConfig,
@@ -38,6 +39,7 @@ FIELD_LINE = re.compile(r"^\s+(\w+):\s*[^=#]+?(?:=\s*[^#]*?)?\s*(?:#\s*(.*))?$")
 SECTIONS = [
     ("top level", TrainConfig),
     ("model", ModelConfig),
+    ("init_from", InitFromConfig),
     ("data", DataConfig),
     ("data.sources[] and data.val_sources[]", SourceConfig),
     ("batch", BatchConfig),

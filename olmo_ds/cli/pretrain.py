@@ -6,6 +6,7 @@ Also runs under torchrun, Slurm's srun, or plain `python` (one rank). See olmo_d
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -21,12 +22,16 @@ def main() -> int:
                    help="override a config value, e.g. --set optim.lr=3e-4 (repeatable)")
     p.add_argument("--resume", default=None, metavar="auto|CKPT_DIR",
                    help="auto: continue from the run's newest complete checkpoint if there is one")
+    p.add_argument("--init-from", default=None, metavar="PATH|HUB_ID",
+                   help="start from these weights (an olmo-ds checkpoint or run, our model dir, a transformers dir, a hub id); "
+                        "the same as --set init_from.path=...; ignored when --resume finds the run's own checkpoint")
     p.add_argument("--start-over", action="store_true",
                    help="run_dir holds an earlier run: move it aside (to RUN.replaced-<time>; nothing is deleted) and start a new one")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     args = p.parse_args()
     try:
-        trainer = Trainer(load_config(args.config, args.overrides), resume=args.resume, start_over=args.start_over)
+        overrides = args.overrides + ([f"init_from.path={json.dumps(args.init_from)}"] if args.init_from else [])
+        trainer = Trainer(load_config(args.config, overrides), resume=args.resume, start_over=args.start_over)
         trainer.fit()
     except (ConfigError, NonFiniteLossError, CheckpointSaveError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -192,6 +192,12 @@ PRESETS: dict[str, ModelConfig] = {
     "olmo2-1b": ModelConfig(d_model=2048, n_layers=16, n_heads=16, mlp_hidden=8192, vocab_size=100278, max_seq_len=4096),
     "olmo2-7b": ModelConfig(d_model=4096, n_layers=32, n_heads=32, mlp_hidden=11008, vocab_size=100278, max_seq_len=4096),
     "olmo2-13b": ModelConfig(d_model=5120, n_layers=40, n_heads=40, mlp_hidden=13824, vocab_size=100278, max_seq_len=4096),
+    # An OLMo-3-style 1B (not a released model): OLMo 2 1B's dimensions with OLMo 3's attention layout and context,
+    # the size whose whole stage chain (pretrain, mid-train, long context) fits one GPU.
+    "olmo3-style-1b": ModelConfig(
+        d_model=2048, n_layers=16, n_heads=16, mlp_hidden=8192, vocab_size=100278, max_seq_len=8192,
+        sliding_window=4096, sliding_window_pattern=_olmo3_pattern(),
+    ),
     "olmo3-7b": ModelConfig(
         d_model=4096, n_layers=32, n_heads=32, mlp_hidden=11008, vocab_size=100278, max_seq_len=8192,
         sliding_window=4096, sliding_window_pattern=_olmo3_pattern(),

@@ -113,16 +113,35 @@ class EvalConfig:
     task_limit: int = 200  # first N questions of each task (0 = all)
 
 
+# Model fields a run may change against the weights it starts from, when `init_from.allow_changes` names
+# them: the context length and RoPE scaling (long-context extension: OLMo 3's YaRN on the full layers).
+# Everything else shapes the weights or what they compute, and must match.
+INIT_CHANGEABLE = ("max_seq_len", "yarn", "rope_theta")
+
+
+@dataclass
+class InitFromConfig:
+    """Start a new run from existing weights (fine-tuning, mid-training, context extension).
+
+    A run's own checkpoint always wins: `--resume auto` on a run dir that has one ignores this.
+    """
+
+    path: str | None = None  # an olmo-ds checkpoint or run dir, our model dir (import_hf.py), a transformers dir, or a hub id
+    load_optimizer: bool = False  # also the optimizer state (olmo-ds checkpoints only); schedule and data still start fresh
+    allow_changes: list[str] = field(default_factory=list)  # model fields that may differ from the source: max_seq_len, yarn, rope_theta
+
+
 @dataclass
 class TrainConfig:
     run_dir: str = "runs/default"
     seed: int = 0
     max_steps: int = 1000
-    tokenizer: str | None = None  # tokenizer.json / .model; its vocab sizes the model when unset
+    tokenizer: str | None = None  # tokenizer.json / .model / hub id (allenai/dolma2-tokenizer); its vocab sizes the model when unset
     deepspeed_config: str = "ds_configs/zero3_bf16.json"
     precision: str = "bf16"  # bf16 | fp16 | fp32 (fills the DeepSpeed config's "auto" fields)
     deterministic: bool = False  # bitwise-reproducible kernels (slower on GPU; CPU runs are anyway)
     model: ModelSpec = field(default_factory=ModelSpec)
+    init_from: InitFromConfig = field(default_factory=InitFromConfig)
     data: DataConfig = field(default_factory=DataConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -172,6 +191,12 @@ class TrainConfig:
                 f"{where}: the last batch.schedule entry's global_batch_size {b.schedule[-1].global_batch_size} "
                 f"differs from batch.global_batch_size {b.global_batch_size}; the run ends at batch.global_batch_size"
             )
+        bad = sorted(set(self.init_from.allow_changes) - set(INIT_CHANGEABLE))
+        if bad:
+            raise ConfigError(f"{where}: init_from.allow_changes {bad}: only {', '.join(INIT_CHANGEABLE)} may differ from the "
+                              f"weights a run starts from (the rest shape the weights or what they compute)")
+        if self.init_from.load_optimizer and not self.init_from.path:
+            raise ConfigError(f"{where}: init_from.load_optimizer is set but init_from.path is not")
         s = self.schedule
         if s.kind not in SCHEDULES:
             raise ConfigError(f"{where}: schedule.kind {s.kind!r} is not one of {', '.join(SCHEDULES)}")

@@ -13,8 +13,10 @@ the accumulation boundary; a step whose loss or gradients are not finite is skip
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
+import math
 import os
 import random
 import shutil
@@ -27,10 +29,10 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from olmo_ds import checkpoint as ckpt
 from olmo_ds.data.loader import DataLoader
 from olmo_ds.model.config import EXECUTION_FIELDS, ModelConfig
-from olmo_ds import checkpoint as ckpt
-from olmo_ds.train.config import ConfigError, TrainConfig
+from olmo_ds.train.config import INIT_CHANGEABLE, ConfigError, TrainConfig
 from olmo_ds.train.ds_config import check_batch_divisible, device_type, resolve_ds_config
 from olmo_ds.train.evaluation import InLoopEvaluator
 from olmo_ds.train.launch import detect_environment, init_distributed, normalize_cuda_arch_list
@@ -96,6 +98,45 @@ def check_run(cfg: TrainConfig, model: ModelConfig, loader: DataLoader, tokenize
         )
 
 
+def check_init_from(cfg: TrainConfig, model: ModelConfig, tokenizer_fingerprint: str | None):
+    """Describe `init_from`'s weights and check this run against them; every mismatch in one error."""
+    from olmo_ds import weights
+
+    spec = cfg.init_from
+    try:
+        info = weights.inspect_weights(spec.path)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise ConfigError(f"{cfg.source}: init_from.path: {e}") from None
+    where = f"{cfg.source}: init_from.path {spec.path} ({info.kind} {info.directory})"
+    if spec.load_optimizer and info.kind != "checkpoint":
+        raise ConfigError(f"{where}: init_from.load_optimizer needs an olmo-ds checkpoint (its optimizer state); a {info.kind} holds "
+                          f"weights only. Drop load_optimizer to start with a fresh optimizer")
+    src = info.cfg
+    skip = EXECUTION_FIELDS | {"init_std", "vocab_size", "sliding_window_pattern"} | set(spec.allow_changes)
+    diffs = [f"model.{f.name}: source {getattr(src, f.name)!r}, this run {getattr(model, f.name)!r}"
+             for f in dataclasses.fields(ModelConfig) if f.name not in skip and getattr(src, f.name) != getattr(model, f.name)]
+    if src.padded_vocab_size != model.padded_vocab_size:
+        diffs.append(f"embedding rows (padded vocab): source {src.padded_vocab_size}, this run {model.padded_vocab_size}")
+    layers = range(min(src.n_layers, model.n_layers))
+    if [src.layer_is_sliding(i) for i in layers] != [model.layer_is_sliding(i) for i in layers]:
+        diffs.append(f"sliding-window layers: source {[i for i in layers if src.layer_is_sliding(i)]}, "
+                     f"this run {[i for i in layers if model.layer_is_sliding(i)]}")
+    if info.tokenizer_fingerprint and tokenizer_fingerprint and info.tokenizer_fingerprint != tokenizer_fingerprint:
+        diffs.append(f"tokenizer: source {info.tokenizer_fingerprint}, this run {tokenizer_fingerprint}")
+    if diffs:
+        changeable = [d for d in diffs if d.split(":")[0].removeprefix("model.") in INIT_CHANGEABLE]
+        raise ConfigError(f"{where} does not match this run: {'; '.join(diffs)}. Set the model section (or the tokenizer) to the "
+                          f"source's" + (f"; a deliberate change of {', '.join(INIT_CHANGEABLE)} goes in init_from.allow_changes"
+                                         if changeable else ""))
+    return info
+
+
+def _file_fingerprint(path: Path) -> str:
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def claim_run_dir(run_dir: Path, resume: str | None, start_over: bool, rank: int) -> None:
     """Refuse to start a second run in a run directory that holds one, unless told what to do with it.
 
@@ -128,12 +169,14 @@ def _offloaded(ds_config: dict) -> bool:
     return any(zero.get(k, {}).get("device", "none") not in ("none", None) for k in ("offload_optimizer", "offload_param"))
 
 
-def check_resume(state: dict, model: ModelConfig, world_size: int, ckpt_dir: Path, ds_config: dict) -> None:
-    """The checkpoint fits this run; a different data-parallel size is fine unless it cannot be converted."""
+def check_resume(state: dict, model: ModelConfig, world_size: int, ckpt_dir: Path, ds_config: dict,
+                 allow_changes: frozenset[str] = frozenset()) -> None:
+    """The checkpoint fits this run; a different data-parallel size is fine unless it cannot be converted.
+    `allow_changes`: model fields a run started from this checkpoint's optimizer state may change (init_from)."""
     saved, current = ModelConfig.from_dict(state["model"]).to_dict(), model.to_dict()
     # Fields that choose kernels, not weights or math (attention backend, checkpointing, compile) may change.
     diffs = [f"{k}: checkpoint {v!r}, config {current[k]!r}" for k, v in saved.items()
-             if current[k] != v and k not in EXECUTION_FIELDS]
+             if current[k] != v and k not in EXECUTION_FIELDS | allow_changes]
     if diffs:
         raise ConfigError(f"{ckpt_dir}: the checkpoint's model differs from the configured one ({'; '.join(diffs)})")
     if state["world_size"] == world_size:
@@ -208,10 +251,20 @@ class Trainer:
             self.resume_state = ckpt.read_train_state(self.resume_dir) if self.resume_dir else None
         except (FileNotFoundError, ValueError) as e:  # a bad --resume path, an interrupted save, a damaged train_state.json
             raise ConfigError(str(e)) from None
+        self.init_info = None  # the weights this run starts from, when it starts (not resumes)
+        self.init_record = self.resume_state.get("init_from") if self.resume_state else None
+        if cfg.init_from.path and self.resume_state is not None:
+            log.info("resuming %s: init_from %s is not used (a run's own checkpoint wins)", self.resume_dir, cfg.init_from.path)
+        elif cfg.init_from.path:
+            run_fingerprint = self.tokenizer.fingerprint if self.tokenizer is not None else self.loader.tokenizer_fingerprint
+            self.init_info = check_init_from(cfg, self.model_cfg, run_fingerprint)
         saved_ds = self.resume_state.get("ds_config") if self.resume_state else None
         self.ds_config = exact_resume_optimizer(resolve_ds_config(cfg, self.model_cfg, self.world_size, resumed=saved_ds))
         if self.resume_state is not None:
             check_resume(self.resume_state, self.model_cfg, self.world_size, self.resume_dir, self.ds_config)
+        elif self.init_info is not None and cfg.init_from.load_optimizer:  # the optimizer state must fit as a resume's would
+            check_resume(self.init_info.train_state, self.model_cfg, self.world_size, self.init_info.directory, self.ds_config,
+                         frozenset(cfg.init_from.allow_changes))
         self.evaluator = InLoopEvaluator(cfg, self.tokenizer, vocab, self.rank, self.world_size) if cfg.eval.every else None
 
         configure_determinism(cfg.deterministic)
@@ -229,6 +282,9 @@ class Trainer:
         if self.resume_state is not None:
             self._restore()
         else:
+            if self.init_info is not None and cfg.init_from.load_optimizer:
+                self._load_engine_state(self.init_info.directory, self.init_info.train_state)
+                self._record_init(fingerprint=_file_fingerprint(self.init_info.directory / ckpt.TRAIN_STATE))
             seed_everything(cfg.seed + self.rank)  # per-rank streams for anything stochastic after init
 
     # --- construction ----------------------------------------------------------------------------
@@ -243,6 +299,8 @@ class Trainer:
         stage = self.ds_config["zero_optimization"]["stage"]
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config, enabled=stage == 3):
             model = OLMo(self.model_cfg)
+        if self.init_info is not None and not self.cfg.init_from.load_optimizer:
+            self._init_weights(model)
         compiled = self.model_cfg.compiles_blocks(device_type())
         if compiled and stage == 3:
             # A compiled block runs as one function of its weights, so its submodules' forwards, whose
@@ -265,12 +323,26 @@ class Trainer:
 
     def _restore(self) -> None:
         state = self.resume_state
+        self._load_engine_state(self.resume_dir, state)
+        try:
+            self.loader.load_state_dict(state["data"])
+        except ValueError as e:  # different data or seed: a user decision, not a crash
+            raise ConfigError(f"{self.resume_dir}: {e}") from None
+        self.step = state["step"]
+        self.tokens_seen = state["tokens_seen"]
+        self.nonfinite_total = state.get("nonfinite_total", 0)
+        ckpt.load_rng(self.resume_dir, self.rank, seed=self.cfg.seed, step=self.step)
+        log.info("resumed from %s at step %d (%s tokens seen)", self.resume_dir, self.step, f"{self.tokens_seen:,}")
+
+    def _load_engine_state(self, ckpt_dir: Path, state: dict) -> None:
+        """Model weights and optimizer state of an olmo-ds checkpoint into the engine (on its world size
+        exactly, on another through DeepSpeed's universal form)."""
         universal = state["world_size"] != self.world_size
         if universal:
-            load_dir, tag = self.resume_dir, ckpt.universal_checkpoint(self.resume_dir, self.rank).name
-            log.info("%s was written by %d ranks: loading its universal form on %d", self.resume_dir, state["world_size"], self.world_size)
+            load_dir, tag = ckpt_dir, ckpt.universal_checkpoint(ckpt_dir, self.rank).name
+            log.info("%s was written by %d ranks: loading its universal form on %d", ckpt_dir, state["world_size"], self.world_size)
         else:  # ZeRO's own partitions: bitwise exact
-            load_dir, tag = self.resume_dir.parent, self.resume_dir.name
+            load_dir, tag = ckpt_dir.parent, ckpt_dir.name
         # DeepSpeed reads this flag only inside load_checkpoint; set for the one load rather than in the
         # DeepSpeed config, which is saved with every later checkpoint.
         self.engine._config.load_universal_checkpoint = universal
@@ -283,16 +355,32 @@ class Trainer:
             self.engine._config.load_universal_checkpoint = False
             self._repair_universal_load(groups, hyper)
         if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load {self.resume_dir}")
-        try:
-            self.loader.load_state_dict(state["data"])
-        except ValueError as e:  # different data or seed: a user decision, not a crash
-            raise ConfigError(f"{self.resume_dir}: {e}") from None
-        self.step = state["step"]
-        self.tokens_seen = state["tokens_seen"]
-        self.nonfinite_total = state.get("nonfinite_total", 0)
-        ckpt.load_rng(self.resume_dir, self.rank, seed=self.cfg.seed, step=self.step)
-        log.info("resumed from %s at step %d (%s tokens seen)", self.resume_dir, self.step, f"{self.tokens_seen:,}")
+            raise RuntimeError(f"DeepSpeed could not load {ckpt_dir}")
+
+    def _init_weights(self, model) -> None:
+        """The weights of `init_from` into the (partitioned) model, before DeepSpeed makes its fp32 master
+        copies from them. Only rank 0 reads the files; each rank receives only its own partitions."""
+        import torch.distributed as dist
+
+        from olmo_ds import weights
+
+        state = weights.load_weights(self.init_info.directory).state_dict if self.rank == 0 else None
+        fingerprint = [weights.weights_fingerprint(state) if self.rank == 0 else None]
+        largest = weights.load_weights_into(model, state)
+        del state
+        received = [None] * self.world_size
+        dist.all_gather_object(received, largest)
+        dist.broadcast_object_list(fingerprint, src=0)
+        biggest_param = max(math.prod(s) for s in weights.expected_shapes(self.model_cfg).values())
+        log.info("init_from: largest tensor received per rank %s elements (largest parameter %s)", received, f"{biggest_param:,}")
+        self._record_init(fingerprint=fingerprint[0])
+
+    def _record_init(self, fingerprint: str) -> None:
+        info, cfg = self.init_info, self.cfg.init_from
+        self.init_record = {"path": cfg.path, "kind": info.kind, "directory": str(info.directory.resolve()), "step": info.step,
+                            "fingerprint": fingerprint, "load_optimizer": cfg.load_optimizer}
+        log.info("initialised from %s (%s %s, step %s, %s)%s", cfg.path, info.kind, info.directory, info.step, fingerprint,
+                 "; optimizer state loaded" if cfg.load_optimizer else "; fresh optimizer, schedule and data position")
 
     def _repair_universal_load(self, groups: list[dict], hyper: list[dict]) -> None:
         """Undo two slips of DeepSpeed 0.19's ZeRO-3 universal load that would bend the resumed run.
@@ -400,6 +488,7 @@ class Trainer:
             "model": self.model_cfg.to_dict(),
             "ds_config": self.ds_config,
             "data_fingerprint": self.loader.fingerprint,
+            "init_from": self.init_record,
             "tokenizer_fingerprint": self.loader.tokenizer_fingerprint,
             "world_size": self.world_size,
             "zero_stage": self.ds_config["zero_optimization"]["stage"],

@@ -1,7 +1,7 @@
 """Run by test_zero3.py in its own process: the model under real DeepSpeed ZeRO-3 (one CPU rank, gloo).
 
 Checks, in order: weights initialised inside `deepspeed.zero.Init` (truncated normal, norms one);
-other weights loaded into the partitioned model (`load_weights_into`); loss and every full gradient equal a plain-PyTorch copy of the same weights, with activation
+other weights loaded into the partitioned model (`load_weights_into`, a scatter of partitions); loss and every full gradient equal a plain-PyTorch copy of the same weights, with activation
 checkpointing on under ZeRO-3 and off in the copy; then one optimizer step and a real checkpoint
 through olmo_ds.checkpoint.save_checkpoint, whose weights are also saved for the test to
 compare the export against.
