@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from testdata import SHARED
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO / ".." / "shared"
 MARKER = re.compile(r"^\s*#\s*(gpu-only|multi-node|not-run\b)", re.M)
 BLOCK_TIMEOUT_S = 300
 

@@ -22,9 +22,9 @@ from olmo_ds.train import resume_check
 from olmo_ds.train.hostfile import hostfile_text, write_hostfile
 from olmo_ds.train.launch import free_port  # noqa: F401 (tests take the port helper from here)
 from olmo_ds.train.resume_check import kill_all, losses_by_step, read_metrics  # noqa: F401 (the tests' helpers are the check's)
+from testdata import SHARED
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ROOT / ".." / "shared"
 VOCAB = 256
 EOS = 0
 
