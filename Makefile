@@ -8,6 +8,20 @@ BIN := $(VENV)/bin
 # with `make TORCH_SPEC='torch==X' ...` or TORCH_SPEC= to keep an existing torch.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# OFFLINE=1: use the environment that is already there (`python` on PATH, olmo_ds importable from this
+# checkout) and install nothing, for hosts that cannot reach a package registry (the GPU host).
+OFFLINE ?=
+ifeq ($(OFFLINE),)
+SETUP := $(STAMP)
+PY := $(BIN)/python
+RUN := PATH=$(abspath $(BIN)):$$PATH
+else
+SETUP :=
+PY := python
+RUN := PYTHONPATH=$(CURDIR):$$PYTHONPATH
+endif
+# Extra pytest arguments, e.g. PYTEST_ARGS="-n 8" where pytest-xdist is installed.
+PYTEST_ARGS ?=
 
 # Targets that start DeepSpeed put .venv/bin first on PATH: its ninja must be the one that built the
 # cached ops, or DeepSpeed rebuilds them (another ninja reads the build log as stale).
@@ -22,7 +36,7 @@ PREPARE_ARGS ?=
 RUN_DIR ?= runs/demo
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo prepare-data test test-fast test-faults bench-prepare bench-data bench-train clean
+.PHONY: help install hostfile demo prepare-data test test-fast test-gpu test-faults bench-prepare bench-data bench-train clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-15s %s\n", $$1, $$2}'
@@ -36,30 +50,36 @@ $(STAMP): requirements.txt pyproject.toml
 
 install: $(STAMP) ## create .venv and install olmo-ds with its test dependencies
 
-demo: $(STAMP) ## the whole pipeline on an embedded corpus: tokenizer, shards, 2-rank ZeRO-3 pretraining, eval
-	PATH=$(abspath $(BIN)):$$PATH bash scripts/demo.sh
+hostfile: $(SETUP) ## write ./hostfile for this machine (slots = visible GPUs, 2 without; Slurm: one line per node); FORCE=1 replaces one
+	$(RUN) $(PY) scripts/make_hostfile.py $(if $(FORCE),--force)
 
-prepare-data: $(STAMP) ## raw text → validated token shards (INPUT=, TOKENIZER=, OUTPUT=, WORKERS=)
-	$(BIN)/python scripts/prepare_data.py --input $(INPUT) --tokenizer $(TOKENIZER) --output $(OUTPUT) --workers $(WORKERS) $(PREPARE_ARGS)
-	$(BIN)/python scripts/validate_shards.py $(OUTPUT) --tokenizer $(TOKENIZER)
+demo: $(SETUP) ## the whole pipeline on an embedded corpus: tokenizer, shards, 2-rank ZeRO-3 pretraining, eval
+	$(RUN) bash scripts/demo.sh
 
-test: $(STAMP) ## run the test suite (CPU; real DeepSpeed with 2 ranks)
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest -q tests
+prepare-data: $(SETUP) ## raw text → validated token shards (INPUT=, TOKENIZER=, OUTPUT=, WORKERS=)
+	$(RUN) $(PY) scripts/prepare_data.py --input $(INPUT) --tokenizer $(TOKENIZER) --output $(OUTPUT) --workers $(WORKERS) $(PREPARE_ARGS)
+	$(RUN) $(PY) scripts/validate_shards.py $(OUTPUT) --tokenizer $(TOKENIZER)
 
-test-fast: $(STAMP) ## the test suite without the multi-rank DeepSpeed runs
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest -q -m "not multirank" tests
+test: $(SETUP) ## run the test suite on CPU, on GPU hosts too (real DeepSpeed with 2 CPU ranks); OFFLINE=1 installs nothing
+	$(RUN) $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
-test-faults: $(STAMP) ## fault injection (kills, preemption, disk full, rank death, bad input), full trials; ends with the reliability table
-	PATH=$(abspath $(BIN)):$$PATH OLMO_DS_FAULT_TRIALS=full $(BIN)/python -m pytest -q tests/faults $$($(BIN)/python tests/faults/coverage.py)
+test-fast: $(SETUP) ## the test suite without the multi-rank DeepSpeed runs
+	$(RUN) $(PY) -m pytest -q -m "not multirank" $(PYTEST_ARGS) tests
 
-bench-prepare: $(STAMP) ## data preparation throughput (tokens/s, MB/s, RSS) at 1 and 2 workers
-	$(BIN)/python scripts/bench_prepare.py
+test-gpu: $(SETUP) ## the GPU tier (bf16 on CUDA, compiled blocks under ZeRO-3, resume, attention kernels); needs a CUDA GPU
+	$(RUN) OLMO_DS_TEST_DEVICE=cuda $(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
 
-bench-data: $(STAMP) ## data loader throughput per rank
-	$(BIN)/python scripts/bench_data.py
+test-faults: $(SETUP) ## fault injection (kills, preemption, disk full, rank death, bad input), full trials; ends with the reliability table
+	$(RUN) OLMO_DS_FAULT_TRIALS=full $(PY) -m pytest -q tests/faults $$($(PY) tests/faults/coverage.py)
 
-bench-train: $(STAMP) ## training throughput, MFU and memory (GPU: olmo2-1b; CPU: tiny)
-	$(BIN)/python scripts/bench_train.py
+bench-prepare: $(SETUP) ## data preparation throughput (tokens/s, MB/s, RSS) at 1 and 2 workers
+	$(RUN) $(PY) scripts/bench_prepare.py
+
+bench-data: $(SETUP) ## data loader throughput per rank
+	$(RUN) $(PY) scripts/bench_data.py
+
+bench-train: $(SETUP) ## training throughput, MFU and memory (GPU: olmo2-1b; CPU: tiny)
+	$(RUN) $(PY) scripts/bench_train.py
 
 clean: ## remove demo outputs (keeps .venv)
 	rm -rf data/demo runs/demo

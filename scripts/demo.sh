@@ -24,6 +24,7 @@ make --no-print-directory prepare-data INPUT="$DEMO_DIR/raw" TOKENIZER="$DEMO_DI
 
 step "4/5 deepspeed --hostfile hostfile scripts/pretrain.py --config configs/demo.yaml"
 rm -rf "$RUN_DIR"
+python scripts/make_hostfile.py  # `make hostfile`: localhost slots=<GPUs> (2 CPU ranks without); keeps an existing one
 # With a hostfile, DeepSpeed's launcher first runs `ssh localhost hostname`; one machine needs no
 # ssh server, so skip that check and rendezvous on the loopback address.
 deepspeed --hostfile hostfile --no_ssh_check --master_addr 127.0.0.1 scripts/pretrain.py \

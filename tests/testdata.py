@@ -1,5 +1,8 @@
-"""Where the tests find their real data, and an offline Hugging Face cache made from it.
+"""Where the tests find the shared test data (tokenizers, the C4 sample, eval tasks): one setting; and an
+offline Hugging Face cache made from it.
 
+OLMO_DS_SHARED points at the data; by default it is `shared/` beside the repository, as on the
+development machines. A GPU host that carries the data inside the checkout sets OLMO_DS_SHARED=$PWD/shared.
 Importable by name from any test module (pytest puts tests/ on sys.path for tests/conftest.py).
 """
 
@@ -10,7 +13,7 @@ import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("OLMO_DS_SHARED", ROOT.parent / "shared"))
+SHARED = Path(os.environ.get("OLMO_DS_SHARED") or ROOT.parent / "shared").resolve()
 DOLMA2_HUB_ID = "allenai/dolma2-tokenizer"
 
 

@@ -44,15 +44,38 @@ def normalize_cuda_arch_list() -> None:
         log.info("TORCH_CUDA_ARCH_LIST=%r normalised to %r (DeepSpeed's op builder cannot parse arch suffixes)", value, normalized)
 
 
-def first_slurm_host(nodelist: str) -> str:
-    """The first host of a Slurm node list such as "gpu[007-010,012],login1" -> "gpu007"."""
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Every host of a Slurm node list, in order: "gpu[007-008,012],login1" -> gpu007 gpu008 gpu012 login1.
+
+    The syntax of SLURM_JOB_NODELIST and `scontrol show hostnames`: comma-separated names, each with
+    any number of bracketed groups of numbers and zero-padded ranges.
+    """
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist + ","):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            if nodelist[start:i].strip():
+                names.append(nodelist[start:i].strip())
+            start = i + 1
+    if depth != 0 or not names:
+        raise ValueError(f"cannot parse Slurm node list {nodelist!r}")
+    return [host for name in names for host in _expand_name(name, nodelist)]
+
+
+def _expand_name(name: str, nodelist: str) -> list[str]:
+    m = re.fullmatch(r"([^\[\]]*)\[([^\]]+)\](.*)", name)
     if not m:
-        raise ValueError(f"cannot parse SLURM_JOB_NODELIST {nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+        if "[" in name or "]" in name:
+            raise ValueError(f"cannot parse Slurm node list {nodelist!r} at {name!r}")
+        return [name]
+    prefix, ranges, rest = m.groups()
+    numbers = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"cannot parse Slurm node list {nodelist!r} at [{ranges}]")
+        numbers += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi or lo) + 1)]
+    return [prefix + n + tail for n in numbers for tail in _expand_name(rest, nodelist)] if rest else [prefix + n for n in numbers]
 
 
 def free_port() -> int:
@@ -73,7 +96,7 @@ def detect_environment(environ: dict | None = None) -> DistEnv:
         env["RANK"] = env["SLURM_PROCID"]
         env["WORLD_SIZE"] = env["SLURM_NTASKS"]
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost"))))
+        env.setdefault("MASTER_ADDR", expand_nodelist(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost")))[0])
         # One port per job so two jobs sharing a first node do not collide.
         env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
     else:
@@ -85,18 +108,32 @@ def detect_environment(environ: dict | None = None) -> DistEnv:
 
 
 def init_distributed() -> DistEnv:
-    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on the CPU accelerator)."""
+    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on the CPU accelerator).
+
+    The process group is built on the store of the preflight rendezvous, so a rank that never comes
+    is reported within seconds (`preflight.rendezvous`) instead of after the process-group timeout.
+    """
     import deepspeed
     import torch
+
+    from olmo_ds.train.preflight import rendezvous
 
     normalize_cuda_arch_list()
     dist_env = detect_environment()
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.constants import default_pg_timeout
 
     accel = get_accelerator()
+    backend = accel.communication_backend_name()
     if accel.device_name() == "cuda":
         torch.cuda.set_device(dist_env.local_rank)
-    deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), auto_mpi_discovery=False)
+    if dist_env.world_size > 1 and not torch.distributed.is_initialized():
+        store = rendezvous(dist_env.rank, dist_env.world_size)
+        # As DeepSpeed's own init does: binding the GPU lets NCCL set up its communicator eagerly.
+        device = {"device_id": torch.device("cuda", dist_env.local_rank)} if accel.device_name() == "cuda" else {}
+        torch.distributed.init_process_group(backend, store=store, rank=dist_env.rank, world_size=dist_env.world_size,
+                                             timeout=default_pg_timeout, **device)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     return dist_env
 
 

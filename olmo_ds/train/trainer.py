@@ -33,11 +33,12 @@ from olmo_ds import checkpoint as ckpt
 from olmo_ds.data.loader import DataLoader
 from olmo_ds.model.config import EXECUTION_FIELDS, ModelConfig
 from olmo_ds.train.config import INIT_CHANGEABLE, ConfigError, TrainConfig
-from olmo_ds.train.ds_config import check_batch_divisible, device_type, resolve_ds_config
+from olmo_ds.train.ds_config import device_type, resolve_ds_config
 from olmo_ds.train.evaluation import InLoopEvaluator
 from olmo_ds.train.launch import detect_environment, init_distributed, normalize_cuda_arch_list
 from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops, setup_console_logging
 from olmo_ds.train.optim import param_groups, set_lr
+from olmo_ds.train.preflight import check_launch
 from olmo_ds.train.schedule import lr_at
 
 log = logging.getLogger("olmo_ds")
@@ -229,7 +230,7 @@ class Trainer:
         claim_run_dir(self.run_dir, resume, start_over, self.rank)
 
         # Everything below up to the engine is cheap and checks the run before any heavy work.
-        check_batch_divisible(cfg, self.world_size)
+        check_launch(cfg, env.rank, env.local_rank, self.world_size)
         try:
             self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
         except (FileNotFoundError, ValueError) as e:

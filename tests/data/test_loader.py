@@ -15,8 +15,8 @@ from olmo_ds.data import shards
 from olmo_ds.data.config import DataConfig, SourceConfig
 from olmo_ds.data.loader import DataLoader, validation_batches
 from olmo_ds.data.order import BatchSizeSchedule
+from testdata import SHARED
 
-SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
 VOCAB = 100278  # uint32 shards, like OLMo 2/3's tokenizer
 SEQ = 16
 

@@ -11,9 +11,9 @@ from olmo_ds.data.megatron import export_megatron, import_megatron
 from olmo_ds.data.prepare import PrepareConfig, prepare
 from olmo_ds.data.validate import validate_directory
 from olmo_ds.tokenizer import load_tokenizer
+from testdata import SHARED
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO / ".." / "shared"
 C4_DIR = SHARED / "data" / "c4-sample"
 
 

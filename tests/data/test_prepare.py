@@ -12,9 +12,9 @@ import tokenizers
 from olmo_ds.data import shards
 from olmo_ds.data import prepare as prepare_mod
 from olmo_ds.data.prepare import PrepareConfig, PrepareError, pool_layout, prepare, val_hash
+from testdata import SHARED
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO / ".." / "shared"
 DOLMA2 = SHARED / "tokenizers" / "dolma2-tokenizer.json"
 NEOX = SHARED / "tokenizers" / "gpt-neox-olmo-dolma-v1_5.json"
 C4_DIR = SHARED / "data" / "c4-sample"

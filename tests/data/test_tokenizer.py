@@ -6,8 +6,8 @@ import pytest
 import tokenizers
 
 from olmo_ds.tokenizer import load_tokenizer
+from testdata import SHARED
 
-SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
 DOLMA2 = SHARED / "tokenizers" / "dolma2-tokenizer.json"
 NEOX = SHARED / "tokenizers" / "gpt-neox-olmo-dolma-v1_5.json"
 C4 = sorted((SHARED / "data" / "c4-sample").glob("*.json.gz"))

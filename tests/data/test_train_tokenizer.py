@@ -8,9 +8,10 @@ import pytest
 
 from olmo_ds.data.readers import read_documents, resolve_inputs
 from olmo_ds.tokenizer import load_tokenizer, train_bpe_tokenizer
+from testdata import SHARED
 
 REPO = Path(__file__).resolve().parents[2]
-C4_DIR = REPO / ".." / "shared" / "data" / "c4-sample"
+C4_DIR = SHARED / "data" / "c4-sample"
 
 
 def c4_texts() -> list[str]:

@@ -11,9 +11,9 @@ from olmo_ds.data import shards
 from olmo_ds.data.prepare import PrepareConfig, prepare
 from olmo_ds.data.validate import format_report, validate_directory
 from olmo_ds.tokenizer import load_tokenizer
+from testdata import SHARED
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO / ".." / "shared"
 NEOX = SHARED / "tokenizers" / "gpt-neox-olmo-dolma-v1_5.json"
 DOLMA2 = SHARED / "tokenizers" / "dolma2-tokenizer.json"
 

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from testdata import SHARED
 
 from testdata import DOLMA2_HUB_ID, SHARED, fill_hf_cache
 

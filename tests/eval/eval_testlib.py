@@ -9,8 +9,8 @@ import torch
 from olmo_ds.data import shards
 from olmo_ds import weights
 from olmo_ds.model import OLMo, preset
+from testdata import SHARED
 
-SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
 NEOX = SHARED / "tokenizers" / "gpt-neox-olmo-dolma-v1_5.json"
 DOLMA2 = SHARED / "tokenizers" / "dolma2-tokenizer.json"
 PIQA = SHARED / "eval" / "piqa_rc_0shot"

@@ -20,7 +20,7 @@ from olmo_ds.eval.perplexity import evaluate_perplexity, load_source, token_byte
 from olmo_ds.eval.tasks import load_task
 from olmo_ds.model import OLMo
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # eval_testlib, and testdata beside it
 from eval_testlib import ARC_EASY, NEOX, tiny_config  # noqa: E402
 
 from olmo_ds.tokenizer import load_tokenizer  # noqa: E402

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 from olmo_ds.train.launch import free_port
+from testdata import SHARED
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ROOT / ".." / "shared"
 NEOX = SHARED / "tokenizers" / "gpt-neox-olmo-dolma-v1_5.json"
 C4_DIR = SHARED / "data" / "c4-sample"
 

@@ -83,6 +83,7 @@ LARGE_CASES = {
 }
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only attention kernels need CUDA")
 @pytest.mark.parametrize("size", ["small", "large"])
 @pytest.mark.parametrize("case", list(CASES))

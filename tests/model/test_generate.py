@@ -9,6 +9,7 @@ from olmo_ds.model import ModelConfig
 from olmo_ds.model.generate import generate, sample_next
 
 from model_testlib import OLMO3_TINY, hf_model_from, random_model
+from testdata import SHARED
 
 
 def test_greedy_with_kv_cache_matches_transformers_and_recomputation():
@@ -54,7 +55,7 @@ def test_generate_script_reads_a_model_directory(tmp_path):
     root = Path(__file__).resolve().parents[2]
     cfg = ModelConfig(**dict(OLMO3_TINY, vocab_size=100278))
     save_model_dir(tmp_path, cfg, random_model(cfg).state_dict())
-    (tmp_path / "tokenizer.json").write_bytes((root / ".." / "shared" / "tokenizers" / "dolma2-tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer.json").write_bytes((SHARED / "tokenizers" / "dolma2-tokenizer.json").read_bytes())
     proc = subprocess.run([sys.executable, "scripts/generate.py", str(tmp_path), "--prompt", "Once upon a time",
                            "--max-new-tokens", "5", "--temperature", "0.7", "--top-p", "0.9"],
                           capture_output=True, text=True, timeout=120, cwd=root)

@@ -15,10 +15,11 @@ from olmo_ds.model.hf import from_hf_config, to_hf_config
 from olmo_ds.weights import import_hf, load_model_dir, save_model_dir
 
 from model_testlib import OLMO2_TINY, OLMO3_TINY, hf_model_from, random_model
+from testdata import SHARED
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
-TOKENIZER = ROOT / ".." / "shared" / "tokenizers" / "dolma2-tokenizer.json"
+TOKENIZER = SHARED / "tokenizers" / "dolma2-tokenizer.json"
 
 
 def _run(*args):

@@ -19,9 +19,10 @@ import torch
 from olmo_ds.model import OLMo
 from olmo_ds.weights import load_weights
 from olmo_ds.train.launch import free_port
+from testdata import SHARED
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKENIZER = ROOT / ".." / "shared" / "tokenizers" / "dolma2-tokenizer.json"
+TOKENIZER = SHARED / "tokenizers" / "dolma2-tokenizer.json"
 
 
 def test_zero3_training_step_and_checkpoint_export(tmp_path):

@@ -1,10 +1,10 @@
 """bench_prepare runs end to end on a small corpus (the figures themselves are for BENCHMARKS.md)."""
 
-from pathlib import Path
 
 from olmo_ds.tools.bench_prepare import run
+from testdata import SHARED
 
-DOLMA2 = Path(__file__).resolve().parents[2] / ".." / "shared" / "tokenizers" / "dolma2-tokenizer.json"
+DOLMA2 = SHARED / "tokenizers" / "dolma2-tokenizer.json"
 
 
 def test_bench_prepare_small(tmp_path):

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from olmo_ds.train.launch import detect_environment, first_slurm_host, normalize_cuda_arch_list
+from olmo_ds.train.launch import detect_environment, expand_nodelist, normalize_cuda_arch_list
 
 
 @pytest.mark.parametrize("value, expected", [("9.0a", "9.0"), ("8.0;9.0a", "8.0;9.0"), ("8.6 9.0a+PTX", "8.6;9.0+PTX"), ("9.0", "9.0")])
@@ -37,6 +37,18 @@ def test_plain_python_is_one_rank():
     assert (d.launcher, d.rank, d.world_size) == ("single", 0, 1) and env["MASTER_ADDR"] == "127.0.0.1"
 
 
-@pytest.mark.parametrize("nodelist, first", [("node1", "node1"), ("gpu[007-010,012],login1", "gpu007"), ("a-b[3,5]", "a-b3")])
-def test_first_slurm_host(nodelist, first):
-    assert first_slurm_host(nodelist) == first
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node1", ["node1"]),
+    ("gpu[007-010,012],login1", ["gpu007", "gpu008", "gpu009", "gpu010", "gpu012", "login1"]),
+    ("a-b[3,5]", ["a-b3", "a-b5"]),
+    ("rack[1-2]-n[08-09]", ["rack1-n08", "rack1-n09", "rack2-n08", "rack2-n09"]),
+    ("x[9-11]", ["x9", "x10", "x11"]),
+])
+def test_slurm_node_lists_expand_as_scontrol_does(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist", ["gpu[007-010", "gpu[a-b]", "", "gpu]1["])
+def test_malformed_node_lists_are_refused(nodelist):
+    with pytest.raises(ValueError, match="cannot parse Slurm node list"):
+        expand_nodelist(nodelist)

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +19,12 @@ import yaml
 
 from olmo_ds.data import shards
 from olmo_ds.tools import check_resume
-from olmo_ds.train.launch import free_port  # noqa: F401 (tests take the port helper from here)
 from olmo_ds.tools.check_resume import kill_all, losses_by_step, read_metrics  # noqa: F401 (the tests' helpers are the check's)
+from olmo_ds.train.hostfile import hostfile_text, write_hostfile
+from olmo_ds.train.launch import free_port  # noqa: F401 (tests take the port helper from here)
+from testdata import SHARED
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ROOT / ".." / "shared"
 VOCAB = 256
 EOS = 0
 
@@ -111,7 +113,10 @@ def run(cmd: list[str], timeout: float = 900, **kw) -> subprocess.CompletedProce
 
 
 def deepspeed_cmd(script: Path, *args: str) -> list[str]:
-    """The documented launch on one machine: the repo's hostfile (localhost slots=2), no ssh."""
+    """The documented launch on one machine: the hostfile `make hostfile` writes on a CPU-only machine
+    (localhost slots=2, in a directory of its own), no ssh."""
     launcher = Path(sys.executable).with_name("deepspeed")
-    return [str(launcher), "--hostfile", str(ROOT / "hostfile"), "--no_ssh_check", "--master_addr", "127.0.0.1",
+    hostfile = Path(tempfile.mkdtemp(prefix="olmo_ds_test_")) / "hostfile"
+    write_hostfile(hostfile, hostfile_text(env={}, gpus=0))
+    return [str(launcher), "--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", "127.0.0.1",
             "--master_port", str(free_port()), str(script), *args]
