@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# What has run on one GPU host, as one script per machine call (docs/training.md, "What has run on GPUs").
+#   bash scripts/gpu/acceptance.sh launch   # make hostfile, data from generated text, configs/olmo2-1b.yaml for 50 steps
+#   bash scripts/gpu/acceptance.sh chain    # the OLMo-3-style 1B stage chain, a few steps per stage
+#   bash scripts/gpu/acceptance.sh tiers    # the CPU tier and the GPU tier of the test suite, with wall times
+# Needs deepspeed importable and `python` on PATH; the test data at $OLMO_DS_SHARED (default ./shared).
+# The host has no network, so the Dolma 2 tokenizer goes into the HF cache as `hf download` would put it.
+# Logs go to $OUT (default out/gpu); the last lines printed are a table of step, exit code and seconds.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+export OLMO_DS_SHARED=${OLMO_DS_SHARED:-$PWD/shared} HF_HUB_CACHE=${HF_HUB_CACHE:-/tmp/hf-cache} HF_HUB_OFFLINE=1
+repo=$HF_HUB_CACHE/models--allenai--dolma2-tokenizer
+mkdir -p "$repo/snapshots/local" "$repo/refs"
+cp "$OLMO_DS_SHARED/tokenizers/dolma2-tokenizer.json" "$repo/snapshots/local/tokenizer.json"
+echo local > "$repo/refs/main"
+
+t() {  # t NAME CMD...: run, log to $OUT/NAME.log, record exit code and seconds
+  local name=$1 start rc
+  shift
+  start=$(date +%s)
+  "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - start ))s" >> "$OUT/table"
+  tail -n 3 "$OUT/$name.log"
+  return $rc
+}
+launch() { deepspeed --hostfile hostfile --no_ssh_check --master_addr 127.0.0.1 scripts/pretrain.py "$@"; }
+
+case "${1:-}" in
+launch)
+  t hostfile make hostfile OFFLINE=1 && cp hostfile "$OUT/hostfile.txt"
+  t corpus python scripts/make_sample_corpus.py --output data/gpu-corpus --max-bytes 20000000
+  t prepare python scripts/prepare_data.py --input data/gpu-corpus --tokenizer allenai/dolma2-tokenizer \
+      --output data/dolma/shards --workers 12 --val-fraction 0.02 --no-progress
+  t olmo2-1b launch --config configs/olmo2-1b.yaml --set max_steps=50 --set batch.global_batch_size=32
+  rm -rf runs/olmo2-1b  # 16 GB of checkpoint; the chain needs the disk
+  ;;
+chain)
+  # Stage 2's mixture and stage 3's long documents: the same prepared shards under the configs' names.
+  mkdir -p data/dolma3 data/dolmino data/longmino
+  for d in dolma3/shards dolmino/web dolmino/math dolmino/code dolmino/qa longmino/shards; do ln -sfn "$PWD/data/dolma/shards" "data/$d"; done
+  short=(--set eval.every=0 --set checkpoint.keep_last=1)
+  t stage1 launch --config configs/olmo3-style-1b-stage1.yaml --set max_steps=4 --set batch.global_batch_size=8 "${short[@]}"
+  t stage2 launch --config configs/olmo3-style-1b-stage2.yaml --set max_steps=4 --set batch.global_batch_size=8 "${short[@]}"
+  rm -rf runs/olmo3-style-1b-stage1
+  t stage3 launch --config configs/olmo3-style-1b-stage3.yaml --set max_steps=2 --set batch.global_batch_size=1 "${short[@]}"
+  grep -h "initialised from\|step [0-9]*/[0-9]* |" "$OUT"/stage*.log > "$OUT/chain-transcript.txt"
+  ;;
+tiers)
+  t cpu-tier make test OFFLINE=1 PYTEST_ARGS="-n 16 --dist loadfile"
+  t gpu-tier make test-gpu OFFLINE=1
+  grep -h "passed\|failed\|olmo-ds test device" "$OUT"/cpu-tier.log "$OUT"/gpu-tier.log | tail -n 6
+  ;;
+*)
+  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers" >&2; exit 2;;
+esac
+echo "--- step, exit code, seconds"
+cat "$OUT/table"
