@@ -8,6 +8,7 @@ weights (`olmo_ds.weights`) read through here. The layer sits low in the package
 - `layout`: the names (`RUN/checkpoints/step-NNNNNNN/`, `latest`, `train_state.json`) and which
   checkpoints are complete;
 - `save`: a collective, crash-safe save, retention, RNG streams;
+- `async_save`: the same save with the writing in the background (training blocked only for a copy to host memory);
 - `load`: RNG streams back, DeepSpeed's universal form for another world size, consolidated fp32
   weights on CPU.
 """
@@ -34,11 +35,12 @@ from olmo_ds.checkpoint.layout import (
     step_tag,
 )
 from olmo_ds.checkpoint.load import load_model_state, load_rng, universal_checkpoint
-from olmo_ds.checkpoint.save import prune_checkpoints, rng_state, save_checkpoint, set_rng_state, versions
+from olmo_ds.checkpoint.async_save import AsyncSaver, AsyncSaveError
+from olmo_ds.checkpoint.save import finalize_checkpoint, prune_checkpoints, rng_state, save_checkpoint, set_rng_state, versions
 
 __all__ = [
-    "CHECKPOINTS", "LATEST", "METRICS", "TOKENIZER_COPY", "TRAIN_STATE", "UNIVERSAL", "WANDB_ID", "checkpoints_dir",
-    "is_complete", "latest_checkpoint", "list_checkpoints", "load_model_state", "load_rng", "move_run_aside",
+    "AsyncSaveError", "AsyncSaver", "CHECKPOINTS", "LATEST", "METRICS", "TOKENIZER_COPY", "TRAIN_STATE", "UNIVERSAL", "WANDB_ID", "checkpoints_dir",
+    "finalize_checkpoint", "is_complete", "latest_checkpoint", "list_checkpoints", "load_model_state", "load_rng", "move_run_aside",
     "prune_checkpoints", "read_train_state", "resolve_resume", "rng_file", "rng_state", "run_dir_of", "run_markers",
     "save_checkpoint", "set_rng_state", "step_of", "step_tag", "universal_checkpoint", "versions",
 ]

@@ -58,32 +58,49 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def save_checkpoint(engine, run_dir: str | Path, step: int, train_state: dict, *, rank: int, tokenizer_path: str | None) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint directory once it is complete."""
-    root = checkpoints_dir(run_dir)
-    tag = step_tag(step)
-    ckpt = root / tag
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if ckpt.exists():  # leftover of an interrupted save of the same step: never mix two saves
-            shutil.rmtree(ckpt)
-    barrier()
-    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
-    atomic_write_bytes(rng_file(ckpt, rank), _torch_bytes(rng_state()))
+def save_checkpoint(engine, run_dir: str | Path, step: int, train_state: dict, *, rank: int, tokenizer_path: str | Path | None) -> Path:
+    """Collective, blocking: every rank calls it. Returns the checkpoint directory once it is complete.
+    (`olmo_ds.checkpoint.async_save.AsyncSaver` does the same with the writing off the training path.)"""
+    ckpt = prepare_checkpoint_dir(run_dir, step, rank)
+    engine.save_checkpoint(str(checkpoints_dir(run_dir)), tag=step_tag(step), save_latest=False)
+    write_rng(ckpt, rank)
     barrier()  # every rank's ZeRO shard and RNG file is on disk
     if rank == 0:
-        if tokenizer_path:
-            atomic_write_bytes(ckpt / TOKENIZER_COPY, Path(tokenizer_path).read_bytes())
-        state = dict(train_state)
-        state["step"] = step
-        state["tag"] = tag
-        state["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        state["versions"] = versions()
-        state["rng_files"] = sorted(p.name for p in ckpt.glob("rng-rank*.pt"))
-        atomic_write_json(ckpt / TRAIN_STATE, state)
-        atomic_write_bytes(root / LATEST, (tag + "\n").encode())
+        finalize_checkpoint(ckpt, step, train_state, tokenizer_path=tokenizer_path)
     barrier()
     return ckpt
+
+
+def prepare_checkpoint_dir(run_dir: str | Path, step: int, rank: int) -> Path:
+    """Collective: the empty directory of step `step` (a leftover of an interrupted save of the same step
+    is removed first: two saves are never mixed)."""
+    root = checkpoints_dir(run_dir)
+    ckpt = root / step_tag(step)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if ckpt.exists():
+            shutil.rmtree(ckpt)
+    barrier()
+    return ckpt
+
+
+def write_rng(ckpt_dir: Path, rank: int) -> None:
+    atomic_write_bytes(rng_file(ckpt_dir, rank), _torch_bytes(rng_state()))
+
+
+def finalize_checkpoint(ckpt: Path, step: int, train_state: dict, *, tokenizer_path: str | Path | None) -> None:
+    """Rank 0, once every rank's files are on disk: the tokenizer copy, `train_state.json` (which makes
+    the checkpoint complete) and `latest`, each atomically."""
+    if tokenizer_path:
+        atomic_write_bytes(ckpt / TOKENIZER_COPY, Path(tokenizer_path).read_bytes())
+    state = dict(train_state)
+    state["step"] = step
+    state["tag"] = step_tag(step)
+    state["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    state["versions"] = versions()
+    state["rng_files"] = sorted(p.name for p in ckpt.glob("rng-rank*.pt"))
+    atomic_write_json(ckpt / TRAIN_STATE, state)
+    atomic_write_bytes(ckpt.parent / LATEST, (step_tag(step) + "\n").encode())
 
 
 def _torch_bytes(obj) -> bytes:

@@ -93,6 +93,12 @@ class CheckpointConfig:
     keep_last: int = 3  # keep the newest N checkpoints
     keep_every: int = 0  # additionally keep every checkpoint whose step is a multiple of this (0 = none)
     save_final: bool = True
+    # auto: write in the background (training blocked only for the copy to host memory) when every rank's
+    # copy fits in host memory, else block | always | never (olmo_ds/checkpoint/async_save.py)
+    async_save: str = "auto"
+
+
+ASYNC_SAVE = ("auto", "always", "never")
 
 
 @dataclass
@@ -191,6 +197,8 @@ class TrainConfig:
                 f"{where}: the last batch.schedule entry's global_batch_size {b.schedule[-1].global_batch_size} "
                 f"differs from batch.global_batch_size {b.global_batch_size}; the run ends at batch.global_batch_size"
             )
+        if self.checkpoint.async_save not in ASYNC_SAVE:
+            raise ConfigError(f"{where}: checkpoint.async_save {self.checkpoint.async_save!r} is not one of {', '.join(ASYNC_SAVE)}")
         bad = sorted(set(self.init_from.allow_changes) - set(INIT_CHANGEABLE))
         if bad:
             raise ConfigError(f"{where}: init_from.allow_changes {bad}: only {', '.join(INIT_CHANGEABLE)} may differ from the "

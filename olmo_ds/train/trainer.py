@@ -30,6 +30,7 @@ import torch
 from torch.profiler import record_function
 
 from olmo_ds import checkpoint as ckpt
+from olmo_ds.checkpoint.async_save import AsyncSaveError, AsyncSaver, host_copy_fits, snapshot_bytes_estimate
 from olmo_ds.data.loader import DataLoader
 from olmo_ds.model.config import EXECUTION_FIELDS, ModelConfig
 from olmo_ds.train.config import INIT_CHANGEABLE, ConfigError, TrainConfig
@@ -38,7 +39,7 @@ from olmo_ds.train.evaluation import InLoopEvaluator
 from olmo_ds.train.launch import detect_environment, init_distributed, normalize_cuda_arch_list
 from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops, setup_console_logging
 from olmo_ds.train.optim import param_groups, set_lr
-from olmo_ds.train.preflight import check_launch
+from olmo_ds.train.preflight import check_launch, local_world_size
 from olmo_ds.train.schedule import lr_at
 
 log = logging.getLogger("olmo_ds")
@@ -273,6 +274,8 @@ class Trainer:
         seed_everything(cfg.seed)  # the same on every rank: ZeRO-3 initialises each weight whole, then partitions it
         self.engine = self._build_engine()
         self.device = self.engine.device
+        self.saver = AsyncSaver(self.engine, self.run_dir, self.rank, self.world_size)
+        self._async_fits_logged: bool | None = None
 
         self.step = 0
         self.tokens_seen = 0
@@ -495,30 +498,68 @@ class Trainer:
             "zero_stage": self.ds_config["zero_optimization"]["stage"],
         }
 
-    def save(self) -> Path:
+    def save(self, *, final: bool = False) -> Path:
+        """Collective: checkpoint this step. In the background where allowed (`checkpoint.async_save`):
+        then training is blocked only for the copy to host memory and the checkpoint completes later
+        (`_saved`); `final` waits for it. A save still in flight completes before the next one starts."""
         if not self.weights_finite():
             raise NonFiniteLossError(f"step {self.step}: the weights hold non-finite values; refusing to save them over good checkpoints")
-        t0 = time.perf_counter()
+        tokenizer_path = self.tokenizer.path if self.tokenizer else None
         try:
-            path = ckpt.save_checkpoint(self.engine, self.run_dir, self.step, self.train_state(), rank=self.rank, tokenizer_path=self.tokenizer.path if self.tokenizer else None)
+            if self._save_async():
+                path = self.saver.start(self.step, self.train_state(), tokenizer_path=tokenizer_path)
+                if final:
+                    self._saved(self.saver.wait())
+                return path
+            self._saved(self.saver.wait())
+            t0 = time.perf_counter()
+            path = ckpt.save_checkpoint(self.engine, self.run_dir, self.step, self.train_state(), rank=self.rank, tokenizer_path=tokenizer_path)
+            self._saved({"ckpt_dir": path, "blocked_s": time.perf_counter() - t0, "total_s": time.perf_counter() - t0})
+            return path
+        except AsyncSaveError as e:
+            raise self._save_failed(e.ckpt_dir, e.cause) from e
         except (OSError, RuntimeError) as e:
-            # The half-written directory has no train_state.json, so resume skips it and the next save of
-            # this step replaces it; say so, because a raw traceback from torch.save reads like corruption.
-            # torch.save reports a full disk as a RuntimeError without errno, hence the free space.
-            root = ckpt.checkpoints_dir(self.run_dir)
-            previous = ckpt.latest_checkpoint(root)
-            free = shutil.disk_usage(root).free / 2**30 if root.is_dir() else float("nan")
-            raise CheckpointSaveError(
-                f"rank {self.rank}: saving {root / ckpt.step_tag(self.step)} failed: {type(e).__name__}: {e} "
-                f"({free:.2f} GiB free there; a full disk or quota?). "
-                + (f"The previous checkpoint {previous} is intact; " if previous else "No earlier checkpoint exists; ")
-                + "free space and rerun with --resume auto"
-            ) from e
-        if self.rank == 0:
-            c = self.cfg.checkpoint
-            pruned = ckpt.prune_checkpoints(ckpt.checkpoints_dir(self.run_dir), c.keep_last, c.keep_every, protect=path)
-            log.info("saved %s in %.1fs%s", path, time.perf_counter() - t0, f" (removed {len(pruned)} old)" if pruned else "")
-        return path
+            raise self._save_failed(ckpt.checkpoints_dir(self.run_dir) / ckpt.step_tag(self.step), e) from e
+
+    def _save_async(self) -> bool:
+        """Whether this save goes to the background: `checkpoint.async_save`, and for `auto` whether every
+        rank's host copy fits in its node's free memory (decided together: the two paths synchronise differently)."""
+        mode = self.cfg.checkpoint.async_save
+        if mode != "auto":
+            return mode == "always"
+        local = local_world_size(os.environ) or 1
+        fits, why = host_copy_fits(snapshot_bytes_estimate(self.model_cfg.num_params(), self.world_size), local)
+        flag = torch.tensor(float(fits), device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        fits_everywhere = bool(flag.item())
+        if fits_everywhere != self._async_fits_logged:  # say it once, and again when it changes
+            log.info("checkpoint: %s (%s%s)", "saving in the background" if fits_everywhere else "blocking save",
+                     why, "" if fits == fits_everywhere else "; another node's does not fit")
+            self._async_fits_logged = fits_everywhere
+        return fits_everywhere
+
+    def _saved(self, summary: dict | None) -> None:
+        """A checkpoint completed (rank 0): prune older ones, say how long training was blocked."""
+        if summary is None or self.rank != 0:
+            return
+        c, path = self.cfg.checkpoint, summary["ckpt_dir"]
+        pruned = ckpt.prune_checkpoints(ckpt.checkpoints_dir(self.run_dir), c.keep_last, c.keep_every, protect=path)
+        log.info("saved %s: training blocked %.1fs, written in %.1fs%s", path, summary["blocked_s"], summary["total_s"],
+                 f" (removed {len(pruned)} old)" if pruned else "")
+
+    def _save_failed(self, ckpt_dir: Path | None, e: BaseException) -> CheckpointSaveError:
+        # The half-written directory has no train_state.json, so resume skips it and the next save of
+        # this step replaces it; say so, because a raw traceback from torch.save reads like corruption.
+        # torch.save reports a full disk as a RuntimeError without errno, hence the free space.
+        root = ckpt.checkpoints_dir(self.run_dir)
+        previous = ckpt.latest_checkpoint(root)
+        free = shutil.disk_usage(root).free / 2**30 if root.is_dir() else float("nan")
+        return CheckpointSaveError(
+            f"rank {self.rank}: saving {ckpt_dir} failed: {type(e).__name__}: {e} "
+            f"({free:.2f} GiB free there; a full disk or quota?). "
+            + (f"The previous checkpoint {previous} is intact; " if previous else "No earlier checkpoint exists; ")
+            + "free space and rerun with --resume auto"
+        )
 
     # --- the loop --------------------------------------------------------------------------------
 
@@ -564,9 +605,15 @@ class Trainer:
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.save()
                     last_saved = self.step
+                self._saved(self.saver.poll())
                 window["t"] += time.perf_counter() - paused  # throughput and ETA count training time only
             if (status == "preempted" or cfg.checkpoint.save_final) and last_saved != self.step:
-                self.save()
+                self.save(final=True)
+            else:  # preemption too: a save in flight completes before the process exits
+                try:
+                    self._saved(self.saver.wait())
+                except AsyncSaveError as e:
+                    raise self._save_failed(e.ckpt_dir, e.cause) from e
         finally:
             self.loader.close()
             logger.close()

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from olmo_ds import checkpoint as ckpt
 from olmo_ds.train.config import ConfigError
@@ -85,3 +86,27 @@ def test_second_start_is_refused_then_start_over_begins_a_new_run(tmp_path):
     assert len(aside) == 1 and tree(aside[0]) == before  # the first run, whole
     steps = [line for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == len((aside[0] / "metrics.jsonl").read_text().splitlines())  # a new log, not appended to
+
+
+def test_background_and_blocking_saves_write_the_same_checkpoints(tmp_path):
+    """checkpoint.async_save always vs never: the same losses, and every saved checkpoint the same weights."""
+    from olmo_ds.checkpoint import load_model_state
+
+    data = write_markov_shards(tmp_path / "shards", 20_000)
+    runs = {}
+    for mode in ("never", "always"):
+        cfg = tiny_config(tmp_path / mode, data, max_steps=6, checkpoint={"every": 2, "keep_last": 3, "async_save": mode},
+                          logging={"every": 1, "tensorboard": False})
+        (tmp_path / mode).mkdir()
+        config = write_config(tmp_path / mode / "run.yaml", cfg)
+        result = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--config", str(config)], env=launch_env(),
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0 and "training blocked" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[mode] = Path(cfg["run_dir"])
+    assert (runs["never"] / "metrics.jsonl").read_text().count("train/loss") == 6
+    losses = {m: [line.split('"train/loss": ')[1].split(",")[0] for line in (r / "metrics.jsonl").read_text().splitlines()] for m, r in runs.items()}
+    assert losses["never"] == losses["always"]
+    for step in ("step-0000002", "step-0000004", "step-0000006"):
+        _, a, _ = load_model_state(runs["never"] / "checkpoints" / step)
+        _, b, _ = load_model_state(runs["always"] / "checkpoints" / step)
+        assert all(torch.equal(a[k], b[k]) for k in a), step

@@ -1,0 +1,102 @@
+"""Background checkpoint saves keep the blocking save's guarantees: the snapshot is the step's state whatever
+training does next; a save in flight is never `latest`, never resumed from, never pruned; a failed write
+leaves the previous checkpoint `latest` and is raised at the next collective point."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from olmo_ds import checkpoint as ckpt
+from olmo_ds.checkpoint.async_save import AsyncSaveError, AsyncSaver, HostSnapshotEngine, host_copy_fits, written_marker
+
+
+class Gate:
+    """A state value whose pickling waits for `release` (a write in flight), or fails like a full disk."""
+
+    release = threading.Event()
+    fail = False
+
+    def __reduce__(self):
+        if Gate.fail:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        assert Gate.release.wait(30), "test never released the write"
+        return (int, (7,))
+
+
+class FakeEngine:
+    """What AsyncSaver needs of a DeepSpeed engine: a checkpoint engine it hands every file to."""
+
+    def __init__(self, weights: torch.Tensor):
+        self.checkpoint_engine = None
+        self.weights = weights
+
+    def save_checkpoint(self, save_dir, tag, save_latest=False):
+        self.checkpoint_engine.makedirs(Path(save_dir) / tag, exist_ok=True)  # as DeepSpeed creates the tag's directory
+        self.checkpoint_engine.save({"w": self.weights, "gate": Gate()}, str(Path(save_dir) / tag / "zero_states.pt"))
+        self.checkpoint_engine.commit(None)
+
+
+def test_the_snapshot_is_the_steps_state_not_what_training_does_next():
+    engine = HostSnapshotEngine()
+    w = torch.arange(6.0)
+    engine.save({"optimizer": {"w": w, "step": 3}, "list": [w]}, "file.pt")
+    w.add_(100)  # the next optimizer step, in place
+    (path, snap), = engine.take()
+    assert path == "file.pt" and torch.equal(snap["optimizer"]["w"], torch.arange(6.0)) and snap["optimizer"]["step"] == 3
+    assert torch.equal(snap["list"][0], torch.arange(6.0))
+
+
+def make_complete(run_dir: Path, step: int) -> Path:
+    d = ckpt.checkpoints_dir(run_dir) / ckpt.step_tag(step)
+    d.mkdir(parents=True)
+    ckpt.finalize_checkpoint(d, step, {"data": {}}, tokenizer_path=None)
+    return d
+
+
+def test_a_save_in_flight_is_not_latest_resumed_or_pruned_until_every_rank_wrote(tmp_path):
+    previous = make_complete(tmp_path, 4)
+    saver = AsyncSaver(FakeEngine(torch.ones(3)), tmp_path, rank=0, world_size=1)
+    Gate.fail, _ = False, Gate.release.clear()
+    ckpt_dir = saver.start(8, {"data": {}}, tokenizer_path=None)
+    assert saver.in_flight == ckpt_dir and not ckpt.is_complete(ckpt_dir)
+    assert (ckpt.checkpoints_dir(tmp_path) / ckpt.LATEST).read_text().strip() == previous.name
+    assert ckpt.resolve_resume("auto", tmp_path) == previous
+    ckpt.prune_checkpoints(ckpt.checkpoints_dir(tmp_path), keep_last=1)
+    assert ckpt_dir.is_dir() and previous.is_dir()
+    saver._last_poll = 0.0
+    assert saver.poll() is None  # the rank has not written its part yet
+    Gate.release.set()
+    saver._thread.join()
+    assert written_marker(ckpt_dir, 0).exists()
+    saver._last_poll = 0.0
+    summary = saver.poll()
+    assert summary["ckpt_dir"] == ckpt_dir and ckpt.is_complete(ckpt_dir) and saver.in_flight is None
+    assert ckpt.resolve_resume("auto", tmp_path) == ckpt_dir
+    assert torch.equal(torch.load(ckpt_dir / "zero_states.pt", weights_only=False)["w"], torch.ones(3))
+
+
+def test_a_failed_background_write_leaves_the_previous_checkpoint_and_is_raised_at_the_next_save(tmp_path):
+    previous = make_complete(tmp_path, 4)
+    saver = AsyncSaver(FakeEngine(torch.ones(3)), tmp_path, rank=0, world_size=1)
+    Gate.fail = True
+    try:
+        ckpt_dir = saver.start(8, {"data": {}}, tokenizer_path=None)
+        saver._thread.join()
+        with pytest.raises(AsyncSaveError, match="No space left on device") as e:
+            saver.start(12, {"data": {}}, tokenizer_path=None)  # the next save waits for the last one first
+    finally:
+        Gate.fail = False
+    assert e.value.ckpt_dir == ckpt_dir and not ckpt.is_complete(ckpt_dir)
+    assert ckpt.latest_checkpoint(ckpt.checkpoints_dir(tmp_path)) == previous
+    assert (ckpt.checkpoints_dir(tmp_path) / ckpt.LATEST).read_text().strip() == previous.name
+
+
+def test_a_host_copy_that_does_not_fit_is_refused_with_the_numbers():
+    fits, why = host_copy_fits(10 * 2**40, 8)
+    assert not fits and "host copy of 10240.0 GiB x 8 rank(s) on this node against" in why
+    assert host_copy_fits(1, 1)[0]
