@@ -12,9 +12,10 @@ OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 export OLMO_DS_SHARED=${OLMO_DS_SHARED:-$PWD/shared} HF_HUB_CACHE=${HF_HUB_CACHE:-/tmp/hf-cache} HF_HUB_OFFLINE=1
 repo=$HF_HUB_CACHE/models--allenai--dolma2-tokenizer
-mkdir -p "$repo/snapshots/local" "$repo/refs"
-cp "$OLMO_DS_SHARED/tokenizers/dolma2-tokenizer.json" "$repo/snapshots/local/tokenizer.json"
-echo local > "$repo/refs/main"
+commit=0000000000000000000000000000000000000000  # refs/main holds a commit hash, the snapshot's directory name
+mkdir -p "$repo/snapshots/$commit" "$repo/refs"
+cp "$OLMO_DS_SHARED/tokenizers/dolma2-tokenizer.json" "$repo/snapshots/$commit/tokenizer.json"
+echo "$commit" > "$repo/refs/main"
 
 t() {  # t NAME CMD...: run, log to $OUT/NAME.log, record exit code and seconds
   local name=$1 start rc
