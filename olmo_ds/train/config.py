@@ -93,8 +93,8 @@ class CheckpointConfig:
     keep_last: int = 3  # keep the newest N checkpoints
     keep_every: int = 0  # additionally keep every checkpoint whose step is a multiple of this (0 = none)
     save_final: bool = True
-    # auto: write in the background (training blocked only for the copy to host memory) when every rank's
-    # copy fits in host memory, else block | always | never (olmo_ds/checkpoint/async_save.py)
+    # auto: on GPUs, write in the background (training blocked only for the copy to host memory) when every
+    # rank's copy fits in host memory, else block | always | never (olmo_ds/checkpoint/async_save.py)
     async_save: str = "auto"
 
 

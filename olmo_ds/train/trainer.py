@@ -522,11 +522,13 @@ class Trainer:
             raise self._save_failed(ckpt.checkpoints_dir(self.run_dir) / ckpt.step_tag(self.step), e) from e
 
     def _save_async(self) -> bool:
-        """Whether this save goes to the background: `checkpoint.async_save`, and for `auto` whether every
+        """Whether this save goes to the background: `checkpoint.async_save`; `auto` means on GPUs, when every
         rank's host copy fits in its node's free memory (decided together: the two paths synchronise differently)."""
         mode = self.cfg.checkpoint.async_save
         if mode != "auto":
             return mode == "always"
+        if self.device.type != "cuda":
+            return False  # on CPU the copy is most of a save's cost, and tests time their kills against blocking saves
         local = local_world_size(os.environ) or 1
         fits, why = host_copy_fits(snapshot_bytes_estimate(self.model_cfg.num_params(), self.world_size), local)
         flag = torch.tensor(float(fits), device=self.device)
