@@ -5,7 +5,8 @@ an optional sliding window and optional document masking (tokens attend only wit
 document when several documents are packed into one row). The masks are described once per forward
 by an `AttentionMask` and each backend turns that description into what its kernel wants (a boolean
 matrix for SDPA, a block mask for flex, cumulative sequence lengths for flash-attn varlen); the
-model's layers share it, so a block mask is built once per forward, not once per layer.
+model's layers share it, so a block mask is built once per forward, not once per layer, and the
+compiled block (`model.block_math`) takes it as an argument (`kernel_mask`, `kernel_attention`).
 
 Sliding window semantics follow transformers' OLMo 3: a query at position i sees keys j with
 i - window < j <= i, i.e. `window` keys including itself (flash-attn `window_size=(window - 1, 0)`).
@@ -14,7 +15,8 @@ Backends (`ModelConfig.attention_backend`):
 - `sdpa`: `F.scaled_dot_product_attention`, PyTorch chooses the kernel. `sdpa_cudnn`, `sdpa_flash`,
   `sdpa_efficient`, `sdpa_math` pin one kernel (on CPU only flash and math exist). Sliding windows and
   documents use a boolean mask, which on CUDA only the memory-efficient, cuDNN and math kernels accept.
-- `flex`: `torch.nn.attention.flex_attention` with block masks; compiled on GPU, eager on CPU.
+- `flex`: `torch.nn.attention.flex_attention` with block masks (tiles classified from the window and
+  document boundaries, `masking.flex_block_mask`); compiled on GPU, eager on CPU (forward only there).
 - `flash_attn`: the flash-attn 2.x package (`flash_attn_func` / `flash_attn_varlen_func`).
 - `flash_attn3`: FlashAttention-3 (`flash_attn_interface`, Hopper).
 - `auto`: on CPU, SDPA. On GPU, plain causal attention goes to SDPA with cuDNN first (measured 1.8x
