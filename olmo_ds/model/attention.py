@@ -5,7 +5,8 @@ an optional sliding window and optional document masking (tokens attend only wit
 document when several documents are packed into one row). The masks are described once per forward
 by an `AttentionMask` and each backend turns that description into what its kernel wants (a boolean
 matrix for SDPA, a block mask for flex, cumulative sequence lengths for flash-attn varlen); the
-model's layers share it, so a block mask is built once per forward, not once per layer.
+model's layers share it, so a block mask is built once per forward, not once per layer, and the
+compiled block (`model.block_math`) takes it as an argument (`kernel_mask`, `kernel_attention`).
 
 Sliding window semantics follow transformers' OLMo 3: a query at position i sees keys j with
 i - window < j <= i, i.e. `window` keys including itself (flash-attn `window_size=(window - 1, 0)`).
@@ -14,7 +15,8 @@ Backends (`ModelConfig.attention_backend`):
 - `sdpa`: `F.scaled_dot_product_attention`, PyTorch chooses the kernel. `sdpa_cudnn`, `sdpa_flash`,
   `sdpa_efficient`, `sdpa_math` pin one kernel (on CPU only flash and math exist). Sliding windows and
   documents use a boolean mask, which on CUDA only the memory-efficient, cuDNN and math kernels accept.
-- `flex`: `torch.nn.attention.flex_attention` with block masks; compiled on GPU, eager on CPU.
+- `flex`: `torch.nn.attention.flex_attention` with block masks (tiles classified from the window and
+  document boundaries, `masking.flex_block_mask`); compiled on GPU, eager on CPU (forward only there).
 - `flash_attn`: the flash-attn 2.x package (`flash_attn_func` / `flash_attn_varlen_func`).
 - `flash_attn3`: FlashAttention-3 (`flash_attn_interface`, Hopper).
 - `auto`: on CPU, SDPA. On GPU, plain causal attention goes to SDPA with cuDNN first (measured 1.8x
@@ -32,7 +34,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from olmo_ds.model.masking import cu_seqlens, document_ids
+from olmo_ds.model.masking import cu_seqlens, document_ids, flex_block_mask
 
 _SDPA_KERNELS = {
     "sdpa_cudnn": "CUDNN_ATTENTION",
@@ -134,11 +136,9 @@ class AttentionMask:
         return self._cache[key]
 
     def block_mask(self, window: int | None):
-        """flex_attention BlockMask for this mask and window."""
+        """flex_attention BlockMask for this mask and window (tiles from `masking.flex_block_mask`)."""
         key = ("block", window)
         if key not in self._cache:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             doc_ids = self.doc_ids if self.has_documents else None
 
             def mask_mod(b, h, q_idx, kv_idx):
@@ -149,11 +149,18 @@ class AttentionMask:
                     allowed = allowed & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
                 return allowed
 
-            batch = self.batch if doc_ids is not None else None
-            self._cache[key] = create_block_mask(
-                mask_mod, batch, None, self.seq_len, self.seq_len, device=str(self.device)
-            )
+            self._cache[key] = flex_block_mask(mask_mod, self.seq_len, self.device, window, doc_ids)
         return self._cache[key]
+
+    def kernel_mask(self, backend: str, window: int | None):
+        """What `backend`'s kernel (flex or SDPA) takes for this mask and window: a flex BlockMask, or
+        for SDPA None where plain causal attention is all there is, else the boolean mask. Built once
+        per forward and window and shared by the layers (eager and compiled alike)."""
+        if backend == "flex":
+            return self.block_mask(window)
+        if window is None and not self.has_documents:
+            return None
+        return self.dense(window)
 
 
 @functools.cache
@@ -163,13 +170,16 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex(q, k, v, mask: AttentionMask, window, scale):
+def flex(q, k, v, block_mask, scale: float) -> torch.Tensor:
+    """flex_attention over [B, T, H, D] tensors. Eager calls on CUDA go through a compiled flex (the
+    unfused fallback materialises every score); inside a compiled block (`model.block_math`) the
+    plain function is traced into that block's graph; on CPU it runs eagerly (forward only)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    fn = _compiled_flex() if q.is_cuda else flex_attention
+    fn = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
     out = fn(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        block_mask=mask.block_mask(window), scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+        block_mask=block_mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
 
@@ -201,9 +211,12 @@ def sdpa(q, k, v, scale: float, backend: str, attn_mask: torch.Tensor | None = N
     return out.transpose(1, 2)
 
 
-def _sdpa(q, k, v, mask: AttentionMask, window, scale, backend):
-    needs_mask = window is not None or mask.has_documents
-    return sdpa(q, k, v, scale, backend, mask.dense(window) if needs_mask else None)
+def kernel_attention(q, k, v, scale: float, backend: str, kernel_mask) -> torch.Tensor:
+    """Attention through flex or an SDPA backend with the mask `AttentionMask.kernel_mask` made for
+    it: what both the eager layers and the compiled block (`model.block_math`) run."""
+    if backend == "flex":
+        return flex(q, k, v, kernel_mask, scale)
+    return sdpa(q, k, v, scale, backend, kernel_mask)
 
 
 def _flash(q, k, v, mask: AttentionMask, window, scale, version: int):
@@ -230,10 +243,8 @@ def attend(q, k, v, mask: AttentionMask, window: int | None, backend: str, scale
 
     `backend` is a resolved name (see `resolve_backend`); `window` is None for full attention.
     """
-    if backend == "flex":
-        return _flex(q, k, v, mask, window, scale)
     if backend == "flash_attn":
         return _flash(q, k, v, mask, window, scale, version=2)
     if backend == "flash_attn3":
         return _flash(q, k, v, mask, window, scale, version=3)
-    return _sdpa(q, k, v, mask, window, scale, backend)
+    return kernel_attention(q, k, v, scale, backend, mask.kernel_mask(backend, window))

@@ -64,7 +64,9 @@ class ModelConfig:
     # See olmo_ds/model/attention.py: auto | sdpa | sdpa_cudnn | sdpa_flash | sdpa_efficient |
     # sdpa_math | flex | flash_attn | flash_attn3.
     attention_backend: str = "auto"
-    activation_checkpointing: bool = False
+    # Recompute blocks in the backward pass to save activation memory: false | true (= full: every block) |
+    # every_k:N (blocks 0, N, 2N, ...: 1/N of the recomputation, about 1 - 1/N of the blocks' activations kept).
+    activation_checkpointing: bool | str = False
     # torch.compile each block as one function of its weights (olmo_ds/model/model.py `block_math`):
     # auto = compiled on CUDA, eager on CPU | blocks = always compiled | eager = never. Changes speed, not the math.
     compile: str = "auto"
@@ -99,6 +101,7 @@ class ModelConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"model.attention_backend {self.attention_backend!r} is not one of: "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+        self.checkpoint_interval()  # raises on an unknown form
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"model.compile {self.compile!r} is not one of: {', '.join(COMPILE_MODES)} "
                              f"(auto = compiled blocks on CUDA, eager on CPU)")
@@ -116,6 +119,24 @@ class ModelConfig:
         if not self.sliding_window or not self.sliding_window_pattern or layer == self.n_layers - 1:
             return False
         return self.sliding_window_pattern[layer % len(self.sliding_window_pattern)]
+
+    def checkpoint_interval(self) -> int | None:
+        """Every how many blocks one is recomputed in backward (1 = all), or None for no checkpointing."""
+        value = self.activation_checkpointing
+        if isinstance(value, bool):
+            return 1 if value else None
+        if value == "full":
+            return 1
+        prefix = "every_k:"
+        if isinstance(value, str) and value.startswith(prefix) and value[len(prefix):].isdigit() and int(value[len(prefix):]) >= 1:
+            return int(value[len(prefix):])
+        raise ValueError(f"model.activation_checkpointing {value!r} is not one of: false, true, full, every_k:N "
+                         f"(N >= 1: recompute blocks 0, N, 2N, ...; e.g. every_k:2 for half of them)")
+
+    def checkpoints_block(self, layer: int) -> bool:
+        """Whether block `layer` is recomputed in backward under `activation_checkpointing`."""
+        interval = self.checkpoint_interval()
+        return interval is not None and layer % interval == 0
 
     def num_params(self, include_embedding: bool = True) -> int:
         """Exact parameter count of the model this config builds."""

@@ -15,12 +15,16 @@ fp32, so zero.Init's dtype casting of tensors created at construction cannot tou
 
 Compiled blocks (`ModelConfig.compile`): a block can run as one `torch.compile`d function of its
 weights (`block_math`, the same math as the modules, written over the same helpers). It is taken only
-where it is exactly the eager block, and only in training (gradients enabled): plain causal attention
-through an SDPA backend (no sliding window, no document mask, no KV cache) and every weight of the
-block already gathered, which under ZeRO-3 the trainer guarantees by making each block a leaf module
-(the block's own hooks gather all its weights; the skipped submodule forwards would otherwise be the
-ones that gather them). Anything else runs the modules eagerly. `BLOCK_CALLS` counts which way each
-block call went.
+where it is exactly the eager block, and only in training (gradients enabled): attention through
+flex_attention or an SDPA backend, with sliding windows and document masks passed in as the mask the
+kernel takes (a flex BlockMask built once per forward and window, shared by the layers), no KV cache,
+and every weight of the block already gathered, which under ZeRO-3 the trainer guarantees by making
+each block a leaf module (the block's own hooks gather all its weights; the skipped submodule forwards
+would otherwise be the ones that gather them). Anything else (flash-attn backends, evaluation,
+generation) runs the modules eagerly. `BLOCK_CALLS` counts which way each block call went.
+
+Activation checkpointing (`ModelConfig.activation_checkpointing`) recomputes a chosen subset of blocks
+in the backward pass: all of them, or every k-th (`ModelConfig.checkpoints_block`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from olmo_ds.model.attention import _SDPA_KERNELS, AttentionMask, attend, resolve_backend, sdpa
+from olmo_ds.model.attention import _SDPA_KERNELS, AttentionMask, attend, kernel_attention, resolve_backend
 from olmo_ds.model.config import ModelConfig, YarnConfig
 from olmo_ds.model.loss import fused_linear_cross_entropy
 
@@ -154,18 +158,22 @@ def _resolved_backend(name: str, device: torch.device, needs_mask: bool) -> str:
     return resolve_backend(name, device, needs_mask)
 
 
-# Resolved attention backends that `block_math` runs (through `attention.sdpa`, without a mask).
-_SDPA_BACKENDS = frozenset({"sdpa", "sdpa_cudnn_first", *_SDPA_KERNELS})
+# Resolved attention backends that `block_math` runs (through `attention.kernel_attention`): flex and
+# SDPA take their masks as tensors (a BlockMask, a boolean matrix); flash-attn's varlen form takes
+# per-batch lengths and counts that a static-shape graph would recompile for, so it stays eager.
+_COMPILED_BACKENDS = frozenset({"sdpa", "sdpa_cudnn_first", *_SDPA_KERNELS, "flex"})
 
 
 def block_math(x, cos, sin, wq, wk, wv, wo, gq, gk, g_attn, w_gate, w_up, w_down, g_mlp, *,
-               eps: float, n_heads: int, n_kv_heads: int, backend: str) -> torch.Tensor:
-    """One block with plain causal attention, as a function of its weights (the compiled path).
+               eps: float, n_heads: int, n_kv_heads: int, backend: str, kernel_mask=None) -> torch.Tensor:
+    """One block as a function of its weights (the compiled path).
 
     The same operations as `Block`'s modules in the same order: q/k/v projections, QK-norm over the
     whole projections, RoPE, attention, output projection and its norm, residual; SwiGLU, its norm,
     residual. Keeping the weights as arguments lets torch.compile fuse across the whole block while
-    ZeRO-3 stays in charge of gathering them (the block's hooks run around this call).
+    ZeRO-3 stays in charge of gathering them (the block's hooks run around this call). `kernel_mask`
+    is `AttentionMask.kernel_mask`: None (plain causal), a flex BlockMask or SDPA's boolean mask,
+    built once per forward and passed in, so one graph per mask kind serves every batch and layer.
     """
     b, t, _ = x.shape
     head_dim = wq.shape[0] // n_heads
@@ -173,7 +181,7 @@ def block_math(x, cos, sin, wq, wk, wv, wo, gq, gk, g_attn, w_gate, w_up, w_down
     k = rms_norm(F.linear(x, wk), gk, eps).view(b, t, n_kv_heads, head_dim)
     v = F.linear(x, wv).view(b, t, n_kv_heads, head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = sdpa(q, k, v, head_dim ** -0.5, backend)
+    out = kernel_attention(q, k, v, head_dim ** -0.5, backend, kernel_mask)
     x = x + rms_norm(F.linear(out.reshape(b, t, -1), wo), g_attn, eps)
     return x + rms_norm(F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down), g_mlp, eps)
 
@@ -267,9 +275,9 @@ class Block(nn.Module):
         return (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, a.q_norm.weight, a.k_norm.weight,
                 self.attn_norm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, self.mlp_norm.weight)
 
-    def _compiled_backend(self, x, mask: AttentionMask | None, cache: KVCache | None) -> str | None:
-        """The attention backend for the compiled path, or None where this call must run eagerly."""
-        if cache is not None or mask is None or mask.has_documents or self.attn.window is not None:
+    def _compiled_attention(self, x, mask: AttentionMask | None, cache: KVCache | None):
+        """(backend, kernel mask) for the compiled path, or None where this call must run eagerly."""
+        if cache is not None or mask is None:
             return None
         if not torch.is_grad_enabled():
             # Evaluation and inference stay eager: their batch shapes vary (multiple-choice lengths, last
@@ -277,17 +285,19 @@ class Block(nn.Module):
             return None
         if not self.cfg.compiles_blocks(x.device.type):
             return None
-        backend = _resolved_backend(self.attn.backend, x.device, False)
-        if backend not in _SDPA_BACKENDS or not _gathered(self.weights()):
+        window = self.attn.window
+        backend = _resolved_backend(self.attn.backend, x.device, window is not None or mask.has_documents)
+        if backend not in _COMPILED_BACKENDS or not _gathered(self.weights()):
             return None
-        return backend
+        return backend, mask.kernel_mask(backend, window)
 
     def forward(self, x, cos, sin, mask: AttentionMask | None, cache: KVCache | None = None) -> torch.Tensor:
-        backend = self._compiled_backend(x, mask, cache)
-        if backend is not None:
+        route = self._compiled_attention(x, mask, cache)
+        if route is not None:
             BLOCK_CALLS["compiled"] += 1
+            backend, kernel_mask = route
             return _compiled_block_math()(x, cos, sin, *self.weights(), eps=self.attn_norm.eps, n_heads=self.attn.n_heads,
-                                          n_kv_heads=self.attn.n_kv_heads, backend=backend)
+                                          n_kv_heads=self.attn.n_kv_heads, backend=backend, kernel_mask=kernel_mask)
         BLOCK_CALLS["eager"] += 1
         x = x + self.attn_norm(self.attn(x, cos, sin, mask, cache))
         return x + self.mlp_norm(self.mlp(x))
@@ -366,10 +376,10 @@ class OLMo(nn.Module):
         else:
             tables = self._rope_tables(torch.arange(start, start + t, device=input_ids.device))
         mask = AttentionMask(b, t, input_ids.device, doc_lens) if cache is None else None
-        checkpointing = self.cfg.activation_checkpointing and torch.is_grad_enabled() and cache is None
+        checkpointing = torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.blocks):
             cos, sin = tables[self.cfg.layer_is_sliding(i)]
-            if checkpointing:
+            if checkpointing and self.cfg.checkpoints_block(i):
                 x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, cache)

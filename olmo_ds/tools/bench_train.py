@@ -89,6 +89,9 @@ class BenchOptions:
     ds_config: str = "ds_configs/zero3_bf16.json"
     ds_set: list[str] = field(default_factory=list)  # "zero_optimization.reduce_bucket_size=500000000"
     model_set: list[str] = field(default_factory=list)  # ModelConfig fields, e.g. "compile=eager"
+    window: int | None = None  # sliding window in tokens on the layers `window_pattern` marks (model.sliding_window)
+    window_pattern: str = "TTTF"  # T = sliding, F = full, repeated over the layers (the last is always full): OLMo 3's
+    document_masking: bool = False  # attend within documents (data.document_masking; generated docs average 1,200 tokens)
     precision: str | None = None  # None: bf16 on CUDA, fp32 on CPU
     warmup: int = 5
     steps: int = 20
@@ -108,10 +111,17 @@ def _swiglu(gate, up):
 
 
 def block_counts() -> dict:
-    """How many block calls ran compiled and eagerly in this process so far (see `BLOCK_CALLS`)."""
+    """How many block calls ran compiled and eagerly in this process so far (see `BLOCK_CALLS`), and how
+    many graphs torch.compile has built (a count that grows during the timed steps means recompiles)."""
     from olmo_ds.model.model import BLOCK_CALLS
 
-    return {"blocks_compiled": BLOCK_CALLS["compiled"], "blocks_eager": BLOCK_CALLS["eager"]}
+    return {"blocks_compiled": BLOCK_CALLS["compiled"], "blocks_eager": BLOCK_CALLS["eager"], "dynamo_graphs": dynamo_graphs()}
+
+
+def dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def apply_experiments(exp: Experiments) -> list[str]:
@@ -174,6 +184,11 @@ def build_train_config(opts: BenchOptions, data_dir: Path, work: Path):
     """The TrainConfig a user would write for this benchmark (one rank, constant lr, no checkpoints)."""
     precision = opts.precision or ("bf16" if torch.cuda.is_available() else "fp32")
     model = {"preset": opts.preset}
+    if opts.window is not None:
+        if not opts.window_pattern or set(opts.window_pattern) - {"T", "F"}:
+            raise ConfigError(f"bench: --window-pattern {opts.window_pattern!r} must be letters T (sliding) and F (full), e.g. TTTF")
+        model["sliding_window"] = opts.window
+        model["sliding_window_pattern"] = [c == "T" for c in opts.window_pattern]
     for assignment in opts.model_set:
         apply_override(model, assignment)
     steps = opts.warmup + opts.steps
@@ -183,7 +198,7 @@ def build_train_config(opts: BenchOptions, data_dir: Path, work: Path):
         "precision": precision,
         "deepspeed_config": write_ds_config(opts, work),
         "model": model,
-        "data": {"sources": [{"path": str(data_dir)}], "prefetch": 2},
+        "data": {"sources": [{"path": str(data_dir)}], "prefetch": 2, "document_masking": opts.document_masking},
         "batch": {
             "global_batch_size": opts.micro_batch_size * opts.grad_accum,
             "micro_batch_size": opts.micro_batch_size,
@@ -369,7 +384,7 @@ def _time_steps(step, loader, opts: BenchOptions, flops: dict, peak: float | Non
     losses = [step() for _ in range(opts.warmup)]
     _sync()
     _peak_memory_reset()
-    wait0 = loader.wait_seconds
+    wait0, graphs0 = loader.wait_seconds, dynamo_graphs()
     times = []
     for _ in range(opts.steps):
         t0 = time.perf_counter()
@@ -377,6 +392,7 @@ def _time_steps(step, loader, opts: BenchOptions, flops: dict, peak: float | Non
         _sync()
         times.append(time.perf_counter() - t0)
     result = _summarise(times, loader.wait_seconds - wait0, tokens_per_step, flops, peak, losses)
+    result["dynamo_graphs_while_timed"] = dynamo_graphs() - graphs0  # new graphs = recompiles after warm-up
     if opts.profile_dir:
         result.update(_profile(step, name, opts))
     return result
@@ -450,7 +466,11 @@ def run_bench(opts: BenchOptions) -> dict:
         "experiments_applied": applied,
         "environment": environment(),
         "model": {"preset": opts.preset, "params": model_cfg.num_params(), "non_embedding_params": model_cfg.num_params(False),
-                  "attention_backend": model_cfg.attention_backend, "compile": model_cfg.compile},
+                  "attention_backend": model_cfg.attention_backend, "compile": model_cfg.compile,
+                  "sliding_window": model_cfg.sliding_window,
+                  "sliding_layers": sum(model_cfg.layer_is_sliding(i) for i in range(model_cfg.n_layers)),
+                  "activation_checkpointing": model_cfg.activation_checkpointing,
+                  "document_masking": cfg.data.document_masking},
         "precision": cfg.precision,
         "tokens_per_step": cfg.batch.global_batch_size * opts.seq_len,
         "peak_tflops": peak,
@@ -486,6 +506,11 @@ def _fmt(value, width: int, spec: str, scale: float = 1.0, suffix: str = "") -> 
     return text.rjust(width)
 
 
+def _attention_text(m: dict) -> str:
+    text = (f"window {m['sliding_window']} on {m['sliding_layers']} layers" if m["sliding_layers"] else "full") + " causal"
+    return text + (", document-masked" if m["document_masking"] else "") + f", backend {m['attention_backend']}"
+
+
 def format_report(r: dict) -> str:
     o = r["options"]
     lines = [
@@ -495,6 +520,7 @@ def format_report(r: dict) -> str:
         r["formula"],
         f"MFU vs {r['peak_tflops']} TFLOP/s peak" if r["peak_tflops"] else
         "MFU: no known peak for this device" + ("; CPU timings show only that the path runs" if r["environment"]["device"] == "cpu" else ""),
+        f"attention: {_attention_text(r['model'])}; activation checkpointing {r['model']['activation_checkpointing']}",
         f"model.compile {r['model']['compile']}; experiments: {', '.join(r['experiments_applied']) or 'none'}; "
         f"ds overrides: {', '.join(o['ds_set']) or 'none'}; "
         f"model overrides: {', '.join(o['model_set']) or 'none'}",
@@ -516,7 +542,7 @@ def format_report(r: dict) -> str:
                          f"kernel time {100 * r[key]['kernel_time_fraction']:.1f}% of it summed over streams "
                          f"(op table and trace in {o['profile_dir']})")
         if r.get(key, {}).get("counters"):
-            lines.append(f"{key} block calls: {r[key]['counters']}")
+            lines.append(f"{key} block calls: {r[key]['counters']}; graphs built while timed: {r[key]['dynamo_graphs_while_timed']}")
     ds = r.get("deepspeed", {})
     if ds.get("host_peak_gib") is not None:
         lines.append(f"host memory: peak RSS {ds['host_peak_gib']:.1f} GiB"
@@ -568,6 +594,10 @@ VARIANTS: dict[str, list[str]] = {
     "accum4": ["--grad-accum", "4"],
     "accum8": ["--grad-accum", "8"],
     "ckpt": ["--model-set", "activation_checkpointing=true"],
+    "ckpt_every2": ["--model-set", "activation_checkpointing=every_k:2"],
+    # OLMo 3's attention: a 4096-token window on 3 of every 4 layers; documents of the generated data masked.
+    "olmo3_window": ["--window", "4096"],
+    "docs": ["--document-masking"],
     "noref": ["--no-reference"],
     "ref_master": ["--reference-fp32-master"],
     # DeepSpeed with the pure-bf16 reference's precision: bf16 master weights, gradients and AdamW moments.
@@ -609,7 +639,7 @@ def run_sweep(names: list[str], base_args: list[str], out_dir: Path, timeout_s: 
 
 
 def format_sweep(rows: list[dict]) -> str:
-    lines = [f"{'variant':<34} {'DS tok/s':>9} {'MFU':>6} {'ref tok/s':>9} {'ratio':>6} {'vs fp32m':>8} {'DS GiB':>7} {'ref GiB':>7} {'host':>6} {'wait':>6} {'wall s':>6}"]
+    lines = [f"{'variant':<34} {'DS tok/s':>9} {'MFU':>6} {'ref tok/s':>9} {'ratio':>6} {'vs fp32m':>8} {'DS GiB':>7} {'ref GiB':>7} {'host':>6} {'wait':>6} {'wall s':>6} {'blocks c/e':>11} {'recomp':>6}"]
     for row in rows:
         r = row.get("result")
         if r is None or "deepspeed" not in r:
@@ -621,7 +651,8 @@ def format_sweep(rows: list[dict]) -> str:
             f"{_fmt(ref and ref['tokens_per_s'], 9, ',.0f')} {_fmt(r.get('ratio_deepspeed_to_reference'), 6, '.3f')} "
             f"{_fmt(r.get('ratio_deepspeed_to_reference_fp32_master'), 8, '.3f')} "
             f"{ds['peak_alloc_gib']:>7.1f} {_fmt(ref and ref['peak_alloc_gib'], 7, '.1f')} {_fmt(ds.get('host_peak_gib'), 6, '.1f')} "
-            f"{100 * ds['data_wait_fraction']:>5.2f}% {row['wall_s']:>6.0f}"
+            f"{100 * ds['data_wait_fraction']:>5.2f}% {row['wall_s']:>6.0f} "
+            f"{ds['counters']['blocks_compiled']:>5}/{ds['counters']['blocks_eager']:<5} {ds['dynamo_graphs_while_timed']:>6}"
         )
     return "\n".join(lines)
 
@@ -638,6 +669,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a DeepSpeed JSON field, e.g. zero_optimization.reduce_bucket_size=500000000")
     p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model config field, e.g. compile=eager (no compiled blocks) or attention_backend=sdpa_flash")
+    p.add_argument("--window", type=int, default=None, help="sliding-window attention of this many tokens (model.sliding_window)")
+    p.add_argument("--window-pattern", default=BenchOptions.window_pattern,
+                   help="with --window: T (sliding) / F (full) per layer, repeated; the last layer is always full (default: OLMo 3's TTTF)")
+    p.add_argument("--document-masking", action="store_true", help="attend only within documents (data.document_masking)")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--warmup", type=int, default=5 if gpu else 1)
     p.add_argument("--steps", type=int, default=20 if gpu else 3)
@@ -681,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = BenchOptions(
             preset=args.preset, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
             ds_config=args.ds_config, ds_set=args.ds_set, model_set=args.model_set, precision=args.precision,
+            window=args.window, window_pattern=args.window_pattern, document_masking=args.document_masking,
             warmup=args.warmup, steps=args.steps, reference=args.reference, reference_fp32_master=args.reference_fp32_master, deepspeed=args.deepspeed, work_dir=args.work_dir,
             profile_dir=args.profile_dir,
             experiments=Experiments(compile_pointwise=args.compile_pointwise, loss_chunk=args.loss_chunk, deepcompile=args.deepcompile,

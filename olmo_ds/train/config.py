@@ -286,7 +286,14 @@ class _Parser:
             if raw is None and type(None) in args:
                 return None
             inner = [a for a in args if a is not type(None)]
-            return self.value(inner[0], raw, path)
+            # The first member type that takes the value (`bool | str`: true, or "every_k:2"), else the first's error.
+            errors = []
+            for member in inner:
+                try:
+                    return self.value(member, raw, path)
+                except ConfigError as e:
+                    errors.append(e)
+            raise errors[0]
         if tp is Any:
             return raw
         if dataclasses.is_dataclass(tp):

@@ -8,6 +8,8 @@ shapes, same grad mode). Tolerances are fp32 rounding: inductor fuses and reorde
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -21,15 +23,16 @@ from olmo_ds.model.model import BLOCK_CALLS
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, mlp_hidden=64, vocab_size=256, max_seq_len=64, compile="eager")
 
 
-def twin_models(**compiled_fields) -> tuple[OLMo, OLMo]:
-    """An eager model with every weight random (norms too) and a copy with compiled blocks."""
+def twin_models(shared: dict | None = None, **compiled_fields) -> tuple[OLMo, OLMo]:
+    """An eager model (CFG with `shared` fields) with every weight random (norms too) and a copy with compiled blocks."""
     torch.manual_seed(0)
-    eager = OLMo(CFG)
+    cfg = dataclasses.replace(CFG, **(shared or {}))
+    eager = OLMo(cfg)
     with torch.no_grad():
         for name, p in eager.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-    compiled = OLMo(dataclasses.replace(CFG, compile="blocks", **compiled_fields))
+    compiled = OLMo(dataclasses.replace(cfg, compile="blocks", **compiled_fields))
     compiled.load_state_dict(eager.state_dict())
     return eager, compiled
 
@@ -71,34 +74,76 @@ def test_compiled_blocks_match_eager_forward_and_backward():
     assert BLOCK_CALLS == {"eager": 2}
 
 
-def test_activation_checkpointing_recomputes_compiled_blocks_exactly():
-    eager, compiled = twin_models(activation_checkpointing=True)
+@pytest.mark.parametrize("setting, recomputed", [(True, 2), ("full", 2), ("every_k:2", 1), (False, 0)])
+def test_activation_checkpointing_recomputes_compiled_blocks_exactly(setting, recomputed):
+    eager, compiled = twin_models(activation_checkpointing=setting)
     BLOCK_CALLS.clear()
     assert_same_training_math(eager, compiled)
-    assert BLOCK_CALLS["compiled"] == 4  # 2 layers, each run forward and again in backward
+    assert BLOCK_CALLS["compiled"] == 2 + recomputed  # 2 layers forward, and the checkpointed ones again in backward
+
+
+@pytest.mark.parametrize("value", ["every_k:0", "every_k:x", "attention", 2])
+def test_activation_checkpointing_form_must_be_known(value):
+    with pytest.raises(ValueError, match=r"model.activation_checkpointing .* is not one of: false, true, full, every_k:N"):
+        dataclasses.replace(CFG, activation_checkpointing=value)
+
+
+WINDOWED = dict(sliding_window=8, sliding_window_pattern=[True])  # layer 0 sliding, layer 1 (the last) full
+DOC_LENS = torch.tensor([[10, 22], [3, 29]])
+
+
+@pytest.mark.parametrize("fields, doc_lens", [(WINDOWED, None), ({}, DOC_LENS), (WINDOWED, DOC_LENS)],
+                         ids=["window", "documents", "window+documents"])
+def test_windowed_and_document_masked_blocks_compile_and_match_eager(fields, doc_lens):
+    """Sliding windows and document masks take the compiled path with the mask passed in (SDPA's boolean
+    mask on CPU, where flex has no backward): same loss and gradients as the eager modules."""
+    eager, compiled = twin_models(fields)
+    BLOCK_CALLS.clear()
+    assert_same_training_math(eager, compiled, doc_lens=doc_lens)
+    assert BLOCK_CALLS == {"compiled": 2, "eager": 2}
+
+
+def test_flex_compiled_block_matches_eager_and_compiles_once_per_mask_kind():
+    """flex_attention inside the compiled block (forward only: flex has no CPU backward) equals the eager
+    block, and new batches (new documents, new BlockMasks) reuse the graphs: no recompilation per batch."""
+    from torch._dynamo.utils import counters
+
+    eager, compiled = twin_models(dict(WINDOWED, attention_backend="flex"))
+    for model in (eager, compiled):
+        model.requires_grad_(False)  # gradients stay enabled (the compiled path's condition), weights need none
+    graphs = []
+    for seed, doc_lens in enumerate([DOC_LENS, torch.tensor([[32, 0], [7, 25]]), torch.tensor([[1, 31], [16, 16]])]):
+        x = torch.randn(2, 32, CFG.d_model, generator=torch.Generator().manual_seed(seed))
+        mask = AttentionMask(2, 32, x.device, doc_lens)  # one per batch, as OLMo.forward builds it
+        for layer in (0, 1):  # sliding, then full: two mask kinds
+            cos, sin = compiled._cached_rope_tables(32, x.device)[compiled.cfg.layer_is_sliding(layer)]
+            BLOCK_CALLS.clear()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+                out = compiled.blocks[layer](x, cos, sin, mask)
+                ref = eager.blocks[layer](x, cos, sin, mask)
+            assert BLOCK_CALLS == {"compiled": 1, "eager": 1}
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[2] == graphs[0], graphs
 
 
 def test_compiled_path_is_skipped_where_it_would_not_be_exact():
-    """Document masks, sliding windows, the KV cache, non-SDPA backends and `compile: auto` on CPU run eagerly
-    (as does anything without gradients, above)."""
+    """The KV cache, flash-attn backends and `compile: auto` on CPU run eagerly (as does anything without
+    gradients, above)."""
     eager, compiled = twin_models()
     ids, labels = batch()
+    model = OLMo(dataclasses.replace(CFG, compile="auto"))
+    model.load_state_dict(eager.state_dict())
     BLOCK_CALLS.clear()
-    assert_same_training_math(eager, compiled, doc_lens=torch.tensor([[10, 22], [32, 0]]))
-    assert BLOCK_CALLS == {"eager": 4}
-
-    for fields, expected in [(dict(sliding_window=8, sliding_window_pattern=[True]), {"eager": 1, "compiled": 1}),
-                             (dict(compile="auto"), {"eager": 2})]:
-        model = OLMo(dataclasses.replace(CFG, **{"compile": "blocks", **fields}))
-        model.load_state_dict(eager.state_dict())
-        BLOCK_CALLS.clear()
-        model(ids, labels=labels)
-        assert BLOCK_CALLS == expected, fields
-    # flex_attention has no backward on CPU, so its rule is checked without running the block.
-    flex = OLMo(dataclasses.replace(CFG, compile="blocks", attention_backend="flex")).blocks[0]
+    model(ids, labels=labels)
+    assert BLOCK_CALLS == {"eager": 2}
+    # flash-attn needs CUDA, so its rule is checked without running the block.
+    flash = OLMo(dataclasses.replace(CFG, compile="blocks", attention_backend="flash_attn")).blocks[0]
     x = torch.zeros(2, 32, CFG.d_model)
-    assert flex._compiled_backend(x, AttentionMask(2, 32, x.device), None) is None
-    assert compiled.blocks[0]._compiled_backend(x, AttentionMask(2, 32, x.device), None) == "sdpa"
+    with mock.patch("olmo_ds.model.model._resolved_backend", return_value="flash_attn"):
+        assert flash._compiled_attention(x, AttentionMask(2, 32, x.device), None) is None
+    assert compiled.blocks[0]._compiled_attention(x, AttentionMask(2, 32, x.device), None) == ("sdpa", None)
 
     BLOCK_CALLS.clear()
     prompt = ids[:1, :4].tolist()
@@ -109,3 +154,26 @@ def test_compiled_path_is_skipped_where_it_would_not_be_exact():
 def test_compile_mode_must_be_known():
     with pytest.raises(ValueError, match=r"model.compile 'yes' is not one of: auto, blocks, eager"):
         dataclasses.replace(CFG, compile="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's backward needs CUDA")
+@pytest.mark.parametrize("doc_lens", [None, torch.tensor([[300, 524, 200], [17, 1000, 7]])], ids=["window", "window+documents"])
+def test_gpu_flex_compiled_blocks_train_like_eager_sdpa_in_bf16(doc_lens):
+    """On CUDA, in bf16 at real tile sizes (head_dim 128, 8 key tiles, 256-token window): compiled blocks with
+    flex_attention give the loss and gradients of eager blocks with SDPA and a boolean mask (another kernel)."""
+    cfg = ModelConfig(d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, mlp_hidden=512, vocab_size=512, max_seq_len=1024,
+                      sliding_window=256, sliding_window_pattern=[True])
+    torch.manual_seed(0)
+    eager = OLMo(dataclasses.replace(cfg, compile="eager", attention_backend="sdpa")).cuda().bfloat16()
+    compiled = OLMo(dataclasses.replace(cfg, compile="blocks", attention_backend="flex")).cuda().bfloat16()
+    compiled.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100, device="cuda")], dim=1)
+    BLOCK_CALLS.clear()
+    loss, grads = loss_and_grads(compiled, ids, labels, doc_lens=doc_lens)
+    ref_loss, ref_grads = loss_and_grads(eager, ids, labels, doc_lens=doc_lens)
+    assert BLOCK_CALLS == {"compiled": 2, "eager": 2}
+    torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=1e-2, atol=1e-2)
+    for name, grad in grads.items():
+        err = (grad.float() - ref_grads[name].float()).norm() / ref_grads[name].float().norm()
+        assert err < 3e-2, (name, err.item())
