@@ -4,9 +4,12 @@ consolidated fp32 weights without the GPUs (or the number of ranks) the run used
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -55,19 +58,39 @@ def universal_checkpoint(ckpt_dir: Path, rank: int) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _deepspeed_output_to_stderr():
+    """DeepSpeed's output, sent to stderr for the duration: its print()s, and its logger, whose handler
+    holds the stdout of the moment deepspeed was first imported (importing it warns about the accelerator).
+
+    Consolidation narrates on stdout; every caller's stdout carries its result (an eval table, the
+    directory export_hf.py wrote, generated text) and must stay pipeable.
+    """
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.utils import logger
+
+        moved = [(h, h.setStream(sys.stderr)) for h in logger.handlers if isinstance(h, logging.StreamHandler) and h.stream is sys.__stdout__]
+        try:
+            yield
+        finally:
+            for handler, stream in moved:
+                handler.setStream(stream)
+
+
 def load_model_state(ckpt_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
     """Consolidated fp32 weights of a checkpoint, on CPU, from any ZeRO stage and any world size.
 
     No GPU, no process group: DeepSpeed's zero_to_fp32 stitches the per-rank partitions together.
     Returns (model config, state dict keyed like `OLMo(cfg).state_dict()`, train_state).
     """
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"checkpoint directory {ckpt_dir} does not exist")
     train_state = read_train_state(ckpt_dir)
     model_cfg = ModelConfig.from_dict(train_state["model"])
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir.parent), tag=ckpt_dir.name)
+    with _deepspeed_output_to_stderr():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state_dict = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir.parent), tag=ckpt_dir.name)
     state_dict = {k: v.float().cpu() for k, v in state_dict.items()}
     return model_cfg, state_dict, train_state

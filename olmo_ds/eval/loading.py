@@ -11,8 +11,6 @@ the agreement between the two is checked.
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,9 +75,7 @@ def _load(kind: str, directory: Path, tokenizer: Tokenizer, backend: str) -> Loa
         return LoadedModel(model=model, tokenizer=tokenizer, max_len=cfg.max_seq_len, path=directory, kind=kind,
                            step=provenance.get("step"), tokens_seen=provenance.get("tokens_seen"),
                            model_config=cfg.to_dict(), train_config=provenance.get("config", {}))
-    # DeepSpeed's consolidation of a checkpoint narrates on stdout; stdout is for the results table.
-    with contextlib.redirect_stdout(sys.stderr):
-        w = weights.load_weights(directory, vocab_size=tokenizer.vocab_size if kind == "hf" else None)
+    w = weights.load_weights(directory, vocab_size=tokenizer.vocab_size if kind == "hf" else None)
     _check_vocab(w.cfg, tokenizer, directory)
     recorded = w.train_state.get("tokenizer_fingerprint") if kind == "checkpoint" else None
     if recorded and recorded != tokenizer.fingerprint:

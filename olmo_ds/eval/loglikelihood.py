@@ -29,6 +29,7 @@ from olmo_ds.eval.scoring import DistContext, length_batches, logits_of, model_d
 @dataclass
 class ScoredRequests:
     logprob: np.ndarray  # float64 [N]: sum of log-probs of the continuation tokens (nats)
+    greedy: np.ndarray  # bool [N]: every continuation token is the model's arg-max (lm-eval's is_greedy)
     num_tokens: np.ndarray  # int64 [N]: continuation tokens scored
     truncated: np.ndarray  # bool [N]: the context was cut from the left to fit the window
     forward_rows: int  # model rows actually run (distinct inputs after prefix sharing)
@@ -90,21 +91,24 @@ def score_requests(
     was_training = getattr(model, "training", False)
     model.eval()
     try:
-        scores, rows, tokens = {}, 0, 0
+        scores, greedy, rows, tokens = {}, {}, 0, 0
         # Both parts are decided from the requests alone, so every rank runs them in the same order.
         if plain:
-            part, r, t = _score_rows(model, requests, plain, max_len, batch_tokens, pad_id, dist_ctx)
+            part, top, r, t = _score_rows(model, requests, plain, max_len, batch_tokens, pad_id, dist_ctx)
             scores.update(part)
+            greedy.update(top)
             rows, tokens = rows + r, tokens + t
         if shared:
-            part, r, t = _score_shared_contexts(model, olmo, requests, shared, batch_tokens, pad_id, dist_ctx)
+            part, top, r, t = _score_shared_contexts(model, olmo, requests, shared, batch_tokens, pad_id, dist_ctx)
             scores.update(part)
+            greedy.update(top)
             rows, tokens = rows + r, tokens + t
     finally:
         if was_training:
             model.train()
     return ScoredRequests(
         logprob=np.array([scores[i] for i in range(len(requests))], dtype=np.float64),
+        greedy=np.array([greedy[i] for i in range(len(requests))], dtype=bool),
         num_tokens=np.array([len(c) for _, c in requests], dtype=np.int64),
         truncated=truncated,
         forward_rows=rows,
@@ -147,19 +151,32 @@ def _score_rows(model, requests, idx: list[int], max_len: int, batch_tokens: int
         pos_idx = [spans[i][0] + j for i in members for j in range(len(spans[i][1]))]
         targets = [t for i in members for t in spans[i][1]]
         picked = logits[torch.as_tensor(row_idx, device=device), torch.as_tensor(pos_idx, device=device)]
-        lp = target_logprobs(picked, torch.as_tensor(targets, device=device)).double().cpu().numpy()
-        return _sums(members, [len(spans[i][1]) for i in members], lp)
+        targets = torch.as_tensor(targets, device=device)
+        lp = target_logprobs(picked, targets).double().cpu().numpy()
+        top = (picked.argmax(-1) == targets).cpu().numpy()
+        lengths = [len(spans[i][1]) for i in members]
+        return _sums(members, lengths, lp), _all(members, lengths, top)
 
-    scores = {}
-    for part in run_split(len(batches), step, dist_ctx):
+    scores, greedy = {}, {}
+    for part, top in run_split(len(batches), step, dist_ctx):
         scores.update(part)
-    return scores, len(rows), sum(len(r) for r in rows)
+        greedy.update(top)
+    return scores, greedy, len(rows), sum(len(r) for r in rows)
 
 
 def _sums(keys: list, lengths: list[int], values: np.ndarray) -> dict:
+    return _reduce(keys, lengths, values, lambda part: float(part.sum()))
+
+
+def _all(keys: list, lengths: list[int], values: np.ndarray) -> dict:
+    return _reduce(keys, lengths, values, lambda part: bool(part.all()))
+
+
+def _reduce(keys: list, lengths: list[int], values: np.ndarray, fn) -> dict:
+    """fn over consecutive runs of `values`, `lengths[k]` long, keyed by `keys[k]`."""
     out, offset = {}, 0
     for key, n in zip(keys, lengths):
-        out[key] = float(values[offset : offset + n].sum())
+        out[key] = fn(values[offset : offset + n])
         offset += n
     return out
 
@@ -231,14 +248,20 @@ def _score_shared_contexts(model, olmo, requests, idx: list[int], batch_tokens: 
             picked.append(tail_logits[torch.as_tensor(rest_rows, device=device), torch.as_tensor(rest_pos, device=device)])
             targets += [t for c, k in keys for t in conts[c][k][1:]]
         # Order the scored tokens by key: the first token of every key, then the rest key by key.
-        lp = target_logprobs(torch.cat(picked), torch.as_tensor(targets, device=device)).double().cpu().numpy()
-        first_lp, rest_lp = lp[: len(keys)], lp[len(keys) :]
-        rest = _sums(keys, [len(conts[c][k]) - 1 for c, k in keys], rest_lp)
-        return {key: float(first_lp[n]) + rest[key] for n, key in enumerate(keys)}
+        picked, targets = torch.cat(picked), torch.as_tensor(targets, device=device)
+        lp = target_logprobs(picked, targets).double().cpu().numpy()
+        top = (picked.argmax(-1) == targets).cpu().numpy()
+        n = len(keys)
+        rest_lengths = [len(conts[c][k]) - 1 for c, k in keys]
+        rest, rest_top = _sums(keys, rest_lengths, lp[n:]), _all(keys, rest_lengths, top[n:])
+        return ({key: float(lp[j]) + rest[key] for j, key in enumerate(keys)},
+                {key: bool(top[j]) and rest_top[key] for j, key in enumerate(keys)})
 
     scores: dict[tuple[int, int], float] = {}
-    for part in run_split(len(batches), step, dist_ctx):
+    greedy: dict[tuple[int, int], bool] = {}
+    for part, top in run_split(len(batches), step, dist_ctx):
         scores.update(part)
+        greedy.update(top)
     tokens = sum(len(c) for c in ctx_list) + sum(len(k) - 1 for ks in conts for k in ks)
     rows = len(ctx_list) + sum(1 for ks in conts for k in ks if len(k) > 1)
-    return {i: scores[key_of[i]] for i in idx}, rows, tokens
+    return {i: scores[key_of[i]] for i in idx}, {i: greedy[key_of[i]] for i in idx}, rows, tokens

@@ -18,7 +18,9 @@ from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
 from olmo_ds.eval.loglikelihood import score_requests
 from olmo_ds.eval.perplexity import evaluate_perplexity, load_source, token_byte_lengths, window_batches
 from olmo_ds.eval.tasks import load_task
-from olmo_ds.weights import export_hf
+from olmo_ds.model import OLMo
+from olmo_ds.model.generate import generate
+from olmo_ds.weights import export_hf, load_weights
 from olmo_ds.tokenizer import load_tokenizer
 
 from eval_testlib import ARC_EASY, C4, NEOX, PIQA
@@ -130,3 +132,23 @@ def test_checkpoint_and_its_transformers_export_agree(trained_run, tmp_path):
     rb = evaluate_tasks(theirs.model, tok, prepared, 0, 1, max_len=theirs.max_len).tasks
     assert {t: {m: r[m] for m in ("acc", "acc_per_token", "acc_per_char")} for t, r in ra.items()} == \
            {t: {m: r[m] for m in ("acc", "acc_per_token", "acc_per_char")} for t, r in rb.items()}
+
+
+@pytest.mark.parametrize("script", ["export_hf", "generate"])
+def test_scripts_given_a_checkpoint_print_only_their_result(trained_run, tmp_path, script):
+    """Piped, stdout holds the result alone: DeepSpeed's consolidation messages go to stderr."""
+    ckpt = trained_run / "checkpoints" / "step-0000006"
+    args = {"export_hf": [ckpt, tmp_path / "hf"], "generate": [ckpt, "--prompt", "The", "--max-new-tokens", "4"]}[script]
+    command = " ".join([sys.executable, str(REPO / "scripts" / f"{script}.py"), *map(str, args)]) + " | cat"
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    if script == "export_hf":
+        assert proc.stdout == f"wrote {tmp_path / 'hf'}\n"
+    else:  # greedy, so the text is known: the same weights and generate() in this process
+        w = load_weights(ckpt)
+        model = OLMo(w.cfg)
+        model.load_state_dict(w.state_dict)
+        tok = load_tokenizer(ckpt / "tokenizer.json")
+        new = generate(model.eval(), [tok.encode("The")], 4, eos_id=tok.eos_id)[0]
+        assert proc.stdout == f"=== 'The'\nThe{tok.decode(new)}\n\n"
+    assert "zero checkpoint" in proc.stderr  # consolidation did run, and spoke on stderr

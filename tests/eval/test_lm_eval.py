@@ -1,13 +1,16 @@
-"""An exported directory under lm-evaluation-harness scores like olmo-ds does.
+"""lm-evaluation-harness scores like olmo-ds does: on an export (its `hf` model), and on our weights
+unexported (the `olmo-ds` model of olmo_ds/eval/lm_eval_model.py).
 
 lm-eval is not a dependency (it brings ~45 packages: datasets, pandas, pyarrow, scipy, ...), so
-this runs only where it is installed, e.g. `pip install lm-eval`; see docs/evaluation.md.
+this runs only where it is installed with its hf model's needs, `pip install "lm-eval[hf]"`; see
+docs/evaluation.md.
 """
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ from olmo_ds.eval.tasks import load_task
 from eval_testlib import ARC_EASY, NEOX, export_hf
 
 pytest.importorskip("lm_eval")
+pytest.importorskip("accelerate", reason="lm-eval's hf model needs accelerate: pip install \"lm-eval[hf]\"")
 
 TASK_YAML = """task: arc_local
 dataset_path: json
@@ -37,25 +41,70 @@ metric_list:
 """
 
 
-def test_lm_eval_on_the_export_agrees_with_our_scores(model, neox, tmp_path):
-    arc = load_task(ARC_EASY)
-    data = tmp_path / "arc.jsonl"
-    data.write_text("".join(json.dumps({"context": q.choices[0][0], "choices": [c for _, c in q.choices], "gold": q.gold}) + "\n" for q in arc.questions[:16]))
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "arc_local.yaml").write_text(TASK_YAML.format(data=data))
-    exported = export_hf(model, NEOX, tmp_path / "hf")
+def _lm_eval(tmp_path, module, model, model_args, tasks_dir, out, task="arc_local"):
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={exported},dtype=float32",
-                           "--tasks", "arc_local", "--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--batch_size", "8",
-                           "--output_path", str(tmp_path / "out"), "--log_samples"], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    samples = sorted((json.loads(line) for line in next((tmp_path / "out").rglob("samples_arc_local_*.jsonl")).open()), key=lambda s: s["doc_id"])
-    theirs = np.array([resp[0] for s in samples for resp in s["filtered_resps"]], dtype=np.float64)
+    return subprocess.run([sys.executable, "-m", module, "--model", model, "--model_args", model_args, "--tasks", task,
+                           "--include_path", str(tasks_dir), "--device", "cpu", "--batch_size", "8",
+                           "--output_path", str(out), "--log_samples"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
 
-    task = load_task(data)
+
+def _samples(out):
+    return sorted((json.loads(line) for line in next(out.rglob("samples_arc_local_*.jsonl")).open()), key=lambda s: s["doc_id"])
+
+
+@pytest.fixture(scope="module")
+def arc_local(model, tmp_path_factory):
+    """16 arc_easy questions as a local lm-eval task, the model exported (and as our model dir), lm-eval's hf run on the export."""
+    tmp = tmp_path_factory.mktemp("lm_eval")
+    arc = load_task(ARC_EASY)
+    data = tmp / "arc.jsonl"
+    data.write_text("".join(json.dumps({"context": q.choices[0][0], "choices": [c for _, c in q.choices], "gold": q.gold}) + "\n" for q in arc.questions[:16]))
+    (tmp / "tasks").mkdir()
+    (tmp / "tasks" / "arc_local.yaml").write_text(TASK_YAML.format(data=data))
+    exported = export_hf(model, NEOX, tmp / "hf")
+    proc = _lm_eval(tmp, "lm_eval", "hf", f"pretrained={exported},dtype=float32", tmp / "tasks", tmp / "out-hf")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"tmp": tmp, "data": data, "tasks": tmp / "tasks", "model_dir": exported.with_name(exported.name + "-olmo"), "hf": _samples(tmp / "out-hf")}
+
+
+def test_lm_eval_on_the_export_agrees_with_our_scores(model, neox, arc_local):
+    samples = arc_local["hf"]
+    theirs = np.array([resp[0] for s in samples for resp in s["filtered_resps"]], dtype=np.float64)
+    task = load_task(arc_local["data"])
     prepared = prepare_tasks(neox, [task])
     ours = score_requests(model, prepared.requests, max_len=model.cfg.max_seq_len)
     np.testing.assert_allclose(ours.logprob, theirs, rtol=0, atol=1e-4)
     result = evaluate_tasks(model, neox, prepared, 0, 1, max_len=model.cfg.max_seq_len).tasks["arc"]
     assert result["acc"] == pytest.approx(np.mean([s["acc"] for s in samples]))
     assert result["acc_per_char"] == pytest.approx(np.mean([s["acc_norm"] for s in samples]))  # lm-eval's acc_norm
+
+
+def test_olmo_ds_model_without_export_agrees_with_the_export(arc_local, tmp_path):
+    """`--model olmo-ds` on our model directory vs `--model hf` on its export: per item within 1e-4
+    (fp32), is_greedy and accuracies identical."""
+    proc = _lm_eval(tmp_path, "olmo_ds.eval.lm_eval_model", "olmo-ds", f"checkpoint={arc_local['model_dir']}", arc_local["tasks"], tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ours, theirs = _samples(tmp_path / "out"), arc_local["hf"]
+    assert [s["doc_id"] for s in ours] == [s["doc_id"] for s in theirs] and len(ours) == 16
+    lp = lambda samples: np.array([r[0] for s in samples for r in s["filtered_resps"]], dtype=np.float64)  # noqa: E731
+    np.testing.assert_allclose(lp(ours), lp(theirs), rtol=0, atol=1e-4)
+    assert [r[1] for s in ours for r in s["filtered_resps"]] == [r[1] for s in theirs for r in s["filtered_resps"]]
+    for metric in ("acc", "acc_norm"):
+        assert [s[metric] for s in ours] == [s[metric] for s in theirs]
+
+
+def test_olmo_ds_model_errors_name_the_bad_value(arc_local, tmp_path):
+    proc = _lm_eval(tmp_path, "olmo_ds.eval.lm_eval_model", "olmo-ds", f"checkpoint={tmp_path / 'no-such-run'}", arc_local["tasks"], tmp_path / "out")
+    assert proc.returncode == 2 and f"{tmp_path / 'no-such-run'}: no such checkpoint, run or model directory" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = _lm_eval(tmp_path, "olmo_ds.eval.lm_eval_model", "olmo-ds", f"checkpoint={arc_local['model_dir']}", arc_local["tasks"], tmp_path / "out", task="arc_locl")
+    assert proc.returncode == 2 and "Tasks not found: arc_locl" in proc.stderr
+
+
+def test_skipped_not_failed_without_accelerate(tmp_path):
+    """lm-eval without its [hf] extra: this file skips (it used to fail in lm-eval's hf model)."""
+    (tmp_path / "accelerate.py").write_text("raise ModuleNotFoundError(\"No module named 'accelerate'\", name='accelerate')\n")  # as if not installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "agrees_with_our_scores"],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).parents[2])
+    assert proc.returncode == 5 and "1 skipped" in proc.stdout, proc.stdout[-2000:]  # 5: pytest ran no test

@@ -44,11 +44,21 @@ class EngineLike(RowCounter):
 
 
 @torch.no_grad()
-def brute_force(model, ctx, cont, max_len):
+def brute_force(model, ctx, cont, max_len, greedy=False):
+    """log p(cont | ctx) one request at a time; with `greedy`, also whether every token is the arg-max."""
     full = (list(ctx) + list(cont))[-(max_len + 1) :]
     logp = torch.log_softmax(model(torch.tensor([full[:-1]])).float()[0], dim=-1)
     positions = range(len(full) - 1 - len(cont), len(full) - 1)
-    return sum(float(logp[p, t]) for p, t in zip(positions, cont))
+    total = sum(float(logp[p, t]) for p, t in zip(positions, cont))
+    return (total, all(int(logp[p].argmax()) == t for p, t in zip(positions, cont))) if greedy else total
+
+
+@torch.no_grad()
+def greedy_tokens(model, ctx, n):
+    ids = list(ctx)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(ctx) :]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +71,16 @@ def test_scores_equal_brute_force_and_each_distinct_input_runs_once(model, neox,
     counter = RowCounter(model)
     scored = score_requests(counter, prepared.requests, max_len=128, batch_tokens=1024)
 
-    expected = np.array([brute_force(model, c, k, 128) for c, k in prepared.requests])
+    brute = [brute_force(model, c, k, 128, greedy=True) for c, k in prepared.requests]
+    expected, greedy = np.array([b[0] for b in brute]), np.array([b[1] for b in brute])
     np.testing.assert_allclose(scored.logprob, expected, rtol=0, atol=2e-4)
+    assert (scored.greedy == greedy).all()
+
+    # lm-eval's is_greedy, true too: continuations that are the random model's own two greedy tokens.
+    own = [(c, greedy_tokens(model, c, 2)) for c, _ in prepared.requests[:6]]
+    for share in (False, True):
+        top = score_requests(model, own + prepared.requests[:6], max_len=128, share_contexts=share).greedy
+        assert top.tolist() == [True] * 6 + greedy[:6].tolist()
     assert (scored.num_tokens == [len(k) for _, k in prepared.requests]).all()
 
     inputs = {tuple((list(c) + list(k))[:-1]) for c, k in prepared.requests}
@@ -74,6 +92,7 @@ def test_scores_equal_brute_force_and_each_distinct_input_runs_once(model, neox,
     engine = EngineLike(model)
     shared = score_requests(engine, prepared.requests, max_len=128, batch_tokens=1024)
     np.testing.assert_allclose(shared.logprob, expected, rtol=0, atol=2e-4)
+    assert (shared.greedy == greedy).all()
     assert engine.context_rows == len({tuple(c) for c, _ in prepared.requests}) == 25  # each context run once
     assert shared.forward_tokens < scored.forward_tokens
 
@@ -132,3 +151,27 @@ def test_trailing_context_whitespace_moves_to_the_continuation(model, neox, tmp_
     ra = evaluate_tasks(model, neox, [load_task(a)], 0, 1, max_len=128).tasks["a"]
     rb = evaluate_tasks(model, neox, [load_task(b)], 0, 1, max_len=128).tasks["b"]
     assert ra["bits_per_byte_corr"] == rb["bits_per_byte_corr"]
+
+
+def test_acc_per_char_divides_by_the_characters_scored(model, neox, tmp_path):
+    """docs/evaluation.md's rule: the characters of the continuation as scored, the space moved from the
+    context included ("Answer: " + "Paris" divides by 6), not those of the choice as written (lm-eval's
+    acc_norm under its default target_delimiter " "). Checked on the questions where the two disagree."""
+    def write(path, questions):
+        path.write_text("".join(json.dumps({"context": q.choices[0][0] + " ", "choices": [k.lstrip() for _, k in q.choices], "gold": q.gold}) + "\n"
+                                for q in questions))
+        return load_task(path)
+
+    arc = load_task(ARC_EASY).questions[:120]
+    task = write(tmp_path / "all.jsonl", arc)
+    lp = score_requests(model, prepare_tasks(neox, [task]).requests, max_len=128).logprob
+    picked = []
+    for original, q in zip(arc, task.questions):
+        scores, lp = lp[: len(q.choices)], lp[len(q.choices) :]
+        as_scored = np.argmax(scores / [len(" " + k) for _, k in q.choices])
+        as_written = np.argmax(scores / [len(k) for _, k in q.choices])
+        if as_scored == q.gold != as_written:
+            picked.append(original)
+    assert picked, "no question where the two divisors disagree; take more questions"
+    result = evaluate_tasks(model, neox, [write(tmp_path / "picked.jsonl", picked)], 0, 1, max_len=128).tasks["picked"]
+    assert result["acc_per_char"] == 1.0
