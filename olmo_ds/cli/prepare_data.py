@@ -8,7 +8,8 @@ See olmo_ds/data/prepare.py for what the output promises; validate it with scrip
 import argparse
 import sys
 
-from olmo_ds.data.prepare import PrepareConfig, PrepareError, format_summary, prepare
+from olmo_ds.data.prepare import PrepareConfig, PrepareError, prepare
+from olmo_ds.data.prepare_report import format_summary
 from olmo_ds.data.readers import CorruptInputError
 
 

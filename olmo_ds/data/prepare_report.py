@@ -1,0 +1,112 @@
+"""What data preparation tells the user: skipped records with `file:line` examples, per-file counts,
+progress while it runs, and the summary at the end."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+MAX_EXAMPLES = 5  # file:line examples kept per reason
+
+
+@dataclass
+class SkipLog:
+    """Records by reason (skipped, or noted), with the first few `file:line` examples of each."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, reason: str, where: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < MAX_EXAMPLES:
+            ex.append(where)
+
+    def copy(self) -> "SkipLog":
+        return SkipLog(dict(self.counts), {k: list(v) for k, v in self.examples.items()})
+
+    def to_dict(self) -> dict:
+        return {"counts": dict(sorted(self.counts.items())), "examples": dict(sorted(self.examples.items()))}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SkipLog":
+        return cls(dict(d["counts"]), {k: list(v) for k, v in d["examples"].items()})
+
+    def extend(self, later: "SkipLog") -> None:
+        """Append the log of the input that follows this one's (a later part of a partitioned run):
+        counts add up, and the examples stay the first few in input order."""
+        for reason, n in later.counts.items():
+            self.counts[reason] = self.counts.get(reason, 0) + n
+            self.examples[reason] = (self.examples.get(reason, []) + later.examples.get(reason, []))[:MAX_EXAMPLES]
+
+
+@dataclass
+class FileStats:
+    path: str
+    bytes: int
+    docs: int = 0
+    tokens: int = 0
+    skipped: int = 0
+
+
+@dataclass
+class PrepareResult:
+    output: Path | None
+    files: list[FileStats]
+    num_docs: int
+    num_tokens: int
+    val_docs: int
+    val_tokens: int
+    num_shards: int
+    skipped: SkipLog
+    seconds: float
+    text_bytes: int  # decompressed input read by this run
+    run_tokens: int  # tokens produced by this run (less than the totals after a resume)
+    resumed_from: str | None = None
+    already_complete: bool = False
+    backend: str = ""  # the library that encoded: fastokens, tokenizers or sentencepiece
+    layout: str = ""  # who tokenized (`pool_layout`), for the summary
+
+
+def progress_bar(total: int, initial: int, enabled: bool | None):
+    from tqdm import tqdm
+
+    disable = None if enabled is None else not enabled
+    bar = tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024, desc="prepare", disable=disable, file=sys.stderr, dynamic_ncols=True)
+    return None if bar.disable else bar
+
+
+def log_file(log: Callable[[str], None], s: FileStats) -> None:
+    log(f"{s.path}: {s.docs:,} docs, {s.tokens:,} tokens, {s.skipped:,} skipped")
+
+
+def format_summary(r: PrepareResult, dry_run: bool = False) -> str:
+    """The table printed at the end of a run."""
+    rows = []
+    if dry_run:
+        rows.append(("file", "docs", "tokens", "skipped"))
+        rows += [(s.path, f"{s.docs:,}", f"{s.tokens:,}", f"{s.skipped:,}") for s in r.files]
+        width = max(len(a) for a, *_ in rows)
+        lines = [f"{a:<{width}}  {b:>12}  {c:>14}  {d:>8}" for a, b, c, d in rows]
+        lines.append(f"{'total':<{width}}  {r.num_docs:>12,}  {r.num_tokens:>14,}  {sum(r.skipped.counts.values()):>8,}")
+        lines.append("dry run: nothing written")
+    else:
+        lines = [f"output          {r.output}"]
+        if r.resumed_from:
+            lines.append(f"resumed from    {r.resumed_from}")
+        lines += [
+            f"input files     {len(r.files):,} ({sum(s.bytes for s in r.files) / 1e6:,.1f} MB on disk)",
+            f"train           {r.num_docs:,} docs, {r.num_tokens:,} tokens",
+        ]
+        if r.val_docs or r.val_tokens:
+            lines.append(f"val             {r.val_docs:,} docs, {r.val_tokens:,} tokens")
+        lines.append(f"shards          {r.num_shards:,}")
+    lines.append(f"tokenizer       {r.backend}" + (f", run by {r.layout}" if r.layout else ""))
+    lines.append(f"skipped         {sum(r.skipped.counts.values()):,} records")
+    for reason, n in sorted(r.skipped.counts.items()):
+        lines.append(f"  {reason:<22}{n:>10,}   e.g. {', '.join(r.skipped.examples.get(reason, [])[:3])}")
+    if r.seconds > 0:
+        lines.append(f"time            {r.seconds:,.3f} s  ({r.run_tokens / r.seconds / 1e6:,.2f}M tokens/s, {r.text_bytes / r.seconds / 1e6:,.1f} MB/s of text)")
+    return "\n".join(lines)
