@@ -28,13 +28,14 @@ def main(argv=None) -> int:
     p.add_argument("--strict", action="store_true", help="stop at the first bad record (file:line) instead of skipping and counting it")
     p.add_argument("--overwrite", action="store_true", help="delete existing shards in OUTPUT and start over instead of resuming")
     p.add_argument("--tokenizer-backend", choices=("auto", "fast", "hf"), default="auto", help="auto (default): fastokens when it matches HF tokenizers on a sample of the input and an adversarial set, else HF with a warning; fast: fastokens or stop; hf: HF tokenizers only")
+    p.add_argument("--match-special-tokens", action="store_true", help="match special-token text inside documents (a literal '<|endoftext|>') as the special token, as HF tokenizers does and olmo-ds did before; by default it is encoded as ordinary text so that EOS only ever ends a document")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown when stderr is a terminal)")
     a = p.parse_args(argv)
     cfg = PrepareConfig(
         inputs=a.input, output=a.output, tokenizer=a.tokenizer, text_field=a.text_field, workers=a.workers,
         shard_tokens=a.shard_tokens, val_fraction=a.val_fraction, eos_token=a.eos_token, dry_run=a.dry_run,
         verbose=a.verbose, strict=a.strict, overwrite=a.overwrite, progress=False if a.no_progress else None,
-        tokenizer_backend=a.tokenizer_backend,
+        tokenizer_backend=a.tokenizer_backend, match_special_tokens=a.match_special_tokens,
     )
     try:
         result = prepare(cfg)

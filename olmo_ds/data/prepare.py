@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import multiprocessing as mp
 import os
 import time
@@ -81,6 +82,10 @@ class PrepareConfig:
     tokenizer_backend: str = "auto"  # "auto" | "fast" | "hf"; see prepare_backend.select_backend
     chunk_bytes: int = readers.CHUNK_BYTES
     progress: bool | None = None  # None: a progress bar only when stderr is a terminal
+    # False (default): special-token text inside a document ("<|endoftext|>" quoted on a web page)
+    # is encoded as ordinary text, so EOS ids only ever end documents. True: matched as the special
+    # token, as HF tokenizers does by default and olmo-ds did before (EOS ids inside documents).
+    match_special_tokens: bool = False
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -93,7 +98,6 @@ class PrepareConfig:
             raise PrepareError(f"--tokenizer-backend must be auto, fast or hf, got {self.tokenizer_backend!r}")
         if not self.text_field:
             raise PrepareError("--text-field must not be empty")
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,6 +116,8 @@ class _Spec:
     backend: str  # "hf" | "fast": which encoder `load_tokenizer` builds
     text_field: str
     val_fraction: float
+    split_special_tokens: bool
+    special_texts: tuple[str, ...]  # the special tokens' text, to count the documents holding any
 
 
 def _single_threaded() -> None:
@@ -137,8 +143,28 @@ def _start_method(threads_before: int | None) -> str:
 
 def _tokenizer_for(spec: _Spec):
     if spec not in _loaded:
-        _loaded[spec] = load_tokenizer(spec.tokenizer, spec.eos_token, backend=spec.backend)
+        tok = load_tokenizer(spec.tokenizer, spec.eos_token, backend=spec.backend)
+        tok.split_special_tokens = spec.split_special_tokens
+        _loaded[spec] = tok
     return _loaded[spec]
+
+
+def special_token_texts(tok) -> tuple[str, ...]:
+    """The text of an HF tokenizer's special added tokens (`<|endoftext|>`, `<|pad|>`, ...). A
+    sentencepiece model has none that text can produce: its control symbols never match input."""
+    if tok.kind != "hf":
+        return ()
+    added = json.loads(Path(tok.path).read_text()).get("added_tokens") or []
+    return tuple(sorted({t["content"] for t in added if t.get("special") and t.get("content")}))
+
+
+def holds_special_text(texts: list[str], specials: tuple[str, ...]) -> np.ndarray:
+    """Per text, whether any special token's text occurs in it. One substring scan per distinct
+    two-character prefix (all of dolma2's eight start with "<|"), the rest only on a hit."""
+    by_prefix: dict[str, list[str]] = {}
+    for sp in specials:
+        by_prefix.setdefault(sp[:2], []).append(sp)
+    return np.array([any(p in t and any(sp in t for sp in group) for p, group in by_prefix.items()) for t in texts], dtype=bool)
 
 
 @dataclass
@@ -149,6 +175,7 @@ class ChunkResult:
     positions: np.ndarray  # int64 input position of each document (line within the block until `at_line`)
     is_val: np.ndarray | None  # bool per document, when there is a validation split
     skips: list[tuple[int, str]]  # (position, reason), like `positions`
+    special: np.ndarray  # bool per document: its text holds a special token's text
     text_bytes: int
     n_lines: int  # newlines in the block: the next block starts this many lines later
 
@@ -190,7 +217,8 @@ def _process_chunk(spec: _Spec, file_index: int, block: readers.Block) -> ChunkR
     if spec.val_fraction > 0:
         threshold = int(spec.val_fraction * 2**64)
         is_val = np.array([val_hash(t) < threshold for t in texts], dtype=bool)
-    return ChunkResult(file_index, tokens, doc_lens, positions, is_val, skips, text_bytes, n_lines)
+    special = holds_special_text(texts, spec.special_texts)
+    return ChunkResult(file_index, tokens, doc_lens, positions, is_val, skips, special, text_bytes, n_lines)
 
 
 
@@ -238,9 +266,15 @@ def _tasks(files: list[Path], start: int, chunk_bytes: int) -> Iterator[tuple]:
 
 
 
+SPECIAL_TEXT = "special_token_text"  # the reason under which documents holding special-token text are noted
+
+
 def _settings(cfg: PrepareConfig) -> dict:
-    """The arguments that change the output's bytes (part of the resume identity)."""
-    return {"text_field": cfg.text_field, "shard_tokens": cfg.shard_tokens, "val_fraction": cfg.val_fraction}
+    """The arguments that change the output's bytes (part of the resume identity). Matching
+    special tokens adds no key: directories started before the option existed did that, and resume
+    with --match-special-tokens."""
+    settings = {"text_field": cfg.text_field, "shard_tokens": cfg.shard_tokens, "val_fraction": cfg.val_fraction}
+    return settings if cfg.match_special_tokens else settings | {"special_tokens": "as_text"}
 
 
 def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareResult:
@@ -256,6 +290,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
         tok = load_tokenizer(cfg.tokenizer, cfg.eos_token)
     except (OSError, ValueError) as e:
         raise PrepareError(str(e)) from e
+    tok.split_special_tokens = not cfg.match_special_tokens
     out = Path(cfg.output)
     ident = identity(tok, files, _settings(cfg))
     file_stats = [FileStats(str(f), f.stat().st_size) for f in files]
@@ -263,12 +298,14 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     if mode == "complete":
         m = shards.Manifest.load(out)
         log(f"{out}: already complete ({m.num_docs} documents, {m.num_tokens} tokens in {len(m.shards)} shards); nothing to do")
-        return PrepareResult(out, file_stats, m.num_docs, m.num_tokens, 0, 0, len(m.shards), SkipLog.from_dict(m.extra["skipped"]), 0.0, 0, 0, already_complete=True)
+        return PrepareResult(out, file_stats, m.num_docs, m.num_tokens, 0, 0, len(m.shards), SkipLog.from_dict(m.extra["skipped"]), 0.0, 0, 0,
+                             noted=SkipLog.from_dict(m.extra.get("noted", SkipLog().to_dict())), already_complete=True)
 
     _single_threaded()
     threads_before = _thread_count()
     encoder, backend = select_backend(cfg.tokenizer_backend, files, cfg.text_field, tok, log)
-    spec = _Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if backend["name"] == "fastokens" else "hf", cfg.text_field, cfg.val_fraction)
+    spec = _Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if backend["name"] == "fastokens" else "hf", cfg.text_field, cfg.val_fraction,
+                 not cfg.match_special_tokens, special_token_texts(tok))
     _loaded[spec] = encoder
     with contextlib.ExitStack() as stack:
         processes, work_here = pool_layout(cfg.workers)
@@ -310,7 +347,7 @@ def _run(cfg: PrepareConfig, files: list[Path], tok, ident: dict, file_stats: li
     """Resume or start the output, stream every block through the pool into the shards, write the manifests."""
     out = Path(cfg.output)
     splits: dict[str, SplitWriter] = {}
-    skiplog = SkipLog()
+    skiplog, noted = SkipLog(), SkipLog()
     start = 0
     resumed_from = None
     if not cfg.dry_run:
@@ -323,12 +360,13 @@ def _run(cfg: PrepareConfig, files: list[Path], tok, ident: dict, file_stats: li
             pos, state = 0, None
             if metas:
                 pos = position(*metas[-1]["prepare"]["next_record"])
-                state = metas[-1]["prepare"]["skipped"]
+                state = metas[-1]["prepare"]
             resume_points[name] = (pos, state)
             splits[name] = SplitWriter(d, cfg.shard_tokens, tok.vocab_size, tok.eos_id, len(metas), pos)
         start, state = min(resume_points.values(), key=lambda ps: ps[0])
         if state is not None:
-            skiplog = SkipLog.from_dict(state)
+            skiplog = SkipLog.from_dict(state["skipped"])
+            noted = SkipLog.from_dict(state.get("noted", SkipLog().to_dict()))  # absent before special-token counts existed
         if start > 0:
             fi, line = split_position(start)
             resumed_from = f"{files[fi]}:{line}" if fi < len(files) else "the end of the input"
@@ -350,7 +388,7 @@ def _run(cfg: PrepareConfig, files: list[Path], tok, ident: dict, file_stats: li
                 next_line = first_line
             res.at_line(next_line)
             next_line += res.n_lines
-            _merge(res, files, file_stats[fi], splits, skiplog, cfg.strict)
+            _merge(res, files, file_stats[fi], splits, skiplog, noted, cfg.strict)
             totals["docs"] += len(res.doc_lens)
             totals["tokens"] += len(res.tokens)
             totals["text_bytes"] += res.text_bytes
@@ -362,7 +400,7 @@ def _run(cfg: PrepareConfig, files: list[Path], tok, ident: dict, file_stats: li
                 bar.set_postfix_str(f"{totals['docs'] / dt:,.0f} docs/s, {totals['tokens'] / dt / 1e6:,.2f}M tok/s, {totals['text_bytes'] / dt / 1e6:,.1f} MB/s text", refresh=False)
         end = position(len(files), 0)
         for s in splits.values():
-            s.finish(end, {"skipped": skiplog.to_dict()})
+            s.finish(end, _state(skiplog, noted))
     except BaseException:
         for s in splits.values():
             s.abort()
@@ -376,21 +414,26 @@ def _run(cfg: PrepareConfig, files: list[Path], tok, ident: dict, file_stats: li
     seconds = time.perf_counter() - t0
 
     if cfg.dry_run:
-        return PrepareResult(None, file_stats, totals["docs"], totals["tokens"], 0, 0, 0, skiplog, seconds, totals["text_bytes"], totals["tokens"], backend=backend["name"])
+        return PrepareResult(None, file_stats, totals["docs"], totals["tokens"], 0, 0, 0, skiplog, seconds, totals["text_bytes"], totals["tokens"], noted=noted, backend=backend["name"])
 
     manifests = {}
     for name in (["val"] if "val" in splits else []) + ["train"]:  # the top-level manifest last
-        manifests[name] = _write_manifest(splits[name].directory, cfg, files, tok, skiplog, name, manifests.get("val"), backend)
+        manifests[name] = _write_manifest(splits[name].directory, cfg, files, tok, _state(skiplog, noted), name, manifests.get("val"), backend)
     train, val = manifests["train"], manifests.get("val")
     return PrepareResult(
         out, file_stats, train.num_docs, train.num_tokens, val.num_docs if val else 0, val.num_tokens if val else 0,
         len(train.shards) + (len(val.shards) if val else 0), skiplog, seconds, totals["text_bytes"], totals["tokens"], resumed_from,
-        backend=backend["name"],
+        noted=noted, backend=backend["name"],
     )
 
 
-def _merge(res: ChunkResult, files: list[Path], stats: FileStats, splits: dict[str, SplitWriter], skiplog: SkipLog, strict: bool) -> None:
-    """Hand one block's documents to the split writers and count its skips, in input order."""
+def _state(skiplog: SkipLog, noted: SkipLog) -> dict:
+    """The counts a shard's resume point and the manifest carry: records skipped, documents noted."""
+    return {"skipped": skiplog.to_dict(), "noted": noted.to_dict()}
+
+
+def _merge(res: ChunkResult, files: list[Path], stats: FileStats, splits: dict[str, SplitWriter], skiplog: SkipLog, noted: SkipLog, strict: bool) -> None:
+    """Hand one block's documents to the split writers and count its skips and notes, in input order."""
     if strict and res.skips:
         pos, reason = res.skips[0]
         fi, line = split_position(pos)
@@ -398,16 +441,19 @@ def _merge(res: ChunkResult, files: list[Path], stats: FileStats, splits: dict[s
     stats.docs += len(res.doc_lens)
     stats.tokens += len(res.tokens)
     stats.skipped += len(res.skips)
+    special_at = res.positions[res.special]
     if splits:
-        before = skiplog.copy()
+        before, noted_before = skiplog.copy(), noted.copy()
 
         def state_at(pos: int) -> dict:
-            # The skip log as it stood just before input position `pos` (within this block).
-            s = before.copy()
+            # The logs as they stood just before input position `pos` (within this block).
+            s, n = before.copy(), noted_before.copy()
             for p, reason in res.skips:
                 if p < pos:
                     s.add(reason, _where(files, p))
-            return {"skipped": s.to_dict()}
+            for p in special_at[special_at < pos]:
+                n.add(SPECIAL_TEXT, _where(files, int(p)))
+            return _state(s, n)
 
         if res.is_val is None:
             splits["train"].add(res.tokens, res.doc_lens, res.positions, state_at)
@@ -417,6 +463,8 @@ def _merge(res: ChunkResult, files: list[Path], stats: FileStats, splits: dict[s
                 splits[name].add(res.tokens[tok_mask], res.doc_lens[doc_mask], res.positions[doc_mask], state_at)
     for p, reason in res.skips:
         skiplog.add(reason, _where(files, p))
+    for p in special_at:
+        noted.add(SPECIAL_TEXT, _where(files, int(p)))
 
 
 def _where(files: list[Path], pos: int) -> str:
@@ -424,7 +472,7 @@ def _where(files: list[Path], pos: int) -> str:
     return f"{files[fi]}:{line}"
 
 
-def _write_manifest(directory: Path, cfg: PrepareConfig, files: list[Path], tok, skiplog: SkipLog, split: str, val: shards.Manifest | None, backend: dict) -> shards.Manifest:
+def _write_manifest(directory: Path, cfg: PrepareConfig, files: list[Path], tok, state: dict, split: str, val: shards.Manifest | None, backend: dict) -> shards.Manifest:
     extra = {
         "tool": {"name": "olmo-ds prepare_data", "version": olmo_ds.__version__},
         "arguments": {
@@ -434,9 +482,10 @@ def _write_manifest(directory: Path, cfg: PrepareConfig, files: list[Path], tok,
             "shard_tokens": cfg.shard_tokens,
             "val_fraction": cfg.val_fraction,
             "eos_token": cfg.eos_token,
+            "match_special_tokens": cfg.match_special_tokens,
         },
         "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
-        "skipped": skiplog.to_dict(),
+        **state,
         "tokenizer_backend": backend,
     }
     if val is not None:

@@ -65,6 +65,7 @@ class PrepareResult:
     text_bytes: int  # decompressed input read by this run
     run_tokens: int  # tokens produced by this run (less than the totals after a resume)
     resumed_from: str | None = None
+    noted: SkipLog = field(default_factory=SkipLog)  # documents kept but worth knowing about (special-token text)
     already_complete: bool = False
     backend: str = ""  # the library that encoded: fastokens, tokenizers or sentencepiece
     layout: str = ""  # who tokenized (`pool_layout`), for the summary
@@ -107,6 +108,8 @@ def format_summary(r: PrepareResult, dry_run: bool = False) -> str:
     lines.append(f"skipped         {sum(r.skipped.counts.values()):,} records")
     for reason, n in sorted(r.skipped.counts.items()):
         lines.append(f"  {reason:<22}{n:>10,}   e.g. {', '.join(r.skipped.examples.get(reason, [])[:3])}")
+    for reason, n in sorted(r.noted.counts.items()):
+        lines.append(f"noted           {n:,} documents with {reason.replace('_', ' ')}   e.g. {', '.join(r.noted.examples.get(reason, [])[:3])}")
     if r.seconds > 0:
         lines.append(f"time            {r.seconds:,.3f} s  ({r.run_tokens / r.seconds / 1e6:,.2f}M tokens/s, {r.text_bytes / r.seconds / 1e6:,.1f} MB/s of text)")
     return "\n".join(lines)

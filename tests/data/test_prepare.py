@@ -399,3 +399,60 @@ def test_a_truncated_compressed_input_stops_the_run_naming_it_and_keeps_complete
     for b in bins:
         meta = shards.ShardMeta.load(b.with_suffix(".json"))
         assert b.stat().st_size == meta.num_tokens * 2
+
+
+def write_corpus_quoting_special_tokens(raw: Path) -> list[str]:
+    """c4 documents as JSON lines, two of them quoting special tokens the way web pages do."""
+    raw.mkdir(parents=True, exist_ok=True)
+    texts = c4_texts()
+    texts[3] = texts[3][:200] + " The GPT-2 separator <|endoftext|> ends a document. " + texts[3][200:]
+    texts[7] = "padding <|pad|> and <|padding|> and <|endoftext|><|endoftext|> " + texts[7]
+    (raw / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return texts
+
+
+@pytest.mark.parametrize("tokenizer", [DOLMA2, NEOX])
+def test_special_token_text_inside_documents_is_encoded_as_text_by_default(tmp_path, tokenizer):
+    raw = tmp_path / "raw"
+    texts = write_corpus_quoting_special_tokens(raw)
+    ref = tokenizers.Tokenizer.from_file(str(tokenizer))
+    eos = ref.token_to_id("<|endoftext|>")
+    matched = [ref.encode(t, add_special_tokens=False).ids for t in texts]
+    ref.encode_special_tokens = True  # HF's own switch for "special-token text is text"
+    as_text = [ref.encode(t, add_special_tokens=False).ids for t in texts]
+    assert [i for i, (a, b) in enumerate(zip(matched, as_text)) if a != b] == [3, 7]  # other text: HF's ids either way
+    where = str((raw / "a.jsonl").resolve())
+    outputs = {}
+    for backend in ("hf", "fast"):
+        result = run([raw], tmp_path / backend, tokenizer, tokenizer_backend=backend, shard_tokens=3000, workers=2)
+        ids, lens = read_all(tmp_path / backend)
+        assert ids.tolist() == [i for d in as_text for i in d + [eos]] and lens == [len(d) + 1 for d in as_text]
+        assert int(np.count_nonzero(ids == eos)) == len(texts)  # EOS only ends documents
+        assert result.noted.counts == {"special_token_text": 2}
+        assert result.noted.examples == {"special_token_text": [f"{where}:4", f"{where}:8"]}
+        manifest = shards.Manifest.load(tmp_path / backend)
+        assert manifest.extra["noted"] == result.noted.to_dict() and manifest.extra["arguments"]["match_special_tokens"] is False
+        outputs[backend] = {k: v for k, v in dir_bytes(tmp_path / backend).items() if k != "manifest.json"}
+    assert outputs["hf"] == outputs["fast"]
+
+    result = run([raw], tmp_path / "matched", tokenizer, match_special_tokens=True, shard_tokens=3000)
+    ids, lens = read_all(tmp_path / "matched")
+    assert ids.tolist() == [i for d in matched for i in d + [eos]]
+    assert int(np.count_nonzero(ids == eos)) > len(texts) and result.noted.counts == {"special_token_text": 2}
+    # A directory started one way is not continued the other way.
+    with pytest.raises(PrepareError, match=r"other settings \(special_tokens differ\)"):
+        run([raw], tmp_path / "matched", tokenizer, shard_tokens=3000)
+
+
+def test_a_directory_started_before_the_option_resumes_with_match_special_tokens(tmp_path):
+    """Older runs matched special tokens and recorded no setting for it: with --match-special-tokens
+    their state still matches, so a half-written directory resumes."""
+    out = tmp_path / "out"
+    run([C4_DIR], out, NEOX, match_special_tokens=True, shard_tokens=3000)
+    state = json.loads((out / ".prepare.json").read_text())
+    assert "special_tokens" not in state
+    (out / "manifest.json").unlink()
+    for p in out.glob("shard-0000[3-9].*"):
+        p.unlink()
+    result = run([C4_DIR], out, NEOX, match_special_tokens=True, shard_tokens=3000)
+    assert result.resumed_from is not None
