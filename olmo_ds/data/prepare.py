@@ -40,7 +40,7 @@ import numpy as np
 
 import olmo_ds
 from olmo_ds.atomic import atomic_write_json
-from olmo_ds.data import readers, shards
+from olmo_ds.data import partition, readers, shards
 from olmo_ds.data.pool import OrderedPool
 from olmo_ds.data.prepare_backend import select_backend
 from olmo_ds.data.prepare_output import (
@@ -58,9 +58,9 @@ from olmo_ds.data.prepare_output import (
 from olmo_ds.data.prepare_report import (
     FileStats,
     PrepareResult,
+    Progress,
     SkipLog,
     log_file,
-    progress_bar,
 )
 from olmo_ds.tokenizer import load_tokenizer
 
@@ -81,11 +81,15 @@ class PrepareConfig:
     overwrite: bool = False
     tokenizer_backend: str = "auto"  # "auto" | "fast" | "hf"; see prepare_backend.select_backend
     chunk_bytes: int = readers.CHUNK_BYTES
-    progress: bool | None = None  # None: a progress bar only when stderr is a terminal
+    progress: bool | None = None  # None: a bar when stderr is a terminal, else plain lines (prepare_report.Progress)
+    progress_every: float = 60.0  # seconds between plain progress lines
     # False (default): special-token text inside a document ("<|endoftext|>" quoted on a web page)
     # is encoded as ordinary text, so EOS ids only ever end documents. True: matched as the special
     # token, as HF tokenizers does by default and olmo-ds did before (EOS ids inside documents).
     match_special_tokens: bool = False
+    # (I, M): prepare only part I of M (0-based) of the sorted input list, cut into M contiguous
+    # ranges of about equal bytes; `scripts/merge_shards.py` joins the M part directories.
+    partition: tuple[int, int] | None = None
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -98,6 +102,12 @@ class PrepareConfig:
             raise PrepareError(f"--tokenizer-backend must be auto, fast or hf, got {self.tokenizer_backend!r}")
         if not self.text_field:
             raise PrepareError("--text-field must not be empty")
+        if self.progress_every < 0:
+            raise PrepareError(f"--progress-every must be >= 0 seconds, got {self.progress_every}")
+        if self.partition is not None:
+            i, m = self.partition
+            if not (m >= 1 and 0 <= i < m):
+                raise PrepareError(f"--partition {i}/{m}: expected I/M with 0 <= I < M")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,11 +266,11 @@ def _ordered_results(tasks: Iterator[tuple], spec: _Spec, pool: OrderedPool | No
         yield extras.popleft(), res
 
 
-def _tasks(files: list[Path], start: int, chunk_bytes: int) -> Iterator[tuple]:
+def _tasks(files: list[Path], start: int, end_file: int, chunk_bytes: int) -> Iterator[tuple]:
     """`((file index, first line or None, disk bytes done), worker arguments)` for each block from
-    input position `start` (see `readers.iter_blocks`)."""
+    input position `start` to the end of file `end_file - 1` (see `readers.iter_blocks`)."""
     start_file, start_line = split_position(start)
-    for fi in range(start_file, len(files)):
+    for fi in range(start_file, end_file):
         for first_line, block, done in readers.iter_blocks(files[fi], chunk_bytes, max(start_line, 1) if fi == start_file else 1):
             yield (fi, first_line, done), (fi, block)
 
@@ -274,6 +284,8 @@ def _settings(cfg: PrepareConfig) -> dict:
     special tokens adds no key: directories started before the option existed did that, and resume
     with --match-special-tokens."""
     settings = {"text_field": cfg.text_field, "shard_tokens": cfg.shard_tokens, "val_fraction": cfg.val_fraction}
+    if cfg.partition is not None:
+        settings["partition"] = list(cfg.partition)
     return settings if cfg.match_special_tokens else settings | {"special_tokens": "as_text"}
 
 
@@ -284,6 +296,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
         files = readers.resolve_inputs(list(cfg.inputs))
         for f in files:
             readers.check_input(f, cfg.text_field)
+        lo, hi = partition.file_range(files, cfg.partition) if cfg.partition else (0, len(files))
     except (OSError, ValueError) as e:
         raise PrepareError(str(e)) from e
     try:
@@ -293,7 +306,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     tok.split_special_tokens = not cfg.match_special_tokens
     out = Path(cfg.output)
     ident = identity(tok, files, _settings(cfg))
-    file_stats = [FileStats(str(f), f.stat().st_size) for f in files]
+    file_stats = [FileStats(str(f), f.stat().st_size) for f in files[lo:hi]]
     mode = "fresh" if cfg.dry_run else check_output(out, ident, cfg.overwrite)
     if mode == "complete":
         m = shards.Manifest.load(out)
@@ -313,7 +326,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
         if mode == "overwrite":
             for p in our_files(out):
                 p.unlink()
-        result = _run(cfg, files, tok, ident, file_stats, spec, pool, work_here, backend, log)
+        result = _run(cfg, files, (lo, hi), tok, ident, file_stats, spec, pool, work_here, backend, log)
         result.layout = ("this process" if not processes else
                          f"{processes} worker process{'es' if processes > 1 else ''}" + ("" if not work_here else " and this one, whenever it would wait"))
         return result
@@ -343,12 +356,15 @@ def pool_layout(workers: int, cores: int | None = None) -> tuple[int, bool]:
     return workers - 1, True
 
 
-def _run(cfg: PrepareConfig, files: list[Path], tok, ident: dict, file_stats: list[FileStats], spec: _Spec, pool, work_here: bool, backend: dict, log: Callable[[str], None]) -> PrepareResult:
-    """Resume or start the output, stream every block through the pool into the shards, write the manifests."""
+def _run(cfg: PrepareConfig, files: list[Path], part: tuple[int, int], tok, ident: dict, file_stats: list[FileStats], spec: _Spec, pool, work_here: bool, backend: dict, log: Callable[[str], None]) -> PrepareResult:
+    """Resume or start the output, stream every block of files[lo:hi] (all of them unless this is a
+    part) through the pool into the shards, write the manifests. Input positions count files in the
+    whole list, so skip reports and resume points of a part read as those of a single run."""
+    lo, hi = part
     out = Path(cfg.output)
     splits: dict[str, SplitWriter] = {}
     skiplog, noted = SkipLog(), SkipLog()
-    start = 0
+    start = position(lo, 0)
     resumed_from = None
     if not cfg.dry_run:
         out.mkdir(parents=True, exist_ok=True)
@@ -357,7 +373,7 @@ def _run(cfg: PrepareConfig, files: list[Path], tok, ident: dict, file_stats: li
         for name, d in dirs.items():
             d.mkdir(exist_ok=True)
             metas = complete_shards(d)
-            pos, state = 0, None
+            pos, state = position(lo, 0), None
             if metas:
                 pos = position(*metas[-1]["prepare"]["next_record"])
                 state = metas[-1]["prepare"]
@@ -367,49 +383,46 @@ def _run(cfg: PrepareConfig, files: list[Path], tok, ident: dict, file_stats: li
         if state is not None:
             skiplog = SkipLog.from_dict(state["skipped"])
             noted = SkipLog.from_dict(state.get("noted", SkipLog().to_dict()))  # absent before special-token counts existed
-        if start > 0:
+        if start > position(lo, 0):
             fi, line = split_position(start)
-            resumed_from = f"{files[fi]}:{line}" if fi < len(files) else "the end of the input"
+            resumed_from = f"{files[fi]}:{line}" if fi < hi else "the end of the input"
             log(f"resuming {out} from {resumed_from} (complete shards kept: " + ", ".join(f"{n} {s.next_index}" for n, s in splits.items()) + ")")
         atomic_write_json(out / STATE_FILE, ident)
 
     t0 = time.perf_counter()
     totals = {"docs": 0, "tokens": 0, "text_bytes": 0}
-    disk_done = sum(s.bytes for s in file_stats[: split_position(start)[0]])
-    bar = progress_bar(sum(s.bytes for s in file_stats), disk_done, cfg.progress)
+    disk_done = sum(s.bytes for s in file_stats[: split_position(start)[0] - lo])
+    label = "prepare" if cfg.partition is None else f"prepare part {cfg.partition[0]}/{cfg.partition[1]}"
+    progress = Progress(sum(s.bytes for s in file_stats), disk_done, cfg.progress, label, cfg.progress_every)
+    finished = False
     reported = split_position(start)[0]
     next_line = 1  # the file line where the next block of the current file starts
     try:
-        for (fi, first_line, consumed), res in _ordered_results(_tasks(files, start, cfg.chunk_bytes), spec, pool, work_here):
+        for (fi, first_line, consumed), res in _ordered_results(_tasks(files, start, hi, cfg.chunk_bytes), spec, pool, work_here):
             while cfg.verbose and reported < fi:
-                log_file(log, file_stats[reported])
+                log_file(log, file_stats[reported - lo])
                 reported += 1
             if first_line is not None:
                 next_line = first_line
             res.at_line(next_line)
             next_line += res.n_lines
-            _merge(res, files, file_stats[fi], splits, skiplog, noted, cfg.strict)
+            _add_block(res, files, file_stats[fi - lo], splits, skiplog, noted, cfg.strict)
             totals["docs"] += len(res.doc_lens)
             totals["tokens"] += len(res.tokens)
             totals["text_bytes"] += res.text_bytes
-            if bar is not None:
-                new_done = sum(s.bytes for s in file_stats[:fi]) + consumed
-                bar.update(new_done - disk_done)
-                disk_done = new_done
-                dt = max(time.perf_counter() - t0, 1e-9)
-                bar.set_postfix_str(f"{totals['docs'] / dt:,.0f} docs/s, {totals['tokens'] / dt / 1e6:,.2f}M tok/s, {totals['text_bytes'] / dt / 1e6:,.1f} MB/s text", refresh=False)
-        end = position(len(files), 0)
+            progress.update(sum(s.bytes for s in file_stats[: fi - lo]) + consumed, len(res.doc_lens), len(res.tokens), res.text_bytes)
+        end = position(hi, 0)
         for s in splits.values():
             s.finish(end, _state(skiplog, noted))
+        finished = True
     except BaseException:
         for s in splits.values():
             s.abort()
         raise
     finally:
-        if bar is not None:
-            bar.close()
-    while cfg.verbose and reported < len(files):
-        log_file(log, file_stats[reported])
+        progress.close(finished)
+    while cfg.verbose and reported < hi:
+        log_file(log, file_stats[reported - lo])
         reported += 1
     seconds = time.perf_counter() - t0
 
@@ -432,7 +445,7 @@ def _state(skiplog: SkipLog, noted: SkipLog) -> dict:
     return {"skipped": skiplog.to_dict(), "noted": noted.to_dict()}
 
 
-def _merge(res: ChunkResult, files: list[Path], stats: FileStats, splits: dict[str, SplitWriter], skiplog: SkipLog, noted: SkipLog, strict: bool) -> None:
+def _add_block(res: ChunkResult, files: list[Path], stats: FileStats, splits: dict[str, SplitWriter], skiplog: SkipLog, noted: SkipLog, strict: bool) -> None:
     """Hand one block's documents to the split writers and count its skips and notes, in input order."""
     if strict and res.skips:
         pos, reason = res.skips[0]
@@ -488,6 +501,8 @@ def _write_manifest(directory: Path, cfg: PrepareConfig, files: list[Path], tok,
         **state,
         "tokenizer_backend": backend,
     }
+    if cfg.partition is not None:
+        extra["partition"] = partition.record(files, cfg.partition)
     if val is not None:
         extra["val"] = {"dir": VAL_DIR, "num_docs": val.num_docs, "num_tokens": val.num_tokens, "shards": len(val.shards)}
     return shards.write_manifest(directory, tok, split, extra)

@@ -4,6 +4,7 @@ progress while it runs, and the summary at the end."""
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -71,12 +72,55 @@ class PrepareResult:
     layout: str = ""  # who tokenized (`pool_layout`), for the summary
 
 
-def progress_bar(total: int, initial: int, enabled: bool | None):
-    from tqdm import tqdm
+class Progress:
+    """Progress of one run (or one part): a tqdm bar on a terminal; where stderr is not one (the log
+    of a Slurm job) a plain line every `every` seconds and one at the end, with the share of input
+    bytes done, tokens/s and the ETA. Rates count this run only, so a resumed run is not flattered
+    by the work done before it. `enabled`: None chooses by the terminal, True forces the bar,
+    False shows nothing."""
 
-    disable = None if enabled is None else not enabled
-    bar = tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024, desc="prepare", disable=disable, file=sys.stderr, dynamic_ncols=True)
-    return None if bar.disable else bar
+    def __init__(self, total: int, done: int, enabled: bool | None, label: str = "prepare", every: float = 60.0, stream=None):
+        self.stream = stream or sys.stderr
+        self.total, self.start_done, self.done, self.label, self.every = total, done, done, label, every
+        self.t0 = self.last = time.perf_counter()
+        self.docs = self.tokens = self.text_bytes = 0
+        self.bar = None
+        self.lines = enabled is None and not self.stream.isatty()
+        if enabled or (enabled is None and not self.lines):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1024, desc=label, file=self.stream, dynamic_ncols=True)
+
+    def update(self, done: int, docs: int, tokens: int, text_bytes: int) -> None:
+        """`done`: input bytes on disk behind us; the rest: this block's counts."""
+        self.docs, self.tokens, self.text_bytes = self.docs + docs, self.tokens + tokens, self.text_bytes + text_bytes
+        if self.bar is not None:
+            self.bar.update(done - self.done)
+            dt = max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.set_postfix_str(f"{self.docs / dt:,.0f} docs/s, {self.tokens / dt / 1e6:,.2f}M tok/s, {self.text_bytes / dt / 1e6:,.1f} MB/s text", refresh=False)
+        self.done = done
+        if self.lines and time.perf_counter() - self.last >= self.every:
+            self._line()
+
+    def _line(self, final: bool = False) -> None:
+        self.last = now = time.perf_counter()
+        dt = max(now - self.t0, 1e-9)
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        rate = (self.done - self.start_done) / dt
+        eta = "done" if final else (_clock((self.total - self.done) / rate) if rate > 0 else "unknown")
+        print(f"{self.label}: {pct:5.1f}% of {self.total / 1e9:,.2f} GB, {self.tokens:,} tokens in {_clock(dt)}, "
+              f"{self.tokens / dt / 1e6:,.2f}M tokens/s, {self.text_bytes / dt / 1e6:,.1f} MB/s of text, ETA {eta}", file=self.stream, flush=True)
+
+    def close(self, finished: bool) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.lines and finished:
+            self._line(final=True)
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def log_file(log: Callable[[str], None], s: FileStats) -> None:

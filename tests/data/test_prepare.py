@@ -1,4 +1,5 @@
 import gzip
+import re
 import shutil
 import json
 import subprocess
@@ -456,3 +457,18 @@ def test_a_directory_started_before_the_option_resumes_with_match_special_tokens
         p.unlink()
     result = run([C4_DIR], out, NEOX, match_special_tokens=True, shard_tokens=3000)
     assert result.resumed_from is not None
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path, capsys):
+    """A Slurm job's log gets plain lines (share done, tokens/s, ETA, which part) instead of a bar."""
+    raw = tmp_path / "raw"
+    write_corpus_with_bad_records(raw, copies=3)
+    (raw / "second.jsonl").write_bytes((raw / "mixed.jsonl").read_bytes())
+    run([raw], tmp_path / "out", NEOX, progress=None, progress_every=0, partition=(1, 2))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) > 3 and all(line.startswith("prepare part 1/2: ") for line in lines)
+    assert all(re.search(r"% of [\d.]+ GB, [\d,]+ tokens in \d+:\d\d:\d\d, [\d.]+M tokens/s, [\d.]+ MB/s of text, ETA ", line) for line in lines)
+    assert lines[-1].startswith("prepare part 1/2: 100.0% ") and lines[-1].endswith("ETA done")
+    assert re.search(r"ETA \d+:\d\d:\d\d$", lines[0])
+    run([raw], tmp_path / "quiet", NEOX, progress=False, progress_every=0)
+    assert capsys.readouterr().err == ""
