@@ -65,19 +65,21 @@ def check_shard(directory: Path, bin_name: str, prefix: str = "", inner_eos_allo
     """Every per-shard check; never raises for a bad shard, it reports. `inner_eos_allowed`: EOS ids
     inside documents are counted, not an error (shards made with --match-special-tokens)."""
     directory = Path(directory)
-    bin_file = directory / bin_name
     report = ShardReport(prefix + bin_name)
-    meta_file = bin_file.with_suffix(".json")
-    if not bin_file.is_file():
-        report.errors.append("missing .bin file")
+    meta_file = (directory / bin_name).with_suffix(".json")
     if not meta_file.is_file():
         report.errors.append(f"missing metadata {meta_file.name}")
-    if report.errors:
+        if not (directory / bin_name).is_file():
+            report.errors.append("missing .bin file")
         return report
     try:
         meta = shards.ShardMeta.load(meta_file)
     except (ValueError, TypeError) as e:
         report.errors.append(f"unreadable metadata: {e}")
+        return report
+    bin_file = directory / meta.bin  # beside it, or (in-place token files) an absolute path elsewhere
+    if not bin_file.is_file():
+        report.errors.append("missing .bin file" if bin_file.parent == directory else f"missing token file {bin_file}")
         return report
     report.num_tokens, report.num_docs = meta.num_tokens, meta.num_docs
     expected_dtype = shards.dtype_for_vocab(meta.vocab_size)
