@@ -103,6 +103,17 @@ class HFTokenizer(Tokenizer):
         canonical = orjson.dumps(orjson.loads(self._raw), option=orjson.OPT_SORT_KEYS)
         return "sha256:" + hashlib.sha256(canonical).hexdigest()
 
+    @property
+    def split_special_tokens(self) -> bool:
+        """Whether the text of a special token inside the input (a web page quoting "<|endoftext|>")
+        encodes as ordinary text; by default HF matches it as the special token, so an EOS id could
+        land inside a document. Other text encodes the same either way."""
+        return self._tok.encode_special_tokens
+
+    @split_special_tokens.setter
+    def split_special_tokens(self, on: bool) -> None:
+        self._tok.encode_special_tokens = on
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -151,15 +162,17 @@ class FastHFTokenizer(HFTokenizer):
         except Exception as e:  # fastokens raises plain exceptions naming the unsupported part
             raise FastBackendError(f"{self.path}: fastokens cannot load it: {e}") from e
 
+    # `split_special_tokens` (HFTokenizer's, the same flag as the reference it shares `_tok` with)
+    # is passed on, so both encoders treat special-token text alike and the guard can compare them.
     def encode(self, text: str) -> list[int]:
-        return list(self._fast.encode(text, add_special_tokens=False).ids)
+        return list(self._fast.encode(text, add_special_tokens=False, split_special_tokens=self.split_special_tokens).ids)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         flat, offsets = self.encode_batch_flat(texts)
         return [flat[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
 
     def encode_batch_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        ids, offsets = self._fast.encode_batch_flat(list(texts), add_special_tokens=False)
+        ids, offsets = self._fast.encode_batch_flat(list(texts), add_special_tokens=False, split_special_tokens=self.split_special_tokens)
         return np.frombuffer(ids, dtype="<u4"), np.frombuffer(offsets, dtype="<u8").astype(np.int64)
 
 

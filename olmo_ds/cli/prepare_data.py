@@ -8,8 +8,19 @@ See olmo_ds/data/prepare.py for what the output promises; validate it with scrip
 import argparse
 import sys
 
-from olmo_ds.data.prepare import PrepareConfig, PrepareError, format_summary, prepare
+from olmo_ds.data.prepare import PrepareConfig, PrepareError, prepare
+from olmo_ds.data.prepare_report import format_summary
 from olmo_ds.data.readers import CorruptInputError
+
+
+def _partition(text: str) -> tuple[int, int]:
+    try:
+        i, m = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected I/M, e.g. 0/16 for the first of 16 parts") from None
+    if not (m >= 1 and 0 <= i < m):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 0 <= I < M")
+    return i, m
 
 
 def main(argv=None) -> int:
@@ -27,13 +38,16 @@ def main(argv=None) -> int:
     p.add_argument("--strict", action="store_true", help="stop at the first bad record (file:line) instead of skipping and counting it")
     p.add_argument("--overwrite", action="store_true", help="delete existing shards in OUTPUT and start over instead of resuming")
     p.add_argument("--tokenizer-backend", choices=("auto", "fast", "hf"), default="auto", help="auto (default): fastokens when it matches HF tokenizers on a sample of the input and an adversarial set, else HF with a warning; fast: fastokens or stop; hf: HF tokenizers only")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown when stderr is a terminal)")
+    p.add_argument("--match-special-tokens", action="store_true", help="match special-token text inside documents (a literal '<|endoftext|>') as the special token, as HF tokenizers does and olmo-ds did before; by default it is encoded as ordinary text so that EOS only ever ends a document")
+    p.add_argument("--partition", type=_partition, default=None, metavar="I/M", help="prepare only part I of M (0-based) of the sorted input list, cut into M contiguous ranges of about equal bytes, into --output; join the M part directories with scripts/merge_shards.py (docs/data.md, 'Preparing a large corpus')")
+    p.add_argument("--no-progress", action="store_true", help="no progress output (default: a bar when stderr is a terminal, else a plain line every --progress-every seconds, e.g. in a Slurm log)")
+    p.add_argument("--progress-every", type=float, default=60.0, metavar="SECONDS", help="seconds between plain progress lines when stderr is not a terminal (default: 60)")
     a = p.parse_args(argv)
     cfg = PrepareConfig(
         inputs=a.input, output=a.output, tokenizer=a.tokenizer, text_field=a.text_field, workers=a.workers,
         shard_tokens=a.shard_tokens, val_fraction=a.val_fraction, eos_token=a.eos_token, dry_run=a.dry_run,
-        verbose=a.verbose, strict=a.strict, overwrite=a.overwrite, progress=False if a.no_progress else None,
-        tokenizer_backend=a.tokenizer_backend,
+        verbose=a.verbose, strict=a.strict, overwrite=a.overwrite, progress=False if a.no_progress else None, progress_every=a.progress_every,
+        tokenizer_backend=a.tokenizer_backend, match_special_tokens=a.match_special_tokens, partition=a.partition,
     )
     try:
         result = prepare(cfg)

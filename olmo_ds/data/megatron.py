@@ -171,16 +171,5 @@ def import_megatron(prefix: Path, directory: Path, tokenizer, shard_tokens: int 
         writer.add(tokens, lens)
         num_docs += len(lens)
     writer.finish()
-    metas = [shards.ShardMeta.load(p.with_suffix(".json")) for p in shards.list_shards(directory)]
-    manifest = shards.Manifest(
-        num_tokens=sum(m.num_tokens for m in metas),
-        num_docs=sum(m.num_docs for m in metas),
-        shards=[m.bin for m in metas],
-        dtype=dtype.name,
-        vocab_size=tokenizer.vocab_size,
-        eos_id=eos,
-        tokenizer_fingerprint=tokenizer.fingerprint,
-        extra={"source": {"format": "megatron", "prefix": str(ds.prefix), "documents": ds.num_docs, "dropped_empty": ds.num_docs - num_docs, "append_eos": append_eos}},
-    )
-    manifest.save(directory)
-    return manifest
+    source = {"format": "megatron", "prefix": str(ds.prefix), "documents": ds.num_docs, "dropped_empty": ds.num_docs - num_docs, "append_eos": append_eos}
+    return shards.write_manifest(directory, tokenizer, "train", {"source": source})

@@ -16,13 +16,11 @@ each followed by EOS, whatever the number of workers. Hence the design:
 - Shards are streamed to temporary files and renamed when complete, metadata last
   (`shards.ShardWriter`). Each shard's metadata records the input position just after its last
   document (`next_record`) and the skip counts up to there, so a rerun after a kill resumes from
-  the last complete shard and produces byte-identical output.
+  the last complete shard and produces byte-identical output (`prepare_output`).
 - A validation split (`val_fraction`) is chosen by a hash of each document's text: the same for
   any worker count or resume point, and duplicates of a document always land in the same split.
-- Tokenizing with HF `tokenizers` is most of the cost, so an HF tokenizer.json is encoded with
-  `fastokens` (10-30x faster on one core) once it has given HF's exact ids on a sample of this
-  input and on `tokenizer.ADVERSARIAL_TEXTS`; otherwise HF encodes, with a warning naming the first
-  difference (`_select_backend`). The manifest records which library ran.
+- An HF tokenizer.json is encoded with `fastokens` only where it gives HF's exact ids
+  (`prepare_backend`); what the user reads while and after it runs is `prepare_report`.
 """
 
 from __future__ import annotations
@@ -32,10 +30,9 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -43,27 +40,29 @@ import numpy as np
 
 import olmo_ds
 from olmo_ds.atomic import atomic_write_json
-from olmo_ds.data import readers, shards
+from olmo_ds.data import partition, readers, shards
 from olmo_ds.data.pool import OrderedPool
-from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastBackendError, fast_beside, first_difference, load_tokenizer
-
-# A position in the input is (file index, line) packed into one int, so positions compare in input order.
-_LINE_BITS = 40
-STATE_FILE = ".prepare.json"
-VAL_DIR = "val"
-MAX_EXAMPLES = 5  # file:line examples kept per skip reason
-
-
-class PrepareError(Exception):
-    """Bad input or an output directory we must not touch; the message says what and where."""
-
-
-def position(file_index: int, line: int) -> int:
-    return (file_index << _LINE_BITS) | line
-
-
-def split_position(pos: int) -> tuple[int, int]:
-    return pos >> _LINE_BITS, pos & ((1 << _LINE_BITS) - 1)
+from olmo_ds.data.prepare_backend import select_backend
+from olmo_ds.data.prepare_output import (
+    STATE_FILE,
+    VAL_DIR,
+    PrepareError,
+    SplitWriter,
+    check_output,
+    complete_shards,
+    identity,
+    our_files,
+    position,
+    split_position,
+)
+from olmo_ds.data.prepare_report import (
+    FileStats,
+    PrepareResult,
+    Progress,
+    SkipLog,
+    log_file,
+)
+from olmo_ds.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -80,9 +79,17 @@ class PrepareConfig:
     verbose: bool = False
     strict: bool = False
     overwrite: bool = False
-    tokenizer_backend: str = "auto"  # "auto" | "fast" | "hf"; see _select_backend
+    tokenizer_backend: str = "auto"  # "auto" | "fast" | "hf"; see prepare_backend.select_backend
     chunk_bytes: int = readers.CHUNK_BYTES
-    progress: bool | None = None  # None: a progress bar only when stderr is a terminal
+    progress: bool | None = None  # None: a bar when stderr is a terminal, else plain lines (prepare_report.Progress)
+    progress_every: float = 60.0  # seconds between plain progress lines
+    # False (default): special-token text inside a document ("<|endoftext|>" quoted on a web page)
+    # is encoded as ordinary text, so EOS ids only ever end documents. True: matched as the special
+    # token, as HF tokenizers does by default and olmo-ds did before (EOS ids inside documents).
+    match_special_tokens: bool = False
+    # (I, M): prepare only part I of M (0-based) of the sorted input list, cut into M contiguous
+    # ranges of about equal bytes; `scripts/merge_shards.py` joins the M part directories.
+    partition: tuple[int, int] | None = None
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -95,58 +102,12 @@ class PrepareConfig:
             raise PrepareError(f"--tokenizer-backend must be auto, fast or hf, got {self.tokenizer_backend!r}")
         if not self.text_field:
             raise PrepareError("--text-field must not be empty")
-
-
-@dataclass
-class SkipLog:
-    """Skipped records by reason, with the first few `file:line` examples of each."""
-
-    counts: dict[str, int] = field(default_factory=dict)
-    examples: dict[str, list[str]] = field(default_factory=dict)
-
-    def add(self, reason: str, where: str) -> None:
-        self.counts[reason] = self.counts.get(reason, 0) + 1
-        ex = self.examples.setdefault(reason, [])
-        if len(ex) < MAX_EXAMPLES:
-            ex.append(where)
-
-    def copy(self) -> "SkipLog":
-        return SkipLog(dict(self.counts), {k: list(v) for k, v in self.examples.items()})
-
-    def to_dict(self) -> dict:
-        return {"counts": dict(sorted(self.counts.items())), "examples": dict(sorted(self.examples.items()))}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SkipLog":
-        return cls(dict(d["counts"]), {k: list(v) for k, v in d["examples"].items()})
-
-
-@dataclass
-class FileStats:
-    path: str
-    bytes: int
-    docs: int = 0
-    tokens: int = 0
-    skipped: int = 0
-
-
-@dataclass
-class PrepareResult:
-    output: Path | None
-    files: list[FileStats]
-    num_docs: int
-    num_tokens: int
-    val_docs: int
-    val_tokens: int
-    num_shards: int
-    skipped: SkipLog
-    seconds: float
-    text_bytes: int  # decompressed input read by this run
-    run_tokens: int  # tokens produced by this run (less than the totals after a resume)
-    resumed_from: str | None = None
-    already_complete: bool = False
-    backend: str = ""  # the library that encoded: fastokens, tokenizers or sentencepiece
-    layout: str = ""  # who tokenized (`pool_layout`), for the summary
+        if self.progress_every < 0:
+            raise PrepareError(f"--progress-every must be >= 0 seconds, got {self.progress_every}")
+        if self.partition is not None:
+            i, m = self.partition
+            if not (m >= 1 and 0 <= i < m):
+                raise PrepareError(f"--partition {i}/{m}: expected I/M with 0 <= I < M")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,6 +126,8 @@ class _Spec:
     backend: str  # "hf" | "fast": which encoder `load_tokenizer` builds
     text_field: str
     val_fraction: float
+    split_special_tokens: bool
+    special_texts: tuple[str, ...]  # the special tokens' text, to count the documents holding any
 
 
 def _single_threaded() -> None:
@@ -190,8 +153,28 @@ def _start_method(threads_before: int | None) -> str:
 
 def _tokenizer_for(spec: _Spec):
     if spec not in _loaded:
-        _loaded[spec] = load_tokenizer(spec.tokenizer, spec.eos_token, backend=spec.backend)
+        tok = load_tokenizer(spec.tokenizer, spec.eos_token, backend=spec.backend)
+        tok.split_special_tokens = spec.split_special_tokens
+        _loaded[spec] = tok
     return _loaded[spec]
+
+
+def special_token_texts(tok) -> tuple[str, ...]:
+    """The text of an HF tokenizer's special added tokens (`<|endoftext|>`, `<|pad|>`, ...). A
+    sentencepiece model has none that text can produce: its control symbols never match input."""
+    if tok.kind != "hf":
+        return ()
+    added = json.loads(Path(tok.path).read_text()).get("added_tokens") or []
+    return tuple(sorted({t["content"] for t in added if t.get("special") and t.get("content")}))
+
+
+def holds_special_text(texts: list[str], specials: tuple[str, ...]) -> np.ndarray:
+    """Per text, whether any special token's text occurs in it. One substring scan per distinct
+    two-character prefix (all of dolma2's eight start with "<|"), the rest only on a hit."""
+    by_prefix: dict[str, list[str]] = {}
+    for sp in specials:
+        by_prefix.setdefault(sp[:2], []).append(sp)
+    return np.array([any(p in t and any(sp in t for sp in group) for p, group in by_prefix.items()) for t in texts], dtype=bool)
 
 
 @dataclass
@@ -202,6 +185,7 @@ class ChunkResult:
     positions: np.ndarray  # int64 input position of each document (line within the block until `at_line`)
     is_val: np.ndarray | None  # bool per document, when there is a validation split
     skips: list[tuple[int, str]]  # (position, reason), like `positions`
+    special: np.ndarray  # bool per document: its text holds a special token's text
     text_bytes: int
     n_lines: int  # newlines in the block: the next block starts this many lines later
 
@@ -243,118 +227,13 @@ def _process_chunk(spec: _Spec, file_index: int, block: readers.Block) -> ChunkR
     if spec.val_fraction > 0:
         threshold = int(spec.val_fraction * 2**64)
         is_val = np.array([val_hash(t) < threshold for t in texts], dtype=bool)
-    return ChunkResult(file_index, tokens, doc_lens, positions, is_val, skips, text_bytes, n_lines)
+    special = holds_special_text(texts, spec.special_texts)
+    return ChunkResult(file_index, tokens, doc_lens, positions, is_val, skips, special, text_bytes, n_lines)
+
 
 
 # ---------------------------------------------------------------------------------------------
-# Main side: output directory state, ordered pool, shard writers.
-
-
-class _SplitWriter:
-    """The shards of one split (train or val), skipping documents already in complete shards."""
-
-    def __init__(self, directory: Path, shard_tokens: int, vocab_size: int, eos_id: int, next_index: int, resume_pos: int):
-        self.directory = directory
-        self.sharded = shards.ShardedWriter(directory, shard_tokens, vocab_size=vocab_size, eos_id=eos_id, next_index=next_index)
-        self.resume_pos = resume_pos  # documents before this input position are already in complete shards
-
-    @property
-    def next_index(self) -> int:
-        return self.sharded.next_index
-
-    def add(self, tokens: np.ndarray, lens: np.ndarray, positions: np.ndarray, state_at: Callable[[int], dict]) -> None:
-        if len(lens) and positions[0] < self.resume_pos:
-            keep = positions >= self.resume_pos
-            tokens, lens, positions = tokens[np.repeat(keep, lens)], lens[keep], positions[keep]
-        self.sharded.add(tokens, lens, lambda k: self._resume_point(int(positions[k]), state_at(int(positions[k]))))
-
-    @staticmethod
-    def _resume_point(next_record: int, skipped: dict) -> dict:
-        return {"prepare": {"next_record": list(split_position(next_record)), "skipped": skipped}}
-
-    def finish(self, end: int, skipped: dict) -> None:
-        self.sharded.finish(self._resume_point(end, skipped))
-
-    def abort(self) -> None:
-        self.sharded.abort()
-
-
-def _identity(cfg: PrepareConfig, files: list[Path], tok) -> dict:
-    """What must match for a rerun to continue the same output: the tokenizer, the arguments that
-    change the bytes, and the inputs (path, size, mtime)."""
-    return {
-        "tokenizer_fingerprint": tok.fingerprint,
-        "eos_id": tok.eos_id,
-        "text_field": cfg.text_field,
-        "shard_tokens": cfg.shard_tokens,
-        "val_fraction": cfg.val_fraction,
-        "inputs": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
-    }
-
-
-def _our_files(directory: Path) -> list[Path]:
-    if not directory.is_dir():
-        return []
-    found = [p for p in directory.iterdir() if p.is_file() and (p.name.startswith(shards.SHARD_PREFIX) or p.name in (shards.MANIFEST, STATE_FILE))]
-    val = directory / VAL_DIR
-    if val.is_dir():
-        found += [p for p in val.iterdir() if p.is_file() and (p.name.startswith(shards.SHARD_PREFIX) or p.name == shards.MANIFEST)]
-    return found
-
-
-def _describe_mismatch(old: dict, new: dict) -> str:
-    if old.get("tokenizer_fingerprint") != new["tokenizer_fingerprint"]:
-        return f"it holds shards of another tokenizer ({old.get('tokenizer_fingerprint')}, this one is {new['tokenizer_fingerprint']})"
-    keys = [k for k in new if old.get(k) != new[k]]
-    if keys == ["inputs"]:
-        return "it was made from other input files (or they changed since: path, size or mtime differ)"
-    return f"it was made with other settings ({', '.join(keys)} differ)"
-
-
-def _check_output(cfg: PrepareConfig, identity: dict) -> str:
-    """Decide, before any work, what to do with the output directory: 'fresh', 'overwrite', 'resume'
-    or 'complete'; raise if it holds output this run must not touch."""
-    out = Path(cfg.output)
-    if out.exists() and not out.is_dir():
-        raise PrepareError(f"--output {out}: exists and is not a directory")
-    existing = _our_files(out)
-    if not existing:
-        return "fresh"
-    state_path = out / STATE_FILE
-    old = json.loads(state_path.read_text()) if state_path.is_file() else None
-    if cfg.overwrite:
-        return "overwrite"  # deleted once the tokenizer backend is settled, just before writing
-    if old is None:
-        if (out / shards.MANIFEST).is_file():
-            m = shards.Manifest.load(out)
-            if m.tokenizer_fingerprint != identity["tokenizer_fingerprint"]:
-                raise PrepareError(f"--output {out}: it holds shards of another tokenizer ({m.tokenizer_fingerprint}, this one is {identity['tokenizer_fingerprint']}); pass --overwrite to replace them or choose another --output")
-        raise PrepareError(f"--output {out}: it holds shard files this tool cannot resume (no {STATE_FILE}); pass --overwrite to replace them or choose another --output")
-    if old != identity:
-        raise PrepareError(f"--output {out}: {_describe_mismatch(old, identity)}; pass --overwrite to replace it or choose another --output")
-    return "complete" if (out / shards.MANIFEST).is_file() else "resume"
-
-
-def _complete_shards(directory: Path) -> list[dict]:
-    """Metadata of the complete shards 0..k-1 of a directory; every other shard file is deleted."""
-    metas = []
-    while True:
-        i = len(metas)
-        mp_, bp, op = shards.meta_path(directory, i), shards.bin_path(directory, i), shards.offsets_path(directory, i)
-        if not (mp_.is_file() and bp.is_file() and op.is_file()):
-            break
-        meta = json.loads(mp_.read_text())
-        if bp.stat().st_size != meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize or "prepare" not in meta:
-            break
-        metas.append(meta)
-    keep = {shards.shard_stem(i) for i in range(len(metas))}
-    if directory.is_dir():
-        for p in directory.iterdir():
-            if p.is_file() and p.name.startswith(shards.SHARD_PREFIX) and p.name.split(".")[0] not in keep:
-                p.unlink()
-            elif p.is_file() and p.name.endswith(".tmp"):
-                p.unlink()
-    return metas
+# Main side: ordered pool, shard writers, manifests.
 
 
 def _chunk_in_worker(spec: _Spec, *args) -> tuple[ChunkResult, np.ndarray]:
@@ -387,62 +266,27 @@ def _ordered_results(tasks: Iterator[tuple], spec: _Spec, pool: OrderedPool | No
         yield extras.popleft(), res
 
 
-def _guard_sample(files: list[Path], cfg: PrepareConfig, budget: int = 1 << 20) -> tuple[list[str], list[str]]:
-    """Documents (and their file:line) from the start of up to 8 input files spread over the input."""
-    picks = sorted({round(i * (len(files) - 1) / 7) for i in range(8)}) if len(files) > 8 else range(len(files))
-    texts, labels = [], []
-    for fi in picks:
-        first = next(readers.iter_blocks(files[fi], budget // len(picks)), None)
-        if first is None:
-            continue
-        first_line, block, _ = first
-        for line, text, _ in readers.load_block(block, cfg.text_field, head=256)[0]:
-            if text is not None:
-                texts.append(text)
-                labels.append(f"{files[fi]}:{first_line + line}")
-    return texts, labels
-
-
-def _select_backend(cfg: PrepareConfig, files: list[Path], reference, log: Callable[[str], None]) -> tuple[object, dict]:
-    """The encoder to use and what the manifest records about it.
-
-    `fast` is used only when it gives HF's ids on a sample of this input and `ADVERSARIAL_TEXTS`;
-    otherwise `auto` falls back to HF with a warning naming the first difference and `fast` stops.
-    """
-    if reference.kind == "sentencepiece":
-        return reference, {"name": "sentencepiece", "version": _version("sentencepiece"), "requested": cfg.tokenizer_backend}
-    hf = {"name": "tokenizers", "version": _version("tokenizers"), "requested": cfg.tokenizer_backend}
-    if cfg.tokenizer_backend == "hf":
-        return reference, hf
-    try:
-        fast = fast_beside(reference)
-        sample, labels = _guard_sample(files, cfg)
-        texts = ADVERSARIAL_TEXTS + sample
-        labels = [f"adversarial text {i} {t[:24]!r}" for i, t in enumerate(ADVERSARIAL_TEXTS)] + labels
-        difference = first_difference(fast, reference, texts, labels)
-    except (FastBackendError, ImportError) as e:
-        difference = str(e)
-    if difference is None:
-        return fast, {"name": "fastokens", "version": _version("fastokens"), "requested": cfg.tokenizer_backend, "checked_against_hf": len(texts)}
-    if cfg.tokenizer_backend == "fast":
-        raise PrepareError(f"--tokenizer-backend fast: fastokens does not match HF tokenizers: {difference}; use --tokenizer-backend hf (or auto)")
-    log(f"warning: fastokens does not match HF tokenizers ({difference}); falling back to HF tokenizers (exact, slower)")
-    return reference, {**hf, "fallback_reason": difference}
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import version
-
-    return version(package)
-
-
-def _tasks(files: list[Path], start: int, chunk_bytes: int) -> Iterator[tuple]:
+def _tasks(files: list[Path], start: int, end_file: int, chunk_bytes: int) -> Iterator[tuple]:
     """`((file index, first line or None, disk bytes done), worker arguments)` for each block from
-    input position `start` (see `readers.iter_blocks`)."""
+    input position `start` to the end of file `end_file - 1` (see `readers.iter_blocks`)."""
     start_file, start_line = split_position(start)
-    for fi in range(start_file, len(files)):
+    for fi in range(start_file, end_file):
         for first_line, block, done in readers.iter_blocks(files[fi], chunk_bytes, max(start_line, 1) if fi == start_file else 1):
             yield (fi, first_line, done), (fi, block)
+
+
+
+SPECIAL_TEXT = "special_token_text"  # the reason under which documents holding special-token text are noted
+
+
+def _settings(cfg: PrepareConfig) -> dict:
+    """The arguments that change the output's bytes (part of the resume identity). Matching
+    special tokens adds no key: directories started before the option existed did that, and resume
+    with --match-special-tokens."""
+    settings = {"text_field": cfg.text_field, "shard_tokens": cfg.shard_tokens, "val_fraction": cfg.val_fraction}
+    if cfg.partition is not None:
+        settings["partition"] = list(cfg.partition)
+    return settings if cfg.match_special_tokens else settings | {"special_tokens": "as_text"}
 
 
 def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareResult:
@@ -452,33 +296,37 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
         files = readers.resolve_inputs(list(cfg.inputs))
         for f in files:
             readers.check_input(f, cfg.text_field)
+        lo, hi = partition.file_range(files, cfg.partition) if cfg.partition else (0, len(files))
     except (OSError, ValueError) as e:
         raise PrepareError(str(e)) from e
     try:
         tok = load_tokenizer(cfg.tokenizer, cfg.eos_token)
     except (OSError, ValueError) as e:
         raise PrepareError(str(e)) from e
+    tok.split_special_tokens = not cfg.match_special_tokens
     out = Path(cfg.output)
-    identity = _identity(cfg, files, tok)
-    file_stats = [FileStats(str(f), f.stat().st_size) for f in files]
-    mode = "fresh" if cfg.dry_run else _check_output(cfg, identity)
+    ident = identity(tok, files, _settings(cfg))
+    file_stats = [FileStats(str(f), f.stat().st_size) for f in files[lo:hi]]
+    mode = "fresh" if cfg.dry_run else check_output(out, ident, cfg.overwrite)
     if mode == "complete":
         m = shards.Manifest.load(out)
         log(f"{out}: already complete ({m.num_docs} documents, {m.num_tokens} tokens in {len(m.shards)} shards); nothing to do")
-        return PrepareResult(out, file_stats, m.num_docs, m.num_tokens, 0, 0, len(m.shards), SkipLog.from_dict(m.extra["skipped"]), 0.0, 0, 0, already_complete=True)
+        return PrepareResult(out, file_stats, m.num_docs, m.num_tokens, 0, 0, len(m.shards), SkipLog.from_dict(m.extra["skipped"]), 0.0, 0, 0,
+                             noted=SkipLog.from_dict(m.extra.get("noted", SkipLog().to_dict())), already_complete=True)
 
     _single_threaded()
     threads_before = _thread_count()
-    encoder, backend = _select_backend(cfg, files, tok, log)
-    spec = _Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if backend["name"] == "fastokens" else "hf", cfg.text_field, cfg.val_fraction)
+    encoder, backend = select_backend(cfg.tokenizer_backend, files, cfg.text_field, tok, log)
+    spec = _Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if backend["name"] == "fastokens" else "hf", cfg.text_field, cfg.val_fraction,
+                 not cfg.match_special_tokens, special_token_texts(tok))
     _loaded[spec] = encoder
     with contextlib.ExitStack() as stack:
         processes, work_here = pool_layout(cfg.workers)
         pool = stack.enter_context(OrderedPool(_chunk_in_worker, spec, processes, mp.get_context(_start_method(threads_before)))) if processes else None
         if mode == "overwrite":
-            for p in _our_files(out):
+            for p in our_files(out):
                 p.unlink()
-        result = _run(cfg, files, tok, identity, file_stats, spec, pool, work_here, backend, log)
+        result = _run(cfg, files, (lo, hi), tok, ident, file_stats, spec, pool, work_here, backend, log)
         result.layout = ("this process" if not processes else
                          f"{processes} worker process{'es' if processes > 1 else ''}" + ("" if not work_here else " and this one, whenever it would wait"))
         return result
@@ -508,12 +356,15 @@ def pool_layout(workers: int, cores: int | None = None) -> tuple[int, bool]:
     return workers - 1, True
 
 
-def _run(cfg: PrepareConfig, files: list[Path], tok, identity: dict, file_stats: list[FileStats], spec: _Spec, pool, work_here: bool, backend: dict, log: Callable[[str], None]) -> PrepareResult:
-    """Resume or start the output, stream every block through the pool into the shards, write the manifests."""
+def _run(cfg: PrepareConfig, files: list[Path], part: tuple[int, int], tok, ident: dict, file_stats: list[FileStats], spec: _Spec, pool, work_here: bool, backend: dict, log: Callable[[str], None]) -> PrepareResult:
+    """Resume or start the output, stream every block of files[lo:hi] (all of them unless this is a
+    part) through the pool into the shards, write the manifests. Input positions count files in the
+    whole list, so skip reports and resume points of a part read as those of a single run."""
+    lo, hi = part
     out = Path(cfg.output)
-    splits: dict[str, _SplitWriter] = {}
-    skiplog = SkipLog()
-    start = 0
+    splits: dict[str, SplitWriter] = {}
+    skiplog, noted = SkipLog(), SkipLog()
+    start = position(lo, 0)
     resumed_from = None
     if not cfg.dry_run:
         out.mkdir(parents=True, exist_ok=True)
@@ -521,78 +372,81 @@ def _run(cfg: PrepareConfig, files: list[Path], tok, identity: dict, file_stats:
         resume_points = {}
         for name, d in dirs.items():
             d.mkdir(exist_ok=True)
-            metas = _complete_shards(d)
-            pos, state = 0, None
+            metas = complete_shards(d)
+            pos, state = position(lo, 0), None
             if metas:
                 pos = position(*metas[-1]["prepare"]["next_record"])
-                state = metas[-1]["prepare"]["skipped"]
+                state = metas[-1]["prepare"]
             resume_points[name] = (pos, state)
-            splits[name] = _SplitWriter(d, cfg.shard_tokens, tok.vocab_size, tok.eos_id, len(metas), pos)
+            splits[name] = SplitWriter(d, cfg.shard_tokens, tok.vocab_size, tok.eos_id, len(metas), pos)
         start, state = min(resume_points.values(), key=lambda ps: ps[0])
         if state is not None:
-            skiplog = SkipLog.from_dict(state)
-        if start > 0:
+            skiplog = SkipLog.from_dict(state["skipped"])
+            noted = SkipLog.from_dict(state.get("noted", SkipLog().to_dict()))  # absent before special-token counts existed
+        if start > position(lo, 0):
             fi, line = split_position(start)
-            resumed_from = f"{files[fi]}:{line}" if fi < len(files) else "the end of the input"
+            resumed_from = f"{files[fi]}:{line}" if fi < hi else "the end of the input"
             log(f"resuming {out} from {resumed_from} (complete shards kept: " + ", ".join(f"{n} {s.next_index}" for n, s in splits.items()) + ")")
-        atomic_write_json(out / STATE_FILE, identity)
+        atomic_write_json(out / STATE_FILE, ident)
 
     t0 = time.perf_counter()
     totals = {"docs": 0, "tokens": 0, "text_bytes": 0}
-    disk_done = sum(s.bytes for s in file_stats[: split_position(start)[0]])
-    bar = _progress_bar(sum(s.bytes for s in file_stats), disk_done, cfg.progress)
+    disk_done = sum(s.bytes for s in file_stats[: split_position(start)[0] - lo])
+    label = "prepare" if cfg.partition is None else f"prepare part {cfg.partition[0]}/{cfg.partition[1]}"
+    progress = Progress(sum(s.bytes for s in file_stats), disk_done, cfg.progress, label, cfg.progress_every)
+    finished = False
     reported = split_position(start)[0]
     next_line = 1  # the file line where the next block of the current file starts
     try:
-        for (fi, first_line, consumed), res in _ordered_results(_tasks(files, start, cfg.chunk_bytes), spec, pool, work_here):
+        for (fi, first_line, consumed), res in _ordered_results(_tasks(files, start, hi, cfg.chunk_bytes), spec, pool, work_here):
             while cfg.verbose and reported < fi:
-                _log_file(log, file_stats[reported])
+                log_file(log, file_stats[reported - lo])
                 reported += 1
             if first_line is not None:
                 next_line = first_line
             res.at_line(next_line)
             next_line += res.n_lines
-            _merge(res, files, file_stats[fi], splits, skiplog, cfg.strict)
+            _add_block(res, files, file_stats[fi - lo], splits, skiplog, noted, cfg.strict)
             totals["docs"] += len(res.doc_lens)
             totals["tokens"] += len(res.tokens)
             totals["text_bytes"] += res.text_bytes
-            if bar is not None:
-                new_done = sum(s.bytes for s in file_stats[:fi]) + consumed
-                bar.update(new_done - disk_done)
-                disk_done = new_done
-                dt = max(time.perf_counter() - t0, 1e-9)
-                bar.set_postfix_str(f"{totals['docs'] / dt:,.0f} docs/s, {totals['tokens'] / dt / 1e6:,.2f}M tok/s, {totals['text_bytes'] / dt / 1e6:,.1f} MB/s text", refresh=False)
-        end = position(len(files), 0)
+            progress.update(sum(s.bytes for s in file_stats[: fi - lo]) + consumed, len(res.doc_lens), len(res.tokens), res.text_bytes)
+        end = position(hi, 0)
         for s in splits.values():
-            s.finish(end, skiplog.to_dict())
+            s.finish(end, _state(skiplog, noted))
+        finished = True
     except BaseException:
         for s in splits.values():
             s.abort()
         raise
     finally:
-        if bar is not None:
-            bar.close()
-    while cfg.verbose and reported < len(files):
-        _log_file(log, file_stats[reported])
+        progress.close(finished)
+    while cfg.verbose and reported < hi:
+        log_file(log, file_stats[reported - lo])
         reported += 1
     seconds = time.perf_counter() - t0
 
     if cfg.dry_run:
-        return PrepareResult(None, file_stats, totals["docs"], totals["tokens"], 0, 0, 0, skiplog, seconds, totals["text_bytes"], totals["tokens"], backend=backend["name"])
+        return PrepareResult(None, file_stats, totals["docs"], totals["tokens"], 0, 0, 0, skiplog, seconds, totals["text_bytes"], totals["tokens"], noted=noted, backend=backend["name"])
 
     manifests = {}
     for name in (["val"] if "val" in splits else []) + ["train"]:  # the top-level manifest last
-        manifests[name] = _write_manifest(splits[name].directory, cfg, files, tok, skiplog, name, manifests.get("val"), backend)
+        manifests[name] = _write_manifest(splits[name].directory, cfg, files, tok, _state(skiplog, noted), name, manifests.get("val"), backend)
     train, val = manifests["train"], manifests.get("val")
     return PrepareResult(
         out, file_stats, train.num_docs, train.num_tokens, val.num_docs if val else 0, val.num_tokens if val else 0,
         len(train.shards) + (len(val.shards) if val else 0), skiplog, seconds, totals["text_bytes"], totals["tokens"], resumed_from,
-        backend=backend["name"],
+        noted=noted, backend=backend["name"],
     )
 
 
-def _merge(res: ChunkResult, files: list[Path], stats: FileStats, splits: dict[str, _SplitWriter], skiplog: SkipLog, strict: bool) -> None:
-    """Hand one block's documents to the split writers and count its skips, in input order."""
+def _state(skiplog: SkipLog, noted: SkipLog) -> dict:
+    """The counts a shard's resume point and the manifest carry: records skipped, documents noted."""
+    return {"skipped": skiplog.to_dict(), "noted": noted.to_dict()}
+
+
+def _add_block(res: ChunkResult, files: list[Path], stats: FileStats, splits: dict[str, SplitWriter], skiplog: SkipLog, noted: SkipLog, strict: bool) -> None:
+    """Hand one block's documents to the split writers and count its skips and notes, in input order."""
     if strict and res.skips:
         pos, reason = res.skips[0]
         fi, line = split_position(pos)
@@ -600,16 +454,19 @@ def _merge(res: ChunkResult, files: list[Path], stats: FileStats, splits: dict[s
     stats.docs += len(res.doc_lens)
     stats.tokens += len(res.tokens)
     stats.skipped += len(res.skips)
+    special_at = res.positions[res.special]
     if splits:
-        before = skiplog.copy()
+        before, noted_before = skiplog.copy(), noted.copy()
 
         def state_at(pos: int) -> dict:
-            # The skip log as it stood just before input position `pos` (within this block).
-            s = before.copy()
+            # The logs as they stood just before input position `pos` (within this block).
+            s, n = before.copy(), noted_before.copy()
             for p, reason in res.skips:
                 if p < pos:
                     s.add(reason, _where(files, p))
-            return s.to_dict()
+            for p in special_at[special_at < pos]:
+                n.add(SPECIAL_TEXT, _where(files, int(p)))
+            return _state(s, n)
 
         if res.is_val is None:
             splits["train"].add(res.tokens, res.doc_lens, res.positions, state_at)
@@ -619,6 +476,8 @@ def _merge(res: ChunkResult, files: list[Path], stats: FileStats, splits: dict[s
                 splits[name].add(res.tokens[tok_mask], res.doc_lens[doc_mask], res.positions[doc_mask], state_at)
     for p, reason in res.skips:
         skiplog.add(reason, _where(files, p))
+    for p in special_at:
+        noted.add(SPECIAL_TEXT, _where(files, int(p)))
 
 
 def _where(files: list[Path], pos: int) -> str:
@@ -626,10 +485,8 @@ def _where(files: list[Path], pos: int) -> str:
     return f"{files[fi]}:{line}"
 
 
-def _write_manifest(directory: Path, cfg: PrepareConfig, files: list[Path], tok, skiplog: SkipLog, split: str, val: shards.Manifest | None, backend: dict) -> shards.Manifest:
-    metas = [shards.ShardMeta.load(p.with_suffix(".json")) for p in shards.list_shards(directory)]
+def _write_manifest(directory: Path, cfg: PrepareConfig, files: list[Path], tok, state: dict, split: str, val: shards.Manifest | None, backend: dict) -> shards.Manifest:
     extra = {
-        "split": split,
         "tool": {"name": "olmo-ds prepare_data", "version": olmo_ds.__version__},
         "arguments": {
             "input": [str(i) for i in cfg.inputs],
@@ -638,65 +495,14 @@ def _write_manifest(directory: Path, cfg: PrepareConfig, files: list[Path], tok,
             "shard_tokens": cfg.shard_tokens,
             "val_fraction": cfg.val_fraction,
             "eos_token": cfg.eos_token,
+            "match_special_tokens": cfg.match_special_tokens,
         },
         "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
-        "skipped": skiplog.to_dict(),
-        "pad_id": tok.pad_id,
+        **state,
         "tokenizer_backend": backend,
     }
+    if cfg.partition is not None:
+        extra["partition"] = partition.record(files, cfg.partition)
     if val is not None:
         extra["val"] = {"dir": VAL_DIR, "num_docs": val.num_docs, "num_tokens": val.num_tokens, "shards": len(val.shards)}
-    manifest = shards.Manifest(
-        num_tokens=sum(m.num_tokens for m in metas),
-        num_docs=sum(m.num_docs for m in metas),
-        shards=[m.bin for m in metas],
-        dtype=shards.dtype_for_vocab(tok.vocab_size).name,
-        vocab_size=tok.vocab_size,
-        eos_id=tok.eos_id,
-        tokenizer_fingerprint=tok.fingerprint,
-        extra=extra,
-    )
-    manifest.save(directory)
-    return manifest
-
-
-def _progress_bar(total: int, initial: int, enabled: bool | None):
-    from tqdm import tqdm
-
-    disable = None if enabled is None else not enabled
-    bar = tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024, desc="prepare", disable=disable, file=sys.stderr, dynamic_ncols=True)
-    return None if bar.disable else bar
-
-
-def _log_file(log: Callable[[str], None], s: FileStats) -> None:
-    log(f"{s.path}: {s.docs:,} docs, {s.tokens:,} tokens, {s.skipped:,} skipped")
-
-
-def format_summary(r: PrepareResult, dry_run: bool = False) -> str:
-    """The table printed at the end of a run."""
-    rows = []
-    if dry_run:
-        rows.append(("file", "docs", "tokens", "skipped"))
-        rows += [(s.path, f"{s.docs:,}", f"{s.tokens:,}", f"{s.skipped:,}") for s in r.files]
-        width = max(len(a) for a, *_ in rows)
-        lines = [f"{a:<{width}}  {b:>12}  {c:>14}  {d:>8}" for a, b, c, d in rows]
-        lines.append(f"{'total':<{width}}  {r.num_docs:>12,}  {r.num_tokens:>14,}  {sum(r.skipped.counts.values()):>8,}")
-        lines.append("dry run: nothing written")
-    else:
-        lines = [f"output          {r.output}"]
-        if r.resumed_from:
-            lines.append(f"resumed from    {r.resumed_from}")
-        lines += [
-            f"input files     {len(r.files):,} ({sum(s.bytes for s in r.files) / 1e6:,.1f} MB on disk)",
-            f"train           {r.num_docs:,} docs, {r.num_tokens:,} tokens",
-        ]
-        if r.val_docs or r.val_tokens:
-            lines.append(f"val             {r.val_docs:,} docs, {r.val_tokens:,} tokens")
-        lines.append(f"shards          {r.num_shards:,}")
-    lines.append(f"tokenizer       {r.backend}" + (f", run by {r.layout}" if r.layout else ""))
-    lines.append(f"skipped         {sum(r.skipped.counts.values()):,} records")
-    for reason, n in sorted(r.skipped.counts.items()):
-        lines.append(f"  {reason:<22}{n:>10,}   e.g. {', '.join(r.skipped.examples.get(reason, [])[:3])}")
-    if r.seconds > 0:
-        lines.append(f"time            {r.seconds:,.3f} s  ({r.run_tokens / r.seconds / 1e6:,.2f}M tokens/s, {r.text_bytes / r.seconds / 1e6:,.1f} MB/s of text)")
-    return "\n".join(lines)
+    return shards.write_manifest(directory, tok, split, extra)

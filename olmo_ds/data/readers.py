@@ -25,10 +25,9 @@ import gzip
 import io
 import os
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
-
-from dataclasses import dataclass
 
 import orjson
 

@@ -334,3 +334,28 @@ class Manifest:
         d = dataclasses.asdict(self)
         extra = d.pop("extra")
         atomic_write_json(Path(directory) / MANIFEST, {**extra, **d})
+
+
+def write_manifest(directory: Path, tokenizer, split: str, extra: dict, metas: list[ShardMeta] | None = None, names: list[str] | None = None) -> Manifest:
+    """Write `manifest.json` last, over the shards in `metas` (default: the directory's, in order).
+
+    The one manifest writer (data preparation, the merge of parts, the Megatron import, in-place
+    token files): totals are the sums over the shards' metadata, the tokenizer (`vocab_size`,
+    `eos_id`, `pad_id`, `fingerprint`) sets the rest, and `split` and `pad_id` are always recorded.
+    `names`: the listed entries when they are not the `.bin` names (in-place token files, whose
+    `shard-NNNNN.json` points at a file elsewhere).
+    """
+    if metas is None:
+        metas = [ShardMeta.load(p.with_suffix(".json")) for p in list_shards(directory)]
+    manifest = Manifest(
+        num_tokens=sum(m.num_tokens for m in metas),
+        num_docs=sum(m.num_docs for m in metas),
+        shards=names or [m.bin for m in metas],
+        dtype=dtype_for_vocab(tokenizer.vocab_size).name,
+        vocab_size=tokenizer.vocab_size,
+        eos_id=tokenizer.eos_id,
+        tokenizer_fingerprint=tokenizer.fingerprint,
+        extra={"split": split, "pad_id": tokenizer.pad_id, **extra},
+    )
+    manifest.save(directory)
+    return manifest

@@ -2,7 +2,10 @@
 
 Per shard: the `.bin` size equals num_tokens × itemsize, the dtype suits the vocabulary, every id
 is below the vocabulary size (the largest is reported as `vocab_max`), the document offsets start
-at 0, increase, end at num_tokens and each document ends in EOS, and the sha256 matches. Per
+at 0, increase, end at num_tokens, each document ends in EOS and holds no other EOS (an EOS-scanning
+reader such as OLMo-core's document-aware datasets would otherwise see more documents than the
+offsets record; allowed only where the manifest says `--match-special-tokens` made it so, and then
+counted), and the sha256 matches. Per
 directory: the manifest lists exactly the shards on disk, its totals are the sums over them, and
 (given a tokenizer) its fingerprint, vocabulary size and EOS match the tokenizer's. A validation
 split in `val/` is checked the same way. Each shard is read once, in blocks, so memory stays small
@@ -30,6 +33,7 @@ class ShardReport:
     num_tokens: int = 0
     num_docs: int = 0
     vocab_max: int = -1
+    docs_with_inner_eos: int = 0  # documents holding an EOS before their last token
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -57,22 +61,25 @@ class Report:
         return d
 
 
-def check_shard(directory: Path, bin_name: str, prefix: str = "") -> ShardReport:
-    """Every per-shard check; never raises for a bad shard, it reports."""
+def check_shard(directory: Path, bin_name: str, prefix: str = "", inner_eos_allowed: bool = False) -> ShardReport:
+    """Every per-shard check; never raises for a bad shard, it reports. `inner_eos_allowed`: EOS ids
+    inside documents are counted, not an error (shards made with --match-special-tokens)."""
     directory = Path(directory)
-    bin_file = directory / bin_name
     report = ShardReport(prefix + bin_name)
-    meta_file = bin_file.with_suffix(".json")
-    if not bin_file.is_file():
-        report.errors.append("missing .bin file")
+    meta_file = (directory / bin_name).with_suffix(".json")
     if not meta_file.is_file():
         report.errors.append(f"missing metadata {meta_file.name}")
-    if report.errors:
+        if not (directory / bin_name).is_file():
+            report.errors.append("missing .bin file")
         return report
     try:
         meta = shards.ShardMeta.load(meta_file)
     except (ValueError, TypeError) as e:
         report.errors.append(f"unreadable metadata: {e}")
+        return report
+    bin_file = directory / meta.bin  # beside it, or (in-place token files) an absolute path elsewhere
+    if not bin_file.is_file():
+        report.errors.append("missing .bin file" if bin_file.parent == directory else f"missing token file {bin_file}")
         return report
     report.num_tokens, report.num_docs = meta.num_tokens, meta.num_docs
     expected_dtype = shards.dtype_for_vocab(meta.vocab_size)
@@ -87,12 +94,14 @@ def check_shard(directory: Path, bin_name: str, prefix: str = "") -> ShardReport
 
     digest = hashlib.sha256()
     vocab_max = -1
+    eos_count = 0
     with open(bin_file, "rb") as f:
         while block := f.read(BLOCK_BYTES - BLOCK_BYTES % dtype.itemsize):
             digest.update(block)
             ids = np.frombuffer(block, dtype=dtype)
             if len(ids):
                 vocab_max = max(vocab_max, int(ids.max()))
+                eos_count += int(np.count_nonzero(ids == meta.eos_id))
     report.vocab_max = vocab_max
     if vocab_max >= meta.vocab_size:
         report.errors.append(f"token id {vocab_max} >= vocab_size {meta.vocab_size}")
@@ -122,7 +131,23 @@ def check_shard(directory: Path, bin_name: str, prefix: str = "") -> ShardReport
         bad = np.flatnonzero(ends != meta.eos_id)
         if len(bad):
             report.errors.append(f"{len(bad)} documents do not end in EOS {meta.eos_id} (first: document {int(bad[0])})")
+        elif eos_count != meta.num_docs:
+            _count_inner_eos(report, tokens, np.asarray(offsets), meta.eos_id, inner_eos_allowed)
     return report
+
+
+def _count_inner_eos(report: ShardReport, tokens: np.ndarray, offsets: np.ndarray, eos_id: int, allowed: bool) -> None:
+    """More EOS ids than documents: find which documents hold them (only run when that is so)."""
+    is_end = np.zeros(len(tokens), dtype=bool)
+    is_end[offsets[1:] - 1] = True
+    inner = np.flatnonzero((np.asarray(tokens) == eos_id) & ~is_end)
+    docs = np.unique(np.searchsorted(offsets, inner, side="right") - 1)
+    report.docs_with_inner_eos = len(docs)
+    if not allowed:
+        report.errors.append(
+            f"{len(docs)} documents hold EOS {eos_id} before their end (first: document {int(docs[0])}, token {int(inner[0])}): "
+            "readers that split documents at EOS would disagree with the offsets; prepare again without --match-special-tokens"
+        )
 
 
 def _check(args) -> ShardReport:
@@ -145,7 +170,8 @@ def validate_directory(directory: Path, tokenizer=None, workers: int = 1, prefix
     listed = manifest.shards if manifest else on_disk
     for name in sorted(set(on_disk) - set(listed)):
         report.errors.append(f"{prefix}{name}: on disk but not in {shards.MANIFEST}")
-    tasks = [(directory, name, prefix) for name in listed]
+    inner_eos_allowed = bool(manifest and manifest.extra.get("arguments", {}).get("match_special_tokens"))
+    tasks = [(directory, name, prefix, inner_eos_allowed) for name in listed]
     if workers > 1 and len(tasks) > 1:
         with mp.get_context("fork").Pool(min(workers, len(tasks))) as pool:
             report.shards = pool.map(_check, tasks)
@@ -197,7 +223,8 @@ def format_report(report: Report) -> str:
     lines = []
     for s in report.shards:
         if s.ok:
-            lines.append(f"{s.name}: OK ({s.num_tokens:,} tokens, vocab_max={s.vocab_max})")
+            inner = f", {s.docs_with_inner_eos:,} documents with EOS inside (--match-special-tokens)" if s.docs_with_inner_eos else ""
+            lines.append(f"{s.name}: OK ({s.num_tokens:,} tokens, vocab_max={s.vocab_max}{inner})")
         else:
             lines.append(f"{s.name}: FAIL: {'; '.join(s.errors)}")
     lines += [f"error: {e}" for e in report.errors]

@@ -51,6 +51,9 @@ def test_round_trip(tmp_path, tokenizer, code):
     for p in sorted(ours.glob("shard-*.bin")) + sorted(ours.glob("shard-*.offsets.npy")):
         assert (back / p.name).read_bytes() == p.read_bytes(), p.name
     assert validate_directory(back, tok).ok
+    # One manifest writer: the imported directory records what docs/data.md lists, as prepare_data's does.
+    imported, prepared = shards.Manifest.load(back), shards.Manifest.load(ours)
+    assert (imported.extra["split"], imported.extra["pad_id"]) == ("train", tok.pad_id) == (prepared.extra["split"], prepared.extra["pad_id"])
 
 
 def test_import_sentence_split_int16_and_append_eos(tmp_path):

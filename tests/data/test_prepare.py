@@ -1,4 +1,5 @@
 import gzip
+import re
 import shutil
 import json
 import subprocess
@@ -399,3 +400,75 @@ def test_a_truncated_compressed_input_stops_the_run_naming_it_and_keeps_complete
     for b in bins:
         meta = shards.ShardMeta.load(b.with_suffix(".json"))
         assert b.stat().st_size == meta.num_tokens * 2
+
+
+def write_corpus_quoting_special_tokens(raw: Path) -> list[str]:
+    """c4 documents as JSON lines, two of them quoting special tokens the way web pages do."""
+    raw.mkdir(parents=True, exist_ok=True)
+    texts = c4_texts()
+    texts[3] = texts[3][:200] + " The GPT-2 separator <|endoftext|> ends a document. " + texts[3][200:]
+    texts[7] = "padding <|pad|> and <|padding|> and <|endoftext|><|endoftext|> " + texts[7]
+    (raw / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return texts
+
+
+@pytest.mark.parametrize("tokenizer", [DOLMA2, NEOX])
+def test_special_token_text_inside_documents_is_encoded_as_text_by_default(tmp_path, tokenizer):
+    raw = tmp_path / "raw"
+    texts = write_corpus_quoting_special_tokens(raw)
+    ref = tokenizers.Tokenizer.from_file(str(tokenizer))
+    eos = ref.token_to_id("<|endoftext|>")
+    matched = [ref.encode(t, add_special_tokens=False).ids for t in texts]
+    ref.encode_special_tokens = True  # HF's own switch for "special-token text is text"
+    as_text = [ref.encode(t, add_special_tokens=False).ids for t in texts]
+    assert [i for i, (a, b) in enumerate(zip(matched, as_text)) if a != b] == [3, 7]  # other text: HF's ids either way
+    where = str((raw / "a.jsonl").resolve())
+    outputs = {}
+    for backend in ("hf", "fast"):
+        result = run([raw], tmp_path / backend, tokenizer, tokenizer_backend=backend, shard_tokens=3000, workers=2)
+        ids, lens = read_all(tmp_path / backend)
+        assert ids.tolist() == [i for d in as_text for i in d + [eos]] and lens == [len(d) + 1 for d in as_text]
+        assert int(np.count_nonzero(ids == eos)) == len(texts)  # EOS only ends documents
+        assert result.noted.counts == {"special_token_text": 2}
+        assert result.noted.examples == {"special_token_text": [f"{where}:4", f"{where}:8"]}
+        manifest = shards.Manifest.load(tmp_path / backend)
+        assert manifest.extra["noted"] == result.noted.to_dict() and manifest.extra["arguments"]["match_special_tokens"] is False
+        outputs[backend] = {k: v for k, v in dir_bytes(tmp_path / backend).items() if k != "manifest.json"}
+    assert outputs["hf"] == outputs["fast"]
+
+    result = run([raw], tmp_path / "matched", tokenizer, match_special_tokens=True, shard_tokens=3000)
+    ids, lens = read_all(tmp_path / "matched")
+    assert ids.tolist() == [i for d in matched for i in d + [eos]]
+    assert int(np.count_nonzero(ids == eos)) > len(texts) and result.noted.counts == {"special_token_text": 2}
+    # A directory started one way is not continued the other way.
+    with pytest.raises(PrepareError, match=r"other settings \(special_tokens differ\)"):
+        run([raw], tmp_path / "matched", tokenizer, shard_tokens=3000)
+
+
+def test_a_directory_started_before_the_option_resumes_with_match_special_tokens(tmp_path):
+    """Older runs matched special tokens and recorded no setting for it: with --match-special-tokens
+    their state still matches, so a half-written directory resumes."""
+    out = tmp_path / "out"
+    run([C4_DIR], out, NEOX, match_special_tokens=True, shard_tokens=3000)
+    state = json.loads((out / ".prepare.json").read_text())
+    assert "special_tokens" not in state
+    (out / "manifest.json").unlink()
+    for p in out.glob("shard-0000[3-9].*"):
+        p.unlink()
+    result = run([C4_DIR], out, NEOX, match_special_tokens=True, shard_tokens=3000)
+    assert result.resumed_from is not None
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path, capsys):
+    """A Slurm job's log gets plain lines (share done, tokens/s, ETA, which part) instead of a bar."""
+    raw = tmp_path / "raw"
+    write_corpus_with_bad_records(raw, copies=3)
+    (raw / "second.jsonl").write_bytes((raw / "mixed.jsonl").read_bytes())
+    run([raw], tmp_path / "out", NEOX, progress=None, progress_every=0, partition=(1, 2))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) > 3 and all(line.startswith("prepare part 1/2: ") for line in lines)
+    assert all(re.search(r"% of [\d.]+ GB, [\d,]+ tokens in \d+:\d\d:\d\d, [\d.]+M tokens/s, [\d.]+ MB/s of text, ETA ", line) for line in lines)
+    assert lines[-1].startswith("prepare part 1/2: 100.0% ") and lines[-1].endswith("ETA done")
+    assert re.search(r"ETA \d+:\d\d:\d\d$", lines[0])
+    run([raw], tmp_path / "quiet", NEOX, progress=False, progress_every=0)
+    assert capsys.readouterr().err == ""

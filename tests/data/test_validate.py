@@ -111,3 +111,23 @@ def test_script_exit_codes_and_json(shard_dir):
     assert bad.returncode == 1
     report = json.loads(bad.stdout)
     assert report["ok"] is False and report["shards"][0]["errors"] == ["missing .bin file"]
+
+
+def test_eos_inside_a_document_fails_unless_the_manifest_says_it_was_asked_for(tmp_path):
+    """An EOS id inside a document (literal "<|endoftext|>" matched as the special token) makes
+    readers that split at EOS see two documents where the offsets record one."""
+    from tests.data.test_prepare import write_corpus_quoting_special_tokens
+
+    raw = tmp_path / "raw"
+    write_corpus_quoting_special_tokens(raw)
+    out = tmp_path / "matched"
+    prepare(PrepareConfig(inputs=[str(raw)], output=out, tokenizer=str(NEOX), shard_tokens=3000, match_special_tokens=True, progress=False), log=lambda _: None)
+    report = validate_directory(out, load_tokenizer(NEOX))
+    assert report.ok, format_report(report)
+    assert sum(s.docs_with_inner_eos for s in report.shards) == 2
+    assert "documents with EOS inside (--match-special-tokens)" in format_report(report)
+    m = json.loads((out / "manifest.json").read_text())
+    m["arguments"]["match_special_tokens"] = False  # as if nobody had asked for it
+    (out / "manifest.json").write_text(json.dumps(m))
+    text = problems(out)
+    assert "shard-00000.bin: FAIL: 2 documents hold EOS 50279 before their end (first: document 3, token " in text

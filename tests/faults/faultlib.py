@@ -40,6 +40,7 @@ SEED = int(os.environ.get("OLMO_DS_FAULT_SEED", random.SystemRandom().randrange(
 # fault -> (trials in the sampled run, trials in the full run)
 TRIALS = {
     "prepare_sigkill": (2, 12),
+    "prepare_partition_sigkill": (1, 6),  # M = 3 parts, one of them killed
     "train_kill_chains": (1, 2),  # independent runs, each killed `train_kills_per_chain` times
     "train_kills_per_chain": (1, 11),
     "train_sigterm": (1, 2),  # one SIGTERM per chain

@@ -1,0 +1,71 @@
+"""Which library encodes during data preparation: `fastokens` only where it gives HF's exact ids.
+
+Tokenizing with HF `tokenizers` is most of preparation's cost, so an HF tokenizer.json is encoded
+with `fastokens` (10-30x faster on one core) once it has given HF's exact ids on a sample of this
+input and on `tokenizer.ADVERSARIAL_TEXTS`; otherwise HF encodes, with a warning naming the first
+difference. The sample is drawn from the whole input list, so every part of a partitioned run
+(`--partition`) decides the same way. The manifest records what ran (`select_backend`'s record).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from olmo_ds.data import readers
+from olmo_ds.data.prepare_output import PrepareError
+from olmo_ds.tokenizer import (
+    ADVERSARIAL_TEXTS,
+    FastBackendError,
+    fast_beside,
+    first_difference,
+)
+
+
+def guard_sample(files: list[Path], text_field: str, budget: int = 1 << 20) -> tuple[list[str], list[str]]:
+    """Documents (and their file:line) from the start of up to 8 input files spread over the input."""
+    picks = sorted({round(i * (len(files) - 1) / 7) for i in range(8)}) if len(files) > 8 else range(len(files))
+    texts, labels = [], []
+    for fi in picks:
+        first = next(readers.iter_blocks(files[fi], budget // len(picks)), None)
+        if first is None:
+            continue
+        first_line, block, _ = first
+        for line, text, _ in readers.load_block(block, text_field, head=256)[0]:
+            if text is not None:
+                texts.append(text)
+                labels.append(f"{files[fi]}:{first_line + line}")
+    return texts, labels
+
+
+def select_backend(requested: str, files: list[Path], text_field: str, reference, log: Callable[[str], None]) -> tuple[object, dict]:
+    """The encoder to use and what the manifest records about it.
+
+    `fast` is used only when it gives HF's ids on a sample of this input and `ADVERSARIAL_TEXTS`;
+    otherwise `auto` falls back to HF with a warning naming the first difference and `fast` stops.
+    """
+    if reference.kind == "sentencepiece":
+        return reference, {"name": "sentencepiece", "version": version("sentencepiece"), "requested": requested}
+    hf = {"name": "tokenizers", "version": version("tokenizers"), "requested": requested}
+    if requested == "hf":
+        return reference, hf
+    try:
+        fast = fast_beside(reference)
+        sample, labels = guard_sample(files, text_field)
+        texts = ADVERSARIAL_TEXTS + sample
+        labels = [f"adversarial text {i} {t[:24]!r}" for i, t in enumerate(ADVERSARIAL_TEXTS)] + labels
+        difference = first_difference(fast, reference, texts, labels)
+    except (FastBackendError, ImportError) as e:
+        difference = str(e)
+    if difference is None:
+        return fast, {"name": "fastokens", "version": version("fastokens"), "requested": requested, "checked_against_hf": len(texts)}
+    if requested == "fast":
+        raise PrepareError(f"--tokenizer-backend fast: fastokens does not match HF tokenizers: {difference}; use --tokenizer-backend hf (or auto)")
+    log(f"warning: fastokens does not match HF tokenizers ({difference}); falling back to HF tokenizers (exact, slower)")
+    return reference, {**hf, "fallback_reason": difference}
+
+
+def version(package: str) -> str:
+    from importlib.metadata import version as installed
+
+    return installed(package)

@@ -1,0 +1,161 @@
+"""OLMo's released token files as training sources in place: a manifest over the existing files.
+
+OLMo and Dolma ship pre-tokenized mixes as `.npy` files that are raw little-endian memmaps (uint32
+for the dolma2 tokenizer, uint16 for GPT-NeoX's; no `.npy` header despite the name), documents
+concatenated, each ending in EOS; Dolma may put a `.csv.gz` beside each (`start,end[,...]` token
+offsets per document, the name OLMo-core derives by replacing `.npy`). `register_token_files` scans
+every file once, in parallel, and writes a source directory that the loader reads like any shard
+directory, so it mixes with prepared sources: per file an entry `shard-NNNNN.json` (`ShardMeta`,
+its `bin` the token file's absolute path) and `shard-NNNNN.offsets.npy` (the document boundaries,
+from the `.csv.gz` where there is one, else after each EOS), then `manifest.json`. No token is
+copied. The fingerprint follows the shard rule (`partition.py`): entry names, token counts, sha256s
+and the tokenizer, so moving the files elsewhere keeps it, and changing a byte changes it.
+
+The scan refuses, naming the file (and the offset where there is one): a size that is not a
+multiple of the dtype, a dtype that the ids show to be wrong, an id outside the tokenizer's
+vocabulary, a last token that is not EOS, and an index that does not tile the file.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import io
+import multiprocessing as mp
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+import olmo_ds
+from olmo_ds.atomic import atomic_write_bytes, atomic_write_json
+from olmo_ds.data import shards
+
+BLOCK_TOKENS = 1 << 24
+NPY_MAGIC = b"\x93NUMPY"
+
+
+class TokenFileError(ValueError):
+    """A token file (or its index) that cannot be a source as it is; the message names it."""
+
+
+def resolve_token_files(specs: list[str]) -> list[Path]:
+    """Files, directories (searched recursively) and globs of `.npy` token files → sorted list.
+    Our own shards' `*.offsets.npy` are not token files and are never picked up."""
+    files: set[Path] = set()
+    for spec in specs:
+        path = Path(spec)
+        found = sorted(path.rglob("*.npy")) if path.is_dir() else [path] if path.is_file() else [Path(p) for p in glob.glob(spec, recursive=True)]
+        found = [f for f in found if f.is_file() and not f.name.endswith(".offsets.npy")]
+        if not found:
+            raise FileNotFoundError(f"{spec}: names no .npy token files")
+        files.update(f.resolve() for f in found)
+    return sorted(files, key=str)
+
+
+def index_path(path: Path) -> Path:
+    """Where Dolma writes a token file's document index, and OLMo-core looks for it."""
+    return path.with_name(path.name.replace(".npy", ".csv.gz"))
+
+
+def scan(path: Path, dtype: str, vocab_size: int, eos_id: int) -> dict:
+    """One file's checks (see the module docstring); returns its metadata fields and offsets."""
+    dt = np.dtype(dtype).newbyteorder("<")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if f.read(len(NPY_MAGIC)) == NPY_MAGIC:
+            raise TokenFileError(f"{path}: has a NumPy header, so it is not one of OLMo's raw token files (those are headerless memmaps)")
+    if size == 0 or size % dt.itemsize:
+        raise TokenFileError(f"{path}: size {size:,} bytes is not a positive multiple of {dt.name}'s {dt.itemsize} bytes (wrong --dtype, or a truncated file)")
+    digest = hashlib.sha256()
+    ends, max_id, odd_nonzero, base = [], -1, False, 0
+    with open(path, "rb") as f:
+        while block := f.read(BLOCK_TOKENS * dt.itemsize):
+            ids = np.frombuffer(block, dtype=dt)
+            digest.update(block)
+            bad = np.flatnonzero(ids >= vocab_size)
+            if len(bad):
+                k = base + int(bad[0])
+                raise TokenFileError(f"{path}: token {int(ids[bad[0]])} at offset {k:,} (byte {k * dt.itemsize:,}) is not below the tokenizer's vocabulary size {vocab_size:,} (another tokenizer, or not {dt.name} ids)")
+            max_id = max(max_id, int(ids.max()))
+            odd_nonzero = odd_nonzero or bool(np.any(ids[1::2]))  # blocks hold an even number of ids: odd stays odd
+            ends.append(np.flatnonzero(ids == eos_id) + base + 1)
+            base += len(ids)
+    if dt.itemsize == 2 and base >= 64 and not odd_nonzero:
+        raise TokenFileError(f"{path}: every second uint16 id is 0, the pattern of uint32 ids read as uint16; pass --dtype uint32")
+    if not len(ends[-1]) or ends[-1][-1] != base:
+        with open(path, "rb") as f:
+            f.seek(size - dt.itemsize)
+            last = int(np.frombuffer(f.read(dt.itemsize), dtype=dt)[0])
+        raise TokenFileError(f"{path}: the last token is {last}, not EOS {eos_id}: the file is truncated or was made with another tokenizer")
+    eos_ends = np.concatenate(ends)
+    index = index_path(path)
+    offsets = np.concatenate([[0], eos_ends]).astype(np.int64)
+    if index.is_file():
+        offsets = _read_index(index, base)
+    return {"num_tokens": base, "max_token_id": max_id, "checksum": "sha256:" + digest.hexdigest(), "offsets": offsets,
+            "index": index.name if index.is_file() else None, "inner_eos": int(len(eos_ends) - (len(offsets) - 1))}
+
+
+def _read_index(index: Path, num_tokens: int) -> np.ndarray:
+    """A Dolma `.csv.gz` index (`start,end[,...]` per document) as offsets; it must tile the file."""
+    offsets = [0]
+    with gzip.open(index, "rt") as f:
+        for line_no, line in enumerate(f, 1):
+            try:
+                start, end = (int(x) for x in line.split(",")[:2])
+            except ValueError:
+                raise TokenFileError(f"{index}:{line_no}: expected start,end token offsets, got {line.strip()[:80]!r}") from None
+            if start != offsets[-1] or end <= start:
+                raise TokenFileError(f"{index}:{line_no}: document {start}..{end} does not follow the previous one (ending at {offsets[-1]}); the index must cover the file in order")
+            offsets.append(end)
+    if offsets[-1] != num_tokens:
+        raise TokenFileError(f"{index}: documents end at token {offsets[-1]:,}, the file holds {num_tokens:,}")
+    return np.asarray(offsets, dtype=np.int64)
+
+
+def _scan_one(args) -> dict | str:
+    try:
+        return scan(*args)
+    except (TokenFileError, OSError) as e:
+        return str(e)
+
+
+def register_token_files(inputs: list[str], output: Path, tokenizer, dtype: str | None = None, workers: int = 1) -> shards.Manifest:
+    """Scan the token files (in parallel) and write the source directory OUTPUT over them."""
+    files = resolve_token_files(inputs)
+    dtype = dtype or shards.dtype_for_vocab(tokenizer.vocab_size).name
+    if dtype not in ("uint16", "uint32"):
+        raise TokenFileError(f"--dtype {dtype}: OLMo's token files are uint16 or uint32")
+    if dtype == "uint16" and tokenizer.vocab_size > 65536:
+        raise TokenFileError(f"--dtype uint16 cannot hold {tokenizer.path}'s {tokenizer.vocab_size:,} ids; its token files are uint32")
+    out = Path(output)
+    if out.exists() and any(out.iterdir()):
+        raise TokenFileError(f"--output {out}: not empty; register into a new directory (the token files themselves are never written)")
+    tasks = [(f, dtype, tokenizer.vocab_size, tokenizer.eos_id) for f in files]
+    if workers > 1 and len(tasks) > 1:
+        with mp.get_context("fork").Pool(min(workers, len(tasks))) as pool:
+            results = pool.map(_scan_one, tasks)
+    else:
+        results = [_scan_one(t) for t in tasks]
+    errors = [r for r in results if isinstance(r, str)]
+    if errors:
+        raise TokenFileError(f"{len(errors)} of {len(files)} token files refused:\n  " + "\n  ".join(errors))
+    out.mkdir(parents=True, exist_ok=True)
+    metas = []
+    for i, (f, r) in enumerate(zip(files, results)):
+        buf = io.BytesIO()
+        np.save(buf, r["offsets"])
+        atomic_write_bytes(shards.offsets_path(out, i), buf.getvalue())
+        num_docs = len(r["offsets"]) - 1
+        meta = shards.ShardMeta(num_tokens=r["num_tokens"], num_docs=num_docs, avg_doc_len=r["num_tokens"] / num_docs, dtype=dtype,
+                                vocab_size=tokenizer.vocab_size, max_token_id=r["max_token_id"], eos_id=tokenizer.eos_id,
+                                checksum=r["checksum"], bin=str(f), offsets=shards.offsets_path(out, i).name)
+        atomic_write_json(shards.meta_path(out, i), {"in_place": {"index": r["index"], "docs_with_inner_eos": r["inner_eos"]}, **asdict(meta)})
+        metas.append(meta)
+    root = os.path.commonpath([str(f) for f in files]) if len(files) > 1 else str(files[0].parent)
+    extra = {"tool": {"name": "olmo-ds register_token_files", "version": olmo_ds.__version__},
+             "source": {"format": "olmo-npy", "in_place": True, "root": root, "files": len(files), "dtype": dtype, "tokenizer": str(tokenizer.path)}}
+    return shards.write_manifest(out, tokenizer, "train", extra, metas=metas, names=[shards.bin_path(out, i).name for i in range(len(metas))])
