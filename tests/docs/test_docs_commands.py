@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from testdata import SHARED
 
 from testdata import DOLMA2_HUB_ID, SHARED, fill_hf_cache
 

@@ -16,7 +16,7 @@ from olmo_ds.eval.perplexity import evaluate_perplexity, load_source, token_byte
 from olmo_ds.eval.tasks import load_task
 from olmo_ds.model import OLMo
 
-from eval_testlib import ARC_EASY, C4, NEOX, tiny_config, write_shards
+from eval_testlib import ARC_EASY, C4, tiny_config, write_shards
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "train"))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from train_testlib import ROOT, run, tiny_config, torchrun_cmd, write_config, write_markov_shards
+from train_testlib import run, tiny_config, torchrun_cmd, write_config, write_markov_shards
 
 WORKER = Path(__file__).with_name("compile_worker.py")
 STEPS = 4

@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from olmo_ds.train.hostfile import hostfile_text, write_hostfile
 from olmo_ds.train.launch import detect_environment

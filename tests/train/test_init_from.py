@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from olmo_ds.data.loader import DataLoader
 from olmo_ds.train.config import ConfigError, config_from_dict
 from olmo_ds.train.trainer import Trainer
 
-from train_testlib import ROOT, launch_env, run, tiny_config, torchrun_cmd, write_config, write_markov_shards
+from train_testlib import ROOT, run, tiny_config, torchrun_cmd, write_config, write_markov_shards
 
 transformers = pytest.importorskip("transformers")
 PRETRAIN = ROOT / "scripts" / "pretrain.py"

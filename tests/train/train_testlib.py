@@ -22,7 +22,7 @@ from olmo_ds.tools import check_resume
 from olmo_ds.tools.check_resume import kill_all, losses_by_step, read_metrics  # noqa: F401 (the tests' helpers are the check's)
 from olmo_ds.train.hostfile import hostfile_text, write_hostfile
 from olmo_ds.train.launch import free_port  # noqa: F401 (tests take the port helper from here)
-from testdata import SHARED
+from testdata import SHARED  # noqa: F401 (the trainer tests take the test-data root from here)
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 256
