@@ -100,6 +100,7 @@ from pathlib import Path
 import orjson
 from olmo_ds.tokenizer import load_tokenizer
 tok = load_tokenizer(sys.argv[1], backend=sys.argv[3])  # the fast backend pins itself to one thread
+tok.split_special_tokens = True  # special-token strings in a document are text, as prepare_data.py encodes them by default
 texts = []
 for f in sorted(Path(sys.argv[2]).glob("part-*.jsonl")):
     with open(f, "rb") as fh:
@@ -197,6 +198,7 @@ def measure_stages(tokenizer: Path, corpus: Path, output: Path) -> dict:
     from olmo_ds.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer, backend="fast")
+    tok.split_special_tokens = True  # as prepare_data.py encodes document text by default
     dtype = shards.dtype_for_vocab(tok.vocab_size)
     shutil.rmtree(output, ignore_errors=True)
     output.mkdir(parents=True)
