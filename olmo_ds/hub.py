@@ -77,34 +77,34 @@ def resolve_snapshot(spec: str | Path, allow_patterns: list[str], *, what: str =
         raise HubError(f"{_prefix(what)}{spec} does not exist (and is not a Hugging Face hub id such as allenai/OLMo-2-0425-1B)")
     repo_id, revision = hub
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
 
-    try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns, local_files_only=True))
-    except LocalEntryNotFoundError:
-        pass
-    if offline():
-        raise HubError(_not_cached(what, str(spec), repo_id, revision, None)) from None
-    try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns))
-    except Exception as e:  # no network, no such repo, gated: the library's message says which
-        raise HubError(_not_cached(what, str(spec), repo_id, revision, None, reason=f"{type(e).__name__}: {e}")) from None
+    return Path(_cache_first(lambda local: snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns,
+                                                             local_files_only=local),
+                             what=what, spec=str(spec), repo_id=repo_id, revision=revision, files=None))
 
 
 def _download(repo_id: str, revision: str | None, filename: str, *, what: str, spec: str) -> str:
     from huggingface_hub import hf_hub_download
+
+    return _cache_first(lambda local: hf_hub_download(repo_id, filename, revision=revision, local_files_only=local),
+                        what=what, spec=spec, repo_id=repo_id, revision=revision, files=[filename])
+
+
+def _cache_first(fetch, *, what: str, spec: str, repo_id: str, revision: str | None, files: list[str] | None) -> str:
+    """`fetch(local_files_only)`: from the cache first (no network round-trip when it is there), then from
+    the hub unless HF_HUB_OFFLINE is set; otherwise one HubError naming the command that fetches it."""
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    try:  # the cache first: no network round-trip when the file is there
-        return hf_hub_download(repo_id, filename, revision=revision, local_files_only=True)
+    try:
+        return fetch(True)
     except LocalEntryNotFoundError:
         pass
     if offline():
-        raise HubError(_not_cached(what, spec, repo_id, revision, [filename])) from None
+        raise HubError(_not_cached(what, spec, repo_id, revision, files)) from None
     try:
-        return hf_hub_download(repo_id, filename, revision=revision)
+        return fetch(False)
     except Exception as e:  # no network, no such repo or file, gated: the library's message says which
-        raise HubError(_not_cached(what, spec, repo_id, revision, [filename], reason=f"{type(e).__name__}: {e}")) from None
+        raise HubError(_not_cached(what, spec, repo_id, revision, files, reason=f"{type(e).__name__}: {e}")) from None
 
 
 def _not_cached(what: str, spec: str, repo_id: str, revision: str | None, files: list[str] | None, reason: str | None = None) -> str:
