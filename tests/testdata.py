@@ -10,11 +10,27 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("OLMO_DS_SHARED") or ROOT.parent / "shared").resolve()
 DOLMA2_HUB_ID = "allenai/dolma2-tokenizer"
+
+
+def pythonpath(*first: Path | str, drop: tuple[Path, ...] = ()) -> str:
+    """PYTHONPATH for a child process: `first`, then the entries this process was given, minus `drop`.
+    Hosts whose packages come through PYTHONPATH (HPC module systems, `pip install --target`) keep them."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    dropped = {Path(d).resolve() for d in drop}
+    kept = [p for p in inherited if Path(p).resolve() not in dropped]
+    return os.pathsep.join(dict.fromkeys([*map(str, first), *kept]))
+
+
+def deepspeed_launcher() -> str:
+    """The `deepspeed` command of this interpreter's environment: beside python in a venv, else on PATH."""
+    beside = Path(sys.executable).with_name("deepspeed")
+    return str(beside) if beside.exists() else shutil.which("deepspeed") or str(beside)
 
 
 def fill_hf_cache(cache: Path, repo_id: str, files: dict[str, Path], commit: str = "0" * 40, ref: str | None = "main") -> Path:

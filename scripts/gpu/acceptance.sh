@@ -15,7 +15,7 @@ repo=$HF_HUB_CACHE/models--allenai--dolma2-tokenizer
 commit=0000000000000000000000000000000000000000  # refs/main holds a commit hash, the snapshot's directory name
 mkdir -p "$repo/snapshots/$commit" "$repo/refs"
 cp "$OLMO_DS_SHARED/tokenizers/dolma2-tokenizer.json" "$repo/snapshots/$commit/tokenizer.json"
-echo "$commit" > "$repo/refs/main"
+printf %s "$commit" > "$repo/refs/main"  # no newline, as hf download writes it
 
 t() {  # t NAME CMD...: run, log to $OUT/NAME.log, record exit code and seconds
   local name=$1 start rc
@@ -50,8 +50,8 @@ chain)
   grep -h "initialised from\|step [0-9]*/[0-9]* |" "$OUT"/stage*.log > "$OUT/chain-transcript.txt"
   ;;
 tiers)
-  t cpu-tier make test OFFLINE=1 PYTEST_ARGS="-n 16 --dist loadfile"
   t gpu-tier make test-gpu OFFLINE=1
+  t cpu-tier make test OFFLINE=1 PYTEST_ARGS="-n 16 --dist loadfile"
   grep -h "passed\|failed\|olmo-ds test device" "$OUT"/cpu-tier.log "$OUT"/gpu-tier.log | tail -n 6
   ;;
 *)

@@ -13,6 +13,7 @@ from olmo_ds.data import shards
 from olmo_ds.data.dataset import TokenSource
 from olmo_ds.data.partition import MergeError, bounds, merge_parts
 from olmo_ds.data.prepare import PrepareConfig, PrepareError, prepare
+from testdata import pythonpath
 from tests.data.test_prepare import NEOX, c4_texts, dir_bytes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,7 +162,7 @@ def fake_srun(bin_dir: Path, record: Path, run: bool) -> None:
 def array_task(parts_dir: Path, task_id: int, count: int, args: list[str], bin_dir: Path, submit_dir: Path = REPO) -> subprocess.CompletedProcess:
     """scripts/slurm/prepare_array.sbatch as Slurm runs array task `task_id` of `count` (indices from 3)."""
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_ARRAY_TASK_ID=str(3 + task_id), SLURM_ARRAY_TASK_MIN="3",
-               SLURM_ARRAY_TASK_COUNT=str(count), SLURM_CPUS_PER_TASK="2", SLURM_SUBMIT_DIR=str(submit_dir), PYTHONPATH=str(REPO))
+               SLURM_ARRAY_TASK_COUNT=str(count), SLURM_CPUS_PER_TASK="2", SLURM_SUBMIT_DIR=str(submit_dir), PYTHONPATH=pythonpath(REPO))
     return subprocess.run(["bash", str(REPO / "scripts" / "slurm" / "prepare_array.sbatch"), str(parts_dir), *args], env=env, capture_output=True, text=True)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from testdata import DOLMA2_HUB_ID, SHARED, fill_hf_cache
+from testdata import DOLMA2_HUB_ID, ROOT, SHARED, fill_hf_cache, pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"^\s*#\s*(gpu-only|multi-node|not-run\b)", re.M)
@@ -140,7 +140,7 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
     env.update(
         PATH=f"{repo / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}",
         VIRTUAL_ENV=str(repo / ".venv"),
-        PYTHONPATH=str(repo),
+        PYTHONPATH=pythonpath(repo, drop=(ROOT,)),
         PYTHONUNBUFFERED="1",
         HF_HUB_CACHE=str(cache),
         HF_HUB_OFFLINE="1",

@@ -156,22 +156,24 @@ def test_trailing_context_whitespace_moves_to_the_continuation(model, neox, tmp_
 def test_acc_per_char_divides_by_the_characters_scored(model, neox, tmp_path):
     """docs/evaluation.md's rule: the characters of the continuation as scored, the space moved from the
     context included ("Answer: " + "Paris" divides by 6), not those of the choice as written (lm-eval's
-    acc_norm under its default target_delimiter " "). Checked on the questions where the two disagree."""
-    def write(path, questions):
-        path.write_text("".join(json.dumps({"context": q.choices[0][0] + " ", "choices": [k.lstrip() for _, k in q.choices], "gold": q.gold}) + "\n"
-                                for q in questions))
+    acc_norm under its default target_delimiter " "). Checked on the questions where the two disagree, each
+    given as gold the choice the rule picks: every one counts under the rule, none under the other divisor."""
+    def write(path, questions, golds):
+        path.write_text("".join(json.dumps({"context": q.choices[0][0] + " ", "choices": [k.lstrip() for _, k in q.choices], "gold": int(g)}) + "\n"
+                                for q, g in zip(questions, golds)))
         return load_task(path)
 
     arc = load_task(ARC_EASY).questions[:120]
-    task = write(tmp_path / "all.jsonl", arc)
+    task = write(tmp_path / "all.jsonl", arc, [q.gold for q in arc])
     lp = score_requests(model, prepare_tasks(neox, [task]).requests, max_len=128).logprob
-    picked = []
+    picked, golds = [], []
     for original, q in zip(arc, task.questions):
         scores, lp = lp[: len(q.choices)], lp[len(q.choices) :]
         as_scored = np.argmax(scores / [len(" " + k) for _, k in q.choices])
         as_written = np.argmax(scores / [len(k) for _, k in q.choices])
-        if as_scored == q.gold != as_written:
+        if as_scored != as_written:
             picked.append(original)
+            golds.append(as_scored)
     assert picked, "no question where the two divisors disagree; take more questions"
-    result = evaluate_tasks(model, neox, [write(tmp_path / "picked.jsonl", picked)], 0, 1, max_len=128).tasks["picked"]
+    result = evaluate_tasks(model, neox, [write(tmp_path / "picked.jsonl", picked, golds)], 0, 1, max_len=128).tasks["picked"]
     assert result["acc_per_char"] == 1.0

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from olmo_ds.train.launch import free_port
-from testdata import SHARED
+from testdata import SHARED, pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 NEOX = SHARED / "tokenizers" / "gpt-neox-olmo-dolma-v1_5.json"
@@ -127,7 +127,7 @@ def write_c4_corpus(raw: Path, copies: int) -> Path:
 
 def base_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = pythonpath(ROOT)
     env["OMP_NUM_THREADS"] = "1"
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)

@@ -19,12 +19,14 @@ import pytest
 import yaml
 
 from olmo_ds.tools.bench_data import generate_shards
+from testdata import pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(cmd: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = pythonpath(drop=(ROOT,))  # the installed copy, not the checkout; other entries kept
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"

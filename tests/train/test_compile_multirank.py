@@ -48,4 +48,6 @@ def test_zero3_compiled_leaf_blocks_train_like_eager_blocks(tmp_path):
     # A no-grad forward (evaluation) runs the leaf blocks eagerly on the trained weights: the eager run's logits.
     assert eager["block_calls"]["eager"] + 2 == eager["block_calls_after_eval"]["eager"]
     assert compiled["block_calls_after_eval"] == {**compiled["block_calls"], "eager": 2}
-    assert compiled["eval_logits"] == pytest.approx(eager["eval_logits"], rel=1e-4, abs=1e-5)
+    # The two runs' weights differ in the last bits (inductor's reduction order follows the CPU's vector width):
+    # up to 1e-4 apart after training on the H200 host's CPU, 1e-5 on the development machines.
+    assert compiled["eval_logits"] == pytest.approx(eager["eval_logits"], rel=1e-4, abs=5e-4)

@@ -158,7 +158,8 @@ def test_checkpoint_chain_weights_only_optimizer_too_and_resume_wins(tmp_path, d
     assert state["data"]["step"] == 2 and state["step"] == 2  # a fresh data position and schedule
     first = json.loads((tmp_path / "one" / "run" / "metrics.jsonl").read_text().splitlines()[0])["train/loss"]
     started = json.loads((tmp_path / "two" / "run" / "metrics.jsonl").read_text().splitlines()[0])["train/loss"]
-    assert started < first - 0.05, (first, started)  # it starts from trained weights, not from scratch
+    # Same seed and data position: from scratch, `started` would be `first` to the last bit; trained weights score lower.
+    assert started < first - 1e-3, (first, started)
 
     resumed = py("--config", str(config_two), "--set", "max_steps=3", "--resume", "auto", "--init-from", str(tmp_path / "missing"))
     assert resumed.returncode == 0 and "init_from" in resumed.stdout and "is not used" in resumed.stdout, resumed.stdout[-3000:]

@@ -10,6 +10,7 @@ import sys
 
 import yaml
 
+from testdata import pythonpath
 from train_testlib import ROOT, launch_env
 
 SHRINK = ["max_steps=1", "precision=fp32", "batch.global_batch_size=2", "batch.micro_batch_size=2", "batch.seq_len=64",
@@ -23,7 +24,7 @@ def test_shipped_configs_name_no_local_test_data():
 
 
 def test_olmo2_1b_config_first_step_from_a_clean_directory(tmp_path, hf_cache):
-    env = {**launch_env(), "PYTHONPATH": str(ROOT)}
+    env = {**launch_env(), "PYTHONPATH": pythonpath(ROOT)}
     corpus = tmp_path / "corpus"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_sample_corpus.py"), "--output", str(corpus), "--max-bytes", "300000"],
                    env=env, check=True, capture_output=True)

@@ -14,7 +14,7 @@ import pytest
 from olmo_ds.tokenizer import load_tokenizer
 from olmo_ds.train.config import load_config
 
-from testdata import SHARED
+from testdata import SHARED, pythonpath
 from train_testlib import ROOT, launch_env, write_markov_shards
 
 SCALE = 128  # 8192 -> 64, 65536 -> 512, window 4096 -> 32
@@ -45,7 +45,7 @@ def data_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def test_three_stage_chain(tmp_path, data_dirs, hf_cache):
-    env = {**launch_env(), "PYTHONPATH": str(ROOT)}
+    env = {**launch_env(), "PYTHONPATH": pythonpath(ROOT)}
     states = []
     for stage in (1, 2, 3):
         cmd = [sys.executable, "-m", "olmo_ds.cli.pretrain", "--config", str(ROOT / "configs" / f"olmo3-style-1b-stage{stage}.yaml")]

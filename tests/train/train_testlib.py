@@ -22,7 +22,7 @@ from olmo_ds.tools import check_resume
 from olmo_ds.tools.check_resume import kill_all, losses_by_step, read_metrics  # noqa: F401 (the tests' helpers are the check's)
 from olmo_ds.train.hostfile import hostfile_text, write_hostfile
 from olmo_ds.train.launch import free_port  # noqa: F401 (tests take the port helper from here)
-from testdata import SHARED  # noqa: F401 (the trainer tests take the test-data root from here)
+from testdata import SHARED, deepspeed_launcher  # noqa: F401 (the trainer tests take the test-data root from here)
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 256
@@ -115,7 +115,7 @@ def run(cmd: list[str], timeout: float = 900, **kw) -> subprocess.CompletedProce
 def deepspeed_cmd(script: Path, *args: str) -> list[str]:
     """The documented launch on one machine: the hostfile `make hostfile` writes on a CPU-only machine
     (localhost slots=2, in a directory of its own), no ssh."""
-    launcher = Path(sys.executable).with_name("deepspeed")
+    launcher = deepspeed_launcher()
     hostfile = Path(tempfile.mkdtemp(prefix="olmo_ds_test_")) / "hostfile"
     write_hostfile(hostfile, hostfile_text(env={}, gpus=0))
     return [str(launcher), "--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", "127.0.0.1",
