@@ -2,7 +2,8 @@
 # What has run on one GPU host, as one script per machine call (docs/training.md, "What has run on GPUs").
 #   bash scripts/gpu/acceptance.sh launch   # make hostfile, data from generated text, configs/olmo2-1b.yaml for 50 steps
 #   bash scripts/gpu/acceptance.sh chain    # the OLMo-3-style 1B stage chain, a few steps per stage
-#   bash scripts/gpu/acceptance.sh tiers    # the CPU tier and the GPU tier of the test suite, with wall times
+#   bash scripts/gpu/acceptance.sh tiers    # the GPU tier and the CPU tier of the test suite, with wall times
+#                                           # (gpu-tier or cpu-tier: one of them)
 # Needs deepspeed importable and `python` on PATH; the test data at $OLMO_DS_SHARED (default ./shared).
 # The host has no network, so the Dolma 2 tokenizer goes into the HF cache as `hf download` would put it.
 # Logs go to $OUT (default out/gpu); the last lines printed are a table of step, exit code and seconds.
@@ -49,13 +50,13 @@ chain)
   t stage3 launch --config configs/olmo3-style-1b-stage3.yaml --set max_steps=2 --set batch.global_batch_size=1 "${short[@]}"
   grep -h "initialised from\|step [0-9]*/[0-9]* |" "$OUT"/stage*.log > "$OUT/chain-transcript.txt"
   ;;
-tiers)
-  t gpu-tier make test-gpu OFFLINE=1
-  t cpu-tier make test OFFLINE=1 PYTEST_ARGS="-n 16 --dist loadfile"
-  grep -h "passed\|failed\|olmo-ds test device" "$OUT"/cpu-tier.log "$OUT"/gpu-tier.log | tail -n 6
+tiers|gpu-tier|cpu-tier)
+  [ "$1" = cpu-tier ] || t gpu-tier make test-gpu OFFLINE=1
+  [ "$1" = gpu-tier ] || t cpu-tier make test OFFLINE=1 PYTEST_ARGS="-n 16 --dist loadfile"
+  grep -h "passed\|failed\|olmo-ds test device" "$OUT"/*-tier.log | tail -n 6
   ;;
 *)
-  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers" >&2; exit 2;;
+  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers|gpu-tier|cpu-tier" >&2; exit 2;;
 esac
 echo "--- step, exit code, seconds"
 cat "$OUT/table"
