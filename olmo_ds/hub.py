@@ -25,11 +25,13 @@ _FILE_SUFFIXES = (".json", ".model", ".safetensors", ".yaml", ".yml", ".gz", ".j
 class HubError(FileNotFoundError):
     """Neither a local path nor a cached (or downloadable) hub file; the message says how to fetch it.
 
-    `commands` holds the fetch commands alone, for a caller that reports several missing repos at once."""
+    `commands` (the fetch commands) and `why` (why it was not downloaded) stand alone too, for a caller that
+    reports several missing repos at once."""
 
-    def __init__(self, message: str, commands: list[str] | None = None):
+    def __init__(self, message: str, commands: list[str] | None = None, why: str = ""):
         super().__init__(message)
         self.commands = commands or []
+        self.why = why
 
 
 def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
@@ -143,20 +145,19 @@ def _cache_first(fetch, *, what: str, spec: str, files: list[str] | None, comman
     except LocalEntryNotFoundError:
         pass
     if offline(repo_type):
-        raise HubError(_not_cached(what, spec, files, commands, repo_type), commands) from None
+        why = f"{'HF_HUB_OFFLINE or HF_DATASETS_OFFLINE' if repo_type == 'dataset' else 'HF_HUB_OFFLINE'} is set"
+        raise HubError(_not_cached(what, spec, files, commands, repo_type, why), commands, why) from None
     try:
         return fetch(False)
     except Exception as e:  # no network, no such repo or file, gated: the library's message says which
-        raise HubError(_not_cached(what, spec, files, commands, repo_type, reason=f"{type(e).__name__}: {e}"), commands) from None
+        why = f"the download failed ({f'{type(e).__name__}: {e}'.splitlines()[0][:300]})"
+        raise HubError(_not_cached(what, spec, files, commands, repo_type, why), commands, why) from None
 
 
-def _not_cached(what: str, spec: str, files: list[str] | None, commands: list[str], repo_type: str, reason: str | None = None) -> str:
+def _not_cached(what: str, spec: str, files: list[str] | None, commands: list[str], repo_type: str, why: str) -> str:
     from huggingface_hub.constants import HF_HUB_CACHE
 
-    dataset = repo_type == "dataset"
-    why = f"the download failed ({reason.splitlines()[0][:300]})" if reason else \
-        f"{'HF_HUB_OFFLINE or HF_DATASETS_OFFLINE' if dataset else 'HF_HUB_OFFLINE'} is set"
-    what_it_is = f"dataset {spec}:" if dataset else f"{spec} is a Hugging Face hub id, not a local path;"
+    what_it_is = f"dataset {spec}:" if repo_type == "dataset" else f"{spec} is a Hugging Face hub id, not a local path;"
     return (f"{_prefix(what)}{what_it_is} {', '.join(files or ['its files'])} is not in the HF cache ({HF_HUB_CACHE}) "
             f"and {why}. Fetch it once where there is network, into the same cache: {' && '.join(commands)}")
 
