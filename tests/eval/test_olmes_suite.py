@@ -148,3 +148,14 @@ def test_eval_sh_runs_olmes_core_and_writes_its_table(hf_cache, neox, tmp_path):
     subjects = [results["tasks"][f"mmlu_{s}_rc_5shot"]["primary"] for s in SUBJECTS]
     assert mmlu_rc["value"] == pytest.approx(sum(subjects) / 2) and mmlu_rc["questions"] == 4
     assert results["tasks"]["csqa_rc_5shot"]["acc_uncond"] is not None and results["stats"]["tasks"]["truncated_contexts"] == 0
+
+
+def test_the_docs_state_the_suite_as_the_code_runs_it():
+    text = (REPO / "docs" / "evaluation.md").read_text()
+    assert [line for line in text.splitlines() if line.startswith("hf download ")] == olmes_suite.fetch_commands()
+    for spec in olmes.SUITE.values():
+        row = next(line for line in text.splitlines() if line.startswith(f"| {spec.name} |"))
+        cells = [c.strip() for c in row.split(" | ")]
+        assert cells[1] == f"{spec.repo}@{olmes_suite.REVISION} ({spec.config})", row
+        assert cells[2].startswith(f"{spec.split}: {f'{spec.limit:,} of' if spec.limit else 'all'} "), row
+        assert cells[4].startswith(spec.primary_rc + " "), row
