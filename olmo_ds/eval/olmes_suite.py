@@ -140,7 +140,8 @@ def _read_parquet(snapshot: Path, spec: olmes.OlmesTask, split: str) -> list[dic
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f"{SUITE_NAME} reads the datasets' parquet files with pyarrow: pip install -e '.[parquet]'") from None
+        raise ValueError(f"{SUITE_NAME} reads its datasets' parquet files with pyarrow, which is not installed: "
+                         f"pip install pyarrow (or pip install -e '.[parquet]')") from None
     files = sorted(snapshot.glob(f"{spec.config}/{split}/*.parquet"))
     rows = [row for f in files for row in pq.read_table(f).to_pylist()]
     if not rows:
