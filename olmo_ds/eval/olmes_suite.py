@@ -44,10 +44,14 @@ class Dataset:
         return self.snapshot.name  # the HF cache names a snapshot by its commit
 
 
+def splits(spec: olmes.OlmesTask) -> list[str]:
+    """The splits the suite reads: the evaluated one, and the shot split unless the shots are curated."""
+    return [spec.split] + ([] if spec.name in SHOTS else [spec.shot_split])
+
+
 def patterns(spec: olmes.OlmesTask) -> list[str]:
-    """The files of `spec`'s repo the suite reads: the evaluated split, and the shot split unless curated."""
-    splits = [spec.split] + ([] if spec.name in SHOTS else [spec.shot_split])
-    return [f"{spec.config}/{split}/*.parquet" for split in splits]
+    """The files of those splits in the repo's parquet conversion."""
+    return [f"{spec.config}/{split}/*.parquet" for split in splits(spec)]
 
 
 def fetch_commands(names: list[str] | None = None) -> list[str]:
@@ -75,7 +79,7 @@ def read_datasets(names: list[str] | None = None) -> list[Dataset]:
             f"{SUITE_NAME}: {len(missing)} of its {len(specs)} datasets ({', '.join(missing)}) are not in the HF cache "
             f"({HF_HUB_CACHE}) and {why}. Fetch them once where there is network, into the same cache:\n"
             + "\n".join(f"  {c}" for c in commands), commands, why)
-    return [Dataset(spec, {split: _read_parquet(snapshots[spec.name], spec, split) for split in _splits(spec)}, snapshots[spec.name])
+    return [Dataset(spec, {split: _read_parquet(snapshots[spec.name], spec, split) for split in splits(spec)}, snapshots[spec.name])
             for spec in specs]
 
 
@@ -130,10 +134,6 @@ def _specs(names: list[str] | None) -> list[olmes.OlmesTask]:
     if unknown:
         raise ValueError(f"{SUITE_NAME}: no task {', '.join(unknown)} (its tasks: {', '.join(olmes.SUITE)})")
     return [spec for name, spec in olmes.SUITE.items() if names is None or name in names]
-
-
-def _splits(spec: olmes.OlmesTask) -> list[str]:
-    return [p.split("/")[1] for p in patterns(spec)]
 
 
 def _read_parquet(snapshot: Path, spec: olmes.OlmesTask, split: str) -> list[dict]:

@@ -18,6 +18,7 @@ import pytest
 from eval_testlib import NEOX, export_hf, tiny_olmo
 from olmo_ds import hub
 from olmo_ds.eval import olmes, olmes_suite
+from olmo_ds.eval import results as res
 from olmo_ds.eval.olmes_shots import SHOTS
 from testdata import fill_hf_cache
 
@@ -53,7 +54,7 @@ def fill_olmes_cache(cache: Path, names=None) -> None:
     for spec in olmes.SUITE.values():
         if names is not None and spec.name not in names:
             continue
-        files = {p.replace("*", "0000"): _parquet(_rows(spec, p.split("/")[1])) for p in olmes_suite.patterns(spec)}
+        files = {f"{spec.config}/{split}/0000.parquet": _parquet(_rows(spec, split)) for split in olmes_suite.splits(spec)}
         # ai2_arc holds two tasks: its second fill adds to the same snapshot
         commit = hashlib.sha1(spec.repo.encode()).hexdigest()
         fill_hf_cache(cache, spec.repo, files, commit=commit, ref=olmes_suite.REVISION, repo_type="dataset")
@@ -120,10 +121,14 @@ def test_the_suite_table_averages_mmlu_over_its_subjects():
     scored = {"mmlu_a_rc": metrics("mmlu", "rc", "acc_per_char", 0.5, 100, "a"), "mmlu_b_rc": metrics("mmlu", "rc", "acc_per_char", 0.25, 10, "b"),
               "piqa_mc": metrics("piqa", "mc", "acc", 0.75, 20), "arc_easy_rc": metrics("arc_easy", "rc", "acc_per_char", 0.5, 30),
               "my_task": {"primary_metric": "acc", "primary": 1.0, "num_questions": 3}}
-    assert olmes_suite.suite_rows(scored) == [
+    rows = olmes_suite.suite_rows(scored)
+    assert rows == [
         {"task": "arc_easy", "formulation": "rc", "shots": 5, "metric": "acc_per_char", "value": 0.5, "questions": 30},
         {"task": "piqa", "formulation": "mc", "shots": 5, "metric": "acc", "value": 0.75, "questions": 20},
         {"task": "mmlu", "formulation": "rc", "shots": 5, "metric": "acc_per_char", "value": 0.375, "questions": 110}]
+    # in the run comparison the suite's rows stand for its members; other tasks stay
+    assert res.headline_metrics({"tasks": scored, "suites": {"olmes-core": {"rows": rows}}}) == {
+        "my_task acc": 1.0, "olmes-core arc_easy rc acc_per_char": 0.5, "olmes-core piqa mc acc": 0.75, "olmes-core mmlu rc acc_per_char": 0.375}
 
 
 def _eval_sh(args, cwd):
