@@ -54,16 +54,16 @@ def patterns(spec: olmes.OlmesTask) -> list[str]:
     return [f"{spec.config}/{split}/*.parquet" for split in splits(spec)]
 
 
-def fetch_commands(names: list[str] | None = None) -> list[str]:
+def fetch_commands() -> list[str]:
     """The commands that put the suite's datasets into the HF cache (for a login node)."""
     return [hub.fetch_command(spec.repo, revision=REVISION, repo_type="dataset", include=p)
-            for spec in _specs(names) for p in patterns(spec)]
+            for spec in olmes.SUITE.values() for p in patterns(spec)]
 
 
-def read_datasets(names: list[str] | None = None) -> list[Dataset]:
-    """Every named task's rows from the HF cache (all of OLMES's ten by default); one HubError naming
-    the fetch command of every dataset that is not there."""
-    specs = _specs(names)
+def read_datasets() -> list[Dataset]:
+    """The ten tasks' rows from the HF cache; one HubError naming the fetch command of every dataset
+    that is not there."""
+    specs = list(olmes.SUITE.values())
     snapshots, missing = {}, {}
     for spec in specs:
         try:
@@ -83,7 +83,7 @@ def read_datasets(names: list[str] | None = None) -> list[Dataset]:
             for spec in specs]
 
 
-def build_suite(datasets: list[Dataset], formulations: tuple[str, ...] = olmes.FORMULATIONS) -> list[Task]:
+def build_suite(datasets: list[Dataset]) -> list[Task]:
     """The suite's tasks: per dataset and formulation one task (MMLU: one per subject)."""
     tasks = []
     for data in datasets:
@@ -93,7 +93,7 @@ def build_suite(datasets: list[Dataset], formulations: tuple[str, ...] = olmes.F
             rows = random.Random(SUBSAMPLE_SEED).sample(rows, spec.limit)
         source = f"{spec.repo}@{data.commit}/{spec.config}/{spec.split}"
         config = {"revision": REVISION, "commit": data.commit, "suite": SUITE_NAME}
-        for formulation in formulations:
+        for formulation in olmes.FORMULATIONS:
             if spec.name == "mmlu":
                 tasks += _mmlu_tasks(spec, rows, data.splits[spec.shot_split], formulation, source, config)
                 continue
@@ -103,9 +103,9 @@ def build_suite(datasets: list[Dataset], formulations: tuple[str, ...] = olmes.F
     return tasks
 
 
-def load_suite(names: list[str] | None = None) -> list[Task]:
-    """`build_suite(read_datasets(names))`: what `--tasks olmes-core` runs."""
-    return build_suite(read_datasets(names))
+def load_suite() -> list[Task]:
+    """`build_suite(read_datasets())`: what `--tasks olmes-core` runs."""
+    return build_suite(read_datasets())
 
 
 def suite_rows(task_metrics: dict[str, dict]) -> list[dict]:
@@ -127,13 +127,6 @@ def suite_rows(task_metrics: dict[str, dict]) -> list[dict]:
                          "value": sum(m["primary"] for m in members) / len(members),
                          "questions": sum(m["num_questions"] for m in members)})
     return rows
-
-
-def _specs(names: list[str] | None) -> list[olmes.OlmesTask]:
-    unknown = sorted(set(names or []) - set(olmes.SUITE))
-    if unknown:
-        raise ValueError(f"{SUITE_NAME}: no task {', '.join(unknown)} (its tasks: {', '.join(olmes.SUITE)})")
-    return [spec for name, spec in olmes.SUITE.items() if names is None or name in names]
 
 
 def _read_parquet(snapshot: Path, spec: olmes.OlmesTask, split: str) -> list[dict]:
