@@ -1,6 +1,6 @@
 """Files named by a local path or a Hugging Face hub id, resolved through the standard HF cache.
 
-Tokenizers today, model weights and evaluation datasets next: anything a config or flag names may be a
+Tokenizers, model weights and evaluation datasets: anything a config or flag names may be a
 path (`data/tokenizer.json`, `models/olmo2-1b/`) or a hub id (`allenai/dolma2-tokenizer`, optionally
 `@revision`). A path that exists always wins. A hub id is looked up in the local cache first (the
 cache huggingface_hub and transformers share: `HF_HUB_CACHE`, `HF_HOME`), so a filled cache works on
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from pathlib import Path
 
 # org/name with an optional @revision; what huggingface_hub accepts as a repo id, minus a bare name
@@ -22,7 +23,15 @@ _FILE_SUFFIXES = (".json", ".model", ".safetensors", ".yaml", ".yml", ".gz", ".j
 
 
 class HubError(FileNotFoundError):
-    """Neither a local path nor a cached (or downloadable) hub file; the message says how to fetch it."""
+    """Neither a local path nor a cached (or downloadable) hub file; the message says how to fetch it.
+
+    `commands` (the fetch commands) and `why` (why it was not downloaded) stand alone too, for a caller that
+    reports several missing repos at once."""
+
+    def __init__(self, message: str, commands: list[str] | None = None, why: str = ""):
+        super().__init__(message)
+        self.commands = commands or []
+        self.why = why
 
 
 def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
@@ -33,16 +42,25 @@ def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
     return m.group("repo"), m.group("revision")
 
 
-def offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+def offline(repo_type: str = "model") -> bool:
+    """HF_HUB_OFFLINE is set (for datasets also HF_DATASETS_OFFLINE, the `datasets` library's own switch)."""
+    names = ["HF_HUB_OFFLINE"] + (["HF_DATASETS_OFFLINE"] if repo_type == "dataset" else [])
+    return any(os.environ.get(n, "").strip().lower() in ("1", "true", "yes", "on") for n in names)
 
 
-def fetch_command(repo_id: str, filenames: list[str] | None = None, revision: str | None = None) -> str:
-    """The command that puts these files into the HF cache (run it where there is network)."""
+def fetch_command(repo_id: str, filenames: list[str] | None = None, revision: str | None = None, *,
+                  repo_type: str = "model", include: str | None = None) -> str:
+    """The command that puts these files (or those matching the glob `include`) into the HF cache (run it
+    where there is network). One `--include` per command: `hf download` of huggingface_hub before 1.0
+    keeps only the last of several."""
     parts = ["hf", "download", repo_id, *(filenames or [])]
+    if repo_type != "model":
+        parts += ["--repo-type", repo_type]
     if revision:
         parts += ["--revision", revision]
-    return " ".join(parts)
+    if include:
+        parts += ["--include", include]
+    return shlex.join(parts)
 
 
 def resolve_file(spec: str | Path, filename: str, *, what: str = "") -> Path:
@@ -80,40 +98,68 @@ def resolve_snapshot(spec: str | Path, allow_patterns: list[str], *, what: str =
 
     return Path(_cache_first(lambda local: snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns,
                                                              local_files_only=local),
-                             what=what, spec=str(spec), repo_id=repo_id, revision=revision, files=None))
+                             what=what, spec=str(spec), files=None, commands=[fetch_command(repo_id, revision=revision)]))
+
+
+def resolve_dataset(repo_id: str, revision: str, patterns: list[str], *, what: str = "") -> Path:
+    """The cached snapshot of dataset repo `repo_id` at `revision` (a branch such as
+    `refs/convert/parquet`, or a commit) in which every glob of `patterns` matches a file; downloaded
+    when allowed and not cached (or cached without some of those files)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def snapshot(local: bool) -> tuple[str, list[str]]:
+        found = snapshot_download(repo_id, repo_type="dataset", revision=revision, allow_patterns=patterns, local_files_only=local)
+        return found, [p for p in patterns if not any(Path(found).glob(p))]
+
+    def fetch(local: bool) -> str:
+        found, missing = snapshot(local)
+        if missing:
+            raise LocalEntryNotFoundError(f"{found} holds no file matching {', '.join(missing)}")
+        return found
+
+    try:
+        found, absent = snapshot(True)
+        if not absent:
+            return Path(found)
+    except LocalEntryNotFoundError:
+        absent = list(patterns)
+    commands = [fetch_command(repo_id, revision=revision, repo_type="dataset", include=p) for p in absent]
+    return Path(_cache_first(fetch, what=what, spec=f"{repo_id}@{revision}", files=absent, commands=commands, repo_type="dataset"))
 
 
 def _download(repo_id: str, revision: str | None, filename: str, *, what: str, spec: str) -> str:
     from huggingface_hub import hf_hub_download
 
     return _cache_first(lambda local: hf_hub_download(repo_id, filename, revision=revision, local_files_only=local),
-                        what=what, spec=spec, repo_id=repo_id, revision=revision, files=[filename])
+                        what=what, spec=spec, files=[filename], commands=[fetch_command(repo_id, [filename], revision)])
 
 
-def _cache_first(fetch, *, what: str, spec: str, repo_id: str, revision: str | None, files: list[str] | None) -> str:
+def _cache_first(fetch, *, what: str, spec: str, files: list[str] | None, commands: list[str], repo_type: str = "model") -> str:
     """`fetch(local_files_only)`: from the cache first (no network round-trip when it is there), then from
-    the hub unless HF_HUB_OFFLINE is set; otherwise one HubError naming the command that fetches it."""
+    the hub unless offline; otherwise one HubError naming the commands that fetch it."""
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
         return fetch(True)
     except LocalEntryNotFoundError:
         pass
-    if offline():
-        raise HubError(_not_cached(what, spec, repo_id, revision, files)) from None
+    if offline(repo_type):
+        why = f"{'HF_HUB_OFFLINE or HF_DATASETS_OFFLINE' if repo_type == 'dataset' else 'HF_HUB_OFFLINE'} is set"
+        raise HubError(_not_cached(what, spec, files, commands, repo_type, why), commands, why) from None
     try:
         return fetch(False)
     except Exception as e:  # no network, no such repo or file, gated: the library's message says which
-        raise HubError(_not_cached(what, spec, repo_id, revision, files, reason=f"{type(e).__name__}: {e}")) from None
+        why = f"the download failed ({f'{type(e).__name__}: {e}'.splitlines()[0][:300]})"
+        raise HubError(_not_cached(what, spec, files, commands, repo_type, why), commands, why) from None
 
 
-def _not_cached(what: str, spec: str, repo_id: str, revision: str | None, files: list[str] | None, reason: str | None = None) -> str:
+def _not_cached(what: str, spec: str, files: list[str] | None, commands: list[str], repo_type: str, why: str) -> str:
     from huggingface_hub.constants import HF_HUB_CACHE
 
-    why = f"the download failed ({reason.splitlines()[0][:300]})" if reason else "HF_HUB_OFFLINE is set"
-    return (f"{_prefix(what)}{spec} is a Hugging Face hub id, not a local path; {', '.join(files or ['its files'])} "
-            f"is not in the HF cache ({HF_HUB_CACHE}) and {why}. Fetch it once where there is network, "
-            f"into the same cache: {fetch_command(repo_id, files, revision)}")
+    what_it_is = f"dataset {spec}:" if repo_type == "dataset" else f"{spec} is a Hugging Face hub id, not a local path;"
+    return (f"{_prefix(what)}{what_it_is} {', '.join(files or ['its files'])} is not in the HF cache ({HF_HUB_CACHE}) "
+            f"and {why}. Fetch it once where there is network, into the same cache: {' && '.join(commands)}")
 
 
 def _prefix(what: str) -> str:

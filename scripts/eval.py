@@ -2,6 +2,7 @@
 
     python scripts/eval.py runs/demo                                    # newest checkpoint, run's val shards
     python scripts/eval.py runs/demo/checkpoints/step-0000200 --tasks piqa_rc_0shot arc_easy_rc_0shot
+    python scripts/eval.py runs/demo --tasks olmes-core                 # OLMES's ten tasks, RC and MC, 5-shot
     python scripts/eval.py runs/demo --all-checkpoints                  # every checkpoint + comparison plot
     python scripts/eval.py runs/demo --all-checkpoints --skip-evaluated # only the new ones, then compare all
     python scripts/eval.py exported/ --data c4=data/c4-val.jsonl.gz     # a transformers directory, raw text
@@ -23,7 +24,8 @@ def parse_args(argv=None) -> EvalOptions:
     p.add_argument("--data", nargs="+", action="extend", default=[], metavar="[NAME=]PATH",
                    help="perplexity sources: shard directories (or their parent with val/) or JSON-lines files tokenized on the fly; default: the run's validation sources")
     p.add_argument("--tasks", nargs="+", action="extend", default=[], metavar="TASK",
-                   help="multiple-choice tasks: OLMES request directories, plain JSON-lines files, or task names in --task-dir")
+                   help="multiple-choice tasks: OLMES request directories, plain JSON-lines files, task names in --task-dir, "
+                        "or olmes-core (the OLMES suite from the datasets in the HF cache; docs/evaluation.md)")
     p.add_argument("--task-dir", dest="task_dirs", action="append", default=None, metavar="DIR",
                    help=f"where task names are looked up (repeatable; default: ${TASK_DIRS_ENV}, paths separated by ':')")
     p.add_argument("--out", help="where results.json goes (default: RUN/eval/step-N/, or DIR/eval/ for an exported model)")

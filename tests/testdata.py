@@ -33,15 +33,21 @@ def deepspeed_launcher() -> str:
     return str(beside) if beside.exists() else shutil.which("deepspeed") or str(beside)
 
 
-def fill_hf_cache(cache: Path, repo_id: str, files: dict[str, Path], commit: str = "0" * 40, ref: str | None = "main") -> Path:
-    """`files` (name in the repo -> local file) laid out as `hf download` leaves them in an HF cache:
-    models--ORG--NAME/snapshots/COMMIT/NAME, with refs/REF naming the commit. Returns the snapshot dir."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
+def fill_hf_cache(cache: Path, repo_id: str, files: dict[str, Path | bytes], commit: str = "0" * 40, ref: str | None = "main",
+                  repo_type: str = "model") -> Path:
+    """`files` (name in the repo, subfolders allowed -> a local file to copy, or the bytes) laid out as
+    `hf download` leaves them in an HF cache: {models,datasets}--ORG--NAME/snapshots/COMMIT/NAME, with
+    refs/REF naming the commit (REF may hold slashes: refs/convert/parquet). Returns the snapshot dir."""
+    repo = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True, exist_ok=True)
     for name, src in files.items():
-        shutil.copyfile(src, snapshot / name)
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(src, bytes):
+            (snapshot / name).write_bytes(src)
+        else:
+            shutil.copyfile(src, snapshot / name)
+    snapshot.mkdir(parents=True, exist_ok=True)
     if ref is not None:
-        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
         (repo / "refs" / ref).write_text(commit)
     return snapshot

@@ -8,13 +8,17 @@ Each task has two formulations:
 - MC (multiple-choice letters): the choices are listed as " A. text" lines in the context, and the
   continuations are the letters " A", " B", ...; scored by raw log-likelihood (`acc`).
 
-Shots: OLMES's standard is 5 curated examples from the training split (MMLU: the first 5 of its dev
-split), the same for every question, each followed by its gold answer and a blank line.
+Shots: OLMES's standard is 5 curated examples (`olmes_shots.SHOTS`; MMLU: the first 5 of the subject's
+dev split), the same for every question, each followed by its gold answer and a blank line. MMLU's
+prompts open with the subject line MMLU's authors wrote ("The following are multiple choice questions
+(with answers) about astronomy.") and it is scored per subject, 57 tasks whose primary metrics OLMES
+averages (macro).
 
 `build_task(spec, rows, formulation, shots)` turns rows (dicts in the HF layout) into a `Task` that
 `olmo_ds.eval.multiple_choice` scores like any other. The row readers (`Doc` per task) are checked
 against oe-eval's own request dumps in ../shared/eval (tests/eval/test_olmes.py): from HF-layout rows
-made of those dumps' `doc` fields, the builder reproduces their requests exactly.
+made of those dumps' `doc` fields, the builder reproduces their requests exactly. Reading the rows from
+the Hugging Face cache and running the whole suite: `olmo_ds.eval.olmes_suite`.
 """
 
 from __future__ import annotations
@@ -46,11 +50,12 @@ class Doc:
 class OlmesTask:
     name: str
     repo: str  # Hugging Face dataset repo
-    config: str | None  # its configuration (subset), if any
+    config: str  # its configuration (subset), as its parquet conversion names it
     split: str  # evaluated split
-    shot_split: str  # where the curated shots come from
+    shot_split: str  # where the shots come from: OLMES curated them from "train"; MMLU reads its "dev"
     primary_rc: str  # the RC formulation's primary metric (OLMES normalisation); MC is always "acc"
     doc: Callable[[dict], Doc]
+    limit: int | None = None  # OLMES scores a fixed random sample of this many questions of a larger split
 
 
 def _qa(question: str) -> tuple[str, str]:
@@ -122,21 +127,26 @@ def _winogrande(row: dict) -> Doc:
     return Doc(row["sentence"], [row["option1"], row["option2"]], int(row["answer"]) - 1, row["sentence"])
 
 
-# Dataset repos on the Hugging Face hub. piqa and social_i_qa ship loading scripts, which `datasets`
-# no longer runs; their parquet conversion (revision refs/convert/parquet) is what loads.
+# Dataset repos on the Hugging Face hub, read from their parquet conversion (olmes_suite.REVISION): piqa and
+# social_i_qa ship loading scripts, which `datasets` no longer runs, so the conversion is all they have, and
+# it gives every repo one layout (CONFIG/SPLIT/NNNN.parquet). Limits as oe-eval's `*::olmes` task configs.
 SUITE: dict[str, OlmesTask] = {t.name: t for t in [
     OlmesTask("arc_challenge", "allenai/ai2_arc", "ARC-Challenge", "test", "train", "acc_uncond", _arc),
-    OlmesTask("arc_easy", "allenai/ai2_arc", "ARC-Easy", "test", "train", "acc_per_char", _arc),
-    OlmesTask("boolq", "google/boolq", None, "validation", "train", "acc", _boolq),
-    OlmesTask("csqa", "tau/commonsense_qa", None, "validation", "train", "acc_uncond", _csqa),
-    OlmesTask("hellaswag", "Rowan/hellaswag", None, "validation", "train", "acc_per_char", _hellaswag),
+    OlmesTask("arc_easy", "allenai/ai2_arc", "ARC-Easy", "test", "train", "acc_per_char", _arc, limit=1000),
+    OlmesTask("boolq", "google/boolq", "default", "validation", "train", "acc", _boolq, limit=1000),
+    OlmesTask("csqa", "tau/commonsense_qa", "default", "validation", "train", "acc_uncond", _csqa),
+    OlmesTask("hellaswag", "Rowan/hellaswag", "default", "validation", "train", "acc_per_char", _hellaswag, limit=1000),
     OlmesTask("openbookqa", "allenai/openbookqa", "main", "test", "train", "acc_uncond", _obqa),
-    OlmesTask("piqa", "ybisk/piqa", None, "validation", "train", "acc_per_char", _piqa),
-    OlmesTask("socialiqa", "allenai/social_i_qa", None, "validation", "train", "acc_per_char", _siqa),
+    OlmesTask("piqa", "ybisk/piqa", "plain_text", "validation", "train", "acc_per_char", _piqa, limit=1000),
+    OlmesTask("socialiqa", "allenai/social_i_qa", "default", "validation", "train", "acc_per_char", _siqa, limit=1000),
     OlmesTask("winogrande", "allenai/winogrande", "winogrande_xl", "validation", "train", "acc", _winogrande),
     OlmesTask("mmlu", "cais/mmlu", "all", "test", "dev", "acc_per_char", _mmlu),
 ]}
-SUITE_NAME = "olmes-core"
+
+
+def mmlu_description(subject: str) -> str:
+    """The line before an MMLU subject's shots: MMLU's own, which OLMES keeps."""
+    return f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
 
 
 def _rc_pairs(spec: OlmesTask, doc: Doc) -> list[tuple[str, str]]:
@@ -164,14 +174,17 @@ def _shot_text(spec: OlmesTask, doc: Doc, formulation: str) -> str:
     return f"{context}{continuation}\n\n"
 
 
-def build_task(spec: OlmesTask, rows: list[dict], formulation: str, shots: list[dict] = (), *, source: str = "") -> Task:
-    """The OLMES task of `rows` (HF layout) in `formulation`, each context preceded by the solved `shots`.
+def build_task(spec: OlmesTask, rows: list[dict], formulation: str, shots: list[dict] = (), *, source: str = "",
+               subtask: str | None = None, description: str = "", config: dict | None = None) -> Task:
+    """The OLMES task of `rows` (HF layout) in `formulation`, each context preceded by `description`
+    and the solved `shots`.
 
-    `source` names where the rows came from, for error messages and `Task.path`.
+    `source` names where the rows came from, for error messages and `Task.path`; `subtask` (an MMLU
+    subject) goes into the task's name; `config` is added to the task's config.
     """
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation {formulation!r}: expected one of {', '.join(FORMULATIONS)}")
-    prefix = "".join(_shot_text(spec, spec.doc(row), formulation) for row in shots)
+    prefix = description + "".join(_shot_text(spec, spec.doc(row), formulation) for row in shots)
     questions = []
     for n, row in enumerate(rows):
         where = f"{source or spec.repo}:{spec.split}[{n}]"
@@ -185,5 +198,6 @@ def build_task(spec: OlmesTask, rows: list[dict], formulation: str, shots: list[
         uncond = [(UNCOND_CONTEXT, continuation) for _, continuation in pairs] if formulation == "rc" and spec.doc is not _winogrande else None
         questions.append(Question(pairs, doc.gold, where, uncond))
     primary = spec.primary_rc if formulation == "rc" else "acc"
-    name = f"{spec.name}_{formulation}_{len(shots)}shot"
-    return Task(name, primary, questions, Path(source or spec.repo), {"repo": spec.repo, "config": spec.config, "split": spec.split})
+    name = f"{spec.name}_{subtask + '_' if subtask else ''}{formulation}_{len(shots)}shot"
+    return Task(name, primary, questions, Path(source or spec.repo),
+                {"repo": spec.repo, "config": spec.config, "split": spec.split, **(config or {})})

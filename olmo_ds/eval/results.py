@@ -5,6 +5,11 @@ beside, not inside, the checkpoint, so pruning checkpoints never loses their sco
 scalars to the run's TensorBoard directory `RUN/tb` at the checkpoint's step, under the same tags
 the training loop's evaluator uses (`scalars`). `compare_run` then reads every `results.json` of
 the run into one metric-vs-step table and plot.
+
+A suite (`--tasks olmes-core`) adds its table under `suites` in results.json and as `<suite>.md` beside
+it: one row per task and formulation (task, formulation, shots, metric, value); its member tasks stay in
+`tasks`, each with its place in the suite under "olmes", and are summed up by the suite's rows in the
+printed table, the TensorBoard tags `eval/<suite>/<task>_<formulation>` and the run comparison.
 """
 
 from __future__ import annotations
@@ -43,12 +48,14 @@ def versions() -> dict[str, str]:
     return found
 
 
-def build_results(*, target: dict, perplexity: dict[str, dict], tasks: dict[str, dict], stats: dict, config: dict) -> dict:
+def build_results(*, target: dict, perplexity: dict[str, dict], tasks: dict[str, dict], stats: dict, config: dict,
+                  suites: dict[str, dict] | None = None) -> dict:
     """The results.json document (see the module docstring)."""
     return {
         **target,
         "perplexity": perplexity,
         "tasks": tasks,
+        "suites": suites or {},
         "stats": stats,
         "config": config,
         "versions": versions(),
@@ -61,6 +68,8 @@ def write_results(out_dir: Path, results: dict) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / RESULTS
     atomic_write_json(path, _finite(results))
+    for name, suite in results.get("suites", {}).items():
+        atomic_write_bytes(out_dir / f"{name}.md", (suite_table(suite["rows"]) + "\n").encode())
     return path
 
 
@@ -88,6 +97,11 @@ def scalars(perplexity: dict[str, dict], tasks: dict[str, dict]) -> dict[str, fl
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[f"eval/{task}/{metric}"] = float(value)
     return out
+
+
+def suite_scalars(suites: dict[str, dict]) -> dict[str, float]:
+    """`eval/<suite>/<task>_<formulation>`: each suite row's value (its primary metric)."""
+    return {f"eval/{name}/{row['task']}_{row['formulation']}": row["value"] for name, suite in suites.items() for row in suite["rows"]}
 
 
 def write_tensorboard(log_dir: Path, step: int, values: dict[str, float]) -> None:
@@ -118,6 +132,17 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+SUITE_COLUMNS = ["task", "formulation", "shots", "metric", "value"]
+
+
+def suite_table(rows: list[dict]) -> str:
+    return _table(SUITE_COLUMNS, [[row[c] for c in SUITE_COLUMNS] for row in rows])
+
+
+def _in_suite(metrics: dict) -> bool:
+    return "olmes" in metrics
+
+
 def markdown(results: dict) -> str:
     """The human summary printed on stdout."""
     parts = []
@@ -130,12 +155,16 @@ def markdown(results: dict) -> str:
     if results["perplexity"]:
         rows = [[name, r["tokens"], r["ce_loss"], r["perplexity"], r["bits_per_byte"], round(r["tokens_per_second"])] for name, r in results["perplexity"].items()]
         parts.append(_table(["source", "tokens", "ce_loss", "perplexity", "bits/byte", "tokens/s"], rows))
-    if results["tasks"]:
+    alone = {name: r for name, r in results["tasks"].items() if not _in_suite(r)}
+    if alone:
         rows = []
-        for name, r in results["tasks"].items():
+        for name, r in alone.items():
             rows.append([name, r["num_questions"], r["acc"], r["acc_per_token"], r["acc_per_char"], r.get("acc_uncond"),
                          f"{r['primary_metric']} {r['primary']:.4f} ± {r['primary_stderr']:.4f}", r["truncated_contexts"]])
         parts.append(_table(["task", "questions", "acc", "acc_per_token", "acc_per_char", "acc_uncond", "primary", "truncated"], rows))
+    for name, suite in results.get("suites", {}).items():
+        parts.append(f"**{name}**\n\n{suite_table(suite['rows'])}")
+    if results["tasks"]:
         st = results["stats"].get("tasks", {})
         if st:
             parts.append(
@@ -151,7 +180,11 @@ def headline_metrics(results: dict) -> dict[str, float]:
     for source, r in results.get("perplexity", {}).items():
         out[f"{source} bits/byte"] = r["bits_per_byte"]
     for task, r in results.get("tasks", {}).items():
-        out[f"{task} {r['primary_metric']}"] = r["primary"]
+        if not _in_suite(r):
+            out[f"{task} {r['primary_metric']}"] = r["primary"]
+    for name, suite in results.get("suites", {}).items():
+        for row in suite["rows"]:
+            out[f"{name} {row['task']} {row['formulation']} {row['metric']}"] = row["value"]
     return out
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from olmo_ds import checkpoint as ckpt
-from olmo_ds.eval import loading
+from olmo_ds.eval import loading, olmes_suite
 from olmo_ds.eval import results as res
 from olmo_ds.eval.multiple_choice import PreparedTasks, evaluate_tasks, prepare_tasks
 from olmo_ds.eval.perplexity import TextSource, evaluate_perplexity, load_source, token_byte_lengths, window_batches
@@ -33,7 +33,7 @@ from olmo_ds.eval.tasks import Task, load_task, resolve_task
 class EvalOptions:
     target: str  # checkpoint dir, run dir, or exported model dir
     data: list[str] = field(default_factory=list)  # NAME=PATH or PATH; empty = the run's validation sources
-    tasks: list[str] = field(default_factory=list)
+    tasks: list[str] = field(default_factory=list)  # task paths or names, or the suite olmes-core
     task_dirs: list[str] = field(default_factory=list)  # where task names are looked up (default: $OLMO_DS_TASK_DIRS)
     out: str | None = None
     all_checkpoints: bool = False
@@ -154,6 +154,33 @@ def _evaluate(loaded: loading.LoadedModel, inputs: _Inputs, options: EvalOptions
     return ppl, mc.tasks, {"tasks": mc.stats}
 
 
+def _load_tasks(options: EvalOptions) -> tuple[list[Task], list[str]]:
+    """Every task of `--tasks` (a path, a name in the task dirs, or the suite olmes-core), each record
+    checked, and what each argument resolved to."""
+    tasks, sources = [], []
+    for spec in options.tasks:
+        if spec == olmes_suite.SUITE_NAME and not Path(spec).exists():
+            tasks += olmes_suite.load_suite()
+            sources.append(spec)
+            continue
+        path = resolve_task(spec, [Path(d) for d in options.task_dirs])
+        tasks.append(load_task(path))
+        sources.append(str(path))
+    return tasks, sources
+
+
+def _suites(tasks: list[Task], task_metrics: dict[str, dict]) -> dict:
+    """The suite tables of the suites whose tasks were scored; each member's metrics get its place in
+    the suite ("olmes": task, formulation, shots[, subtask]), so results.json alone rebuilds the table."""
+    members = [t for t in tasks if t.config.get("suite") == olmes_suite.SUITE_NAME and t.name in task_metrics]
+    if not members:
+        return {}
+    for t in members:
+        task_metrics[t.name]["olmes"] = t.config["olmes"]
+    datasets = {f"{t.config['repo']}/{t.config['config']}": {"revision": t.config["revision"], "commit": t.config["commit"]} for t in members}
+    return {olmes_suite.SUITE_NAME: {"rows": olmes_suite.suite_rows(task_metrics), "datasets": datasets}}
+
+
 def run(options: EvalOptions) -> list[dict]:
     """Evaluate every target; returns each target's results document (on every rank)."""
     dist_ctx, device = _init_distributed(options.device)
@@ -164,8 +191,7 @@ def run(options: EvalOptions) -> list[dict]:
     targets = _targets(options)
     if not targets and is_main:
         print("eval: every checkpoint of the run already has results (--skip-evaluated)", file=sys.stderr, flush=True)
-    task_paths = [resolve_task(t, [Path(d) for d in options.task_dirs]) for t in options.tasks]
-    tasks = [load_task(p) for p in task_paths]  # every record checked before any weight is loaded
+    tasks, task_sources = _load_tasks(options)  # every record checked before any weight is loaded
     inputs_for: dict[str, _Inputs] = {}  # by tokenizer fingerprint: nothing is tokenized twice
     documents = []
     for kind, directory in targets:
@@ -174,18 +200,19 @@ def run(options: EvalOptions) -> list[dict]:
             inputs_for[tokenizer.fingerprint] = _prepare_inputs(options, kind, directory, tokenizer, tasks)
         loaded = loading.load_for_eval(directory, device=device, dtype=dtype, backend=options.backend, tokenizer=tokenizer, dist_ctx=dist_ctx)
         ppl, task_metrics, stats = _evaluate(loaded, inputs_for[tokenizer.fingerprint], options, dist_ctx, batch_tokens)
+        suites = _suites(tasks, task_metrics)
 
         target = {"path": str(loaded.path), "kind": loaded.kind, "run_dir": str(loaded.run_dir) if loaded.run_dir else None,
                   "step": loaded.step, "tokens_seen": loaded.tokens_seen, "tokenizer": str(tokenizer.path),
                   "tokenizer_fingerprint": tokenizer.fingerprint}
         config = {"eval": {**asdict(options), "device": str(device), "dtype": str(dtype).replace("torch.", ""), "world_size": dist_ctx.world,
-                           "batch_tokens": batch_tokens, "tasks": [str(p) for p in task_paths]},
+                           "batch_tokens": batch_tokens, "tasks": task_sources},
                   "model": loaded.model_config, "train": loaded.train_config}
-        document = res.build_results(target=target, perplexity=ppl, tasks=task_metrics, stats=stats, config=config)
+        document = res.build_results(target=target, perplexity=ppl, tasks=task_metrics, stats=stats, config=config, suites=suites)
         if is_main:
             path = res.write_results(_out_dir(options, kind, directory, len(targets) > 1), document)
             if options.tensorboard and loaded.run_dir is not None and loaded.step is not None:
-                res.write_tensorboard(loaded.run_dir / res.TB_DIR, loaded.step, res.scalars(ppl, task_metrics))
+                res.write_tensorboard(loaded.run_dir / res.TB_DIR, loaded.step, res.scalars(ppl, task_metrics) | res.suite_scalars(suites))
             print(res.markdown(document), flush=True)
             print(f"\nresults: {path}", flush=True)
         documents.append(document)

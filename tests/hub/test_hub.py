@@ -57,3 +57,25 @@ def test_a_snapshot_resolves_from_the_cache(hf_cache):
     assert (snap / "tokenizer.json").is_file()
     with pytest.raises(hub.HubError, match=r"--init-from: allenai/OLMo-2-0425-1B is a Hugging Face hub id.*hf download allenai/OLMo-2-0425-1B"):
         hub.resolve_snapshot("allenai/OLMo-2-0425-1B", ["*.safetensors", "config.json"], what="--init-from")
+
+
+PARQUET = "refs/convert/parquet"
+
+
+def test_a_dataset_resolves_from_its_parquet_conversion_in_the_cache(hf_cache, monkeypatch):
+    fill_hf_cache(hf_cache, "allenai/ai2_arc", {"ARC-Easy/test/0000.parquet": b"x", "ARC-Easy/train/0000.parquet": b"y"},
+                  commit="a" * 40, ref=PARQUET, repo_type="dataset")
+    snap = hub.resolve_dataset("allenai/ai2_arc", PARQUET, ["ARC-Easy/test/*.parquet"])
+    assert snap.name == "a" * 40 and (snap / "ARC-Easy" / "test" / "0000.parquet").read_bytes() == b"x"
+    # HF_DATASETS_OFFLINE alone (the `datasets` library's switch) also keeps it from the network.
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(hub.HubError) as e:
+        hub.resolve_dataset("allenai/ai2_arc", PARQUET, ["ARC-Challenge/test/*.parquet", "ARC-Easy/test/*.parquet"], what="olmes-core")
+    # a cached snapshot without the asked-for files is not taken for the dataset
+    assert str(e.value).startswith("olmes-core: dataset allenai/ai2_arc@refs/convert/parquet: ARC-Challenge/test/*.parquet is not in the HF cache")
+    assert "HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set" in str(e.value)
+    command = "hf download allenai/ai2_arc --repo-type dataset --revision refs/convert/parquet --include 'ARC-Challenge/test/*.parquet'"
+    assert e.value.commands == [command] and str(e.value).endswith(f"into the same cache: {command}")
+    with pytest.raises(hub.HubError, match=r"dataset ybisk/piqa@refs/convert/parquet: plain_text/validation/\*\.parquet is not in the HF cache"):
+        hub.resolve_dataset("ybisk/piqa", PARQUET, ["plain_text/validation/*.parquet"])
