@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from olmo_ds.eval.multiple_choice import PreparedTasks, evaluate_tasks, prepare_
 from olmo_ds.eval.perplexity import TextSource, evaluate_perplexity, load_source, token_byte_lengths, window_batches
 from olmo_ds.eval.scoring import DistContext
 from olmo_ds.eval.tasks import Task, load_task, resolve_task
+from olmo_ds.ranks import check_host, rendezvous
 
 
 
@@ -51,17 +53,24 @@ class EvalOptions:
 
 
 def _init_distributed(device_name: str | None) -> tuple[DistContext, torch.device]:
+    """As training starts (olmo_ds/ranks.py): this host's ranks against its GPUs before any CUDA call, then a
+    rendezvous with a short timeout whose store becomes the process group's."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_name:
         device = torch.device(device_name)
+    elif torch.cuda.is_available():
+        check_host(rank, local_rank, world, torch.cuda.device_count())  # one GPU per local rank: it must exist
+        device = torch.device(f"cuda:{local_rank}")
     else:
-        device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        device = torch.device("cpu")
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        store = rendezvous(rank, world, pg_timeout=timedelta(minutes=30))  # torch's default for a process group
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world)
     return DistContext.current(), device
 
 

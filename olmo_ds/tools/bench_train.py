@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
+from olmo_ds.ranks import LaunchError
 from olmo_ds.tools import package_env
 from olmo_ds.train.config import ConfigError, apply_override, config_from_dict
 from olmo_ds.train.ds_config import find_ds_config, load_ds_json, resolve_ds_config
@@ -723,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
                                     engine_compile=args.engine_compile, compile_backend=args.compile_backend),
         )
         result = run_bench(opts)
-    except ConfigError as e:
+    except (ConfigError, LaunchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

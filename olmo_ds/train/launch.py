@@ -111,12 +111,12 @@ def init_distributed() -> DistEnv:
     """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on the CPU accelerator).
 
     The process group is built on the store of the preflight rendezvous, so a rank that never comes
-    is reported within seconds (`preflight.rendezvous`) instead of after the process-group timeout.
+    is reported within seconds (`olmo_ds.ranks.rendezvous`) instead of after the process-group timeout.
     """
     import deepspeed
     import torch
 
-    from olmo_ds.train.preflight import rendezvous
+    from olmo_ds.ranks import rendezvous
 
     normalize_cuda_arch_list()
     dist_env = detect_environment()
@@ -128,7 +128,7 @@ def init_distributed() -> DistEnv:
     if accel.device_name() == "cuda":
         torch.cuda.set_device(dist_env.local_rank)
     if dist_env.world_size > 1 and not torch.distributed.is_initialized():
-        store = rendezvous(dist_env.rank, dist_env.world_size)
+        store = rendezvous(dist_env.rank, dist_env.world_size, pg_timeout=default_pg_timeout)
         # As DeepSpeed's own init does: binding the GPU lets NCCL set up its communicator eagerly.
         device = {"device_id": torch.device("cuda", dist_env.local_rank)} if accel.device_name() == "cuda" else {}
         torch.distributed.init_process_group(backend, store=store, rank=dist_env.rank, world_size=dist_env.world_size,

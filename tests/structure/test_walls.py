@@ -1,7 +1,7 @@
 """The package's walls (docs/architecture.md), checked on every import statement, function-local ones included.
 
 - eval, model and data import nothing from train; model imports nothing from data;
-- the checkpoint layer imports only `olmo_ds.atomic` and `olmo_ds.model.config` (and itself); `atomic` and `hub` import nothing of olmo_ds;
+- the checkpoint layer imports only `olmo_ds.atomic` and `olmo_ds.model.config` (and itself); `atomic`, `hub` and `ranks` import nothing of olmo_ds;
 - nothing under olmo_ds/ builds a path to, or runs, a file under scripts/ (messages may name a command).
 """
 
@@ -27,6 +27,7 @@ ALLOWED_ONLY = {
     "olmo_ds.checkpoint": ["olmo_ds.checkpoint", "olmo_ds.atomic", "olmo_ds.model.config", "olmo_ds"],
     "olmo_ds.atomic": [],
     "olmo_ds.hub": [],
+    "olmo_ds.ranks": [],
 }
 
 

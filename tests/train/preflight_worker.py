@@ -9,7 +9,7 @@ import sys
 
 from olmo_ds.train.config import ConfigError, config_from_dict
 from olmo_ds.train.launch import detect_environment
-from olmo_ds.train.preflight import check_launch
+from olmo_ds.train.preflight import LaunchError, check_launch
 
 gpus = int(sys.argv[-1])  # after the launcher's --local_rank=N
 env = detect_environment()
@@ -17,7 +17,7 @@ cfg = config_from_dict({"model": {"preset": "tiny"}, "data": {"sources": [{"path
                         "batch": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 32}}, source="worker.yaml")
 try:
     check_launch(cfg, env.rank, env.local_rank, env.world_size, visible_gpus=gpus, host_gpus=gpus)
-except ConfigError as e:
+except (ConfigError, LaunchError) as e:
     print(f"error: rank {env.rank}: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
 print(f"rank {env.rank} of {env.world_size} passed (LOCAL_SIZE={os.environ.get('LOCAL_SIZE')})", flush=True)

@@ -105,3 +105,27 @@ def test_pretrain_with_a_missing_rank_exits_within_seconds(tmp_path):
     assert f"error: rank 1: cannot reach rank 0 at MASTER_ADDR:MASTER_PORT 127.0.0.1:{port} within 3 s" in result.stderr
     assert time.monotonic() - t0 < 60
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_evaluation_ranks_are_checked_like_training_ones(monkeypatch):
+    """scripts/eval.sh's ranks: more ranks than GPUs stops before any CUDA call; a rank that cannot meet rank 0 stops in seconds."""
+    import torch
+
+    from olmo_ds.eval import runner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"set_device({d}) before the check"))
+    for key, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(LaunchError, match="2 ranks were started on .* 1 GPU visible"):
+        runner._init_distributed(None)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("OLMO_DS_RENDEZVOUS_TIMEOUT", "1")
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 1: cannot reach rank 0 at MASTER_ADDR:MASTER_PORT 127.0.0.1:.* within 1 s"):
+        runner._init_distributed(None)
+    assert time.monotonic() - start < 30
