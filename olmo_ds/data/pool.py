@@ -210,3 +210,99 @@ class OrderedPool:
 
     def __exit__(self, exc_type, *_) -> None:
         self.close(kill=exc_type is not None)
+
+
+def _task_worker(fn: Callable, context, task_conn, result_conn, parent_fds: list[int]) -> None:
+    """Run `fn(context, task)` for each task received and send back its result, or the error."""
+    for fd in parent_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    while True:
+        try:
+            task = task_conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if task is _STOP:
+            return
+        try:
+            result = ("ok", fn(context, task))
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent, which re-raises it
+            result = ("error", _picklable(e))
+        result_conn.send(result)
+
+
+class TaskPool:
+    """`fn(context, task) -> result` over `workers` processes, one task per worker at a time, each
+    result returned as soon as it is ready (the caller restores any order it needs).
+
+    For tasks of very different lengths (data preparation's whole files): a worker that finishes
+    takes the next task at once instead of queuing behind a long one, as `OrderedPool`'s per-worker
+    queues would. Results come back pickled through pipes, so they should be small (the bulk output
+    goes to files). A worker's death raises `WorkerDied`, as in `OrderedPool`.
+    """
+
+    def __init__(self, fn: Callable, context, workers: int, mp_context):
+        self.procs, self.task_conns, self.result_conns = [], [], []
+        self.running: dict[int, object] = {}  # worker -> key of the task it runs
+        forked = mp_context.get_start_method() == "fork"
+        for _ in range(workers):
+            task_r, task_w = mp_context.Pipe(duplex=False)
+            result_r, result_w = mp_context.Pipe(duplex=False)
+            parent_fds = [c.fileno() for c in (*self.task_conns, *self.result_conns, task_w, result_r)] if forked else []
+            p = mp_context.Process(target=_task_worker, args=(fn, context, task_r, result_w, parent_fds), daemon=True)
+            p.start()
+            task_r.close()
+            result_w.close()
+            self.procs.append(p)
+            self.task_conns.append(task_w)
+            self.result_conns.append(result_r)
+
+    @property
+    def idle(self) -> int:
+        return len(self.procs) - len(self.running)
+
+    def submit(self, key, task) -> None:
+        """Give `task` to an idle worker; `key` comes back with its result."""
+        worker = next(w for w in range(len(self.procs)) if w not in self.running)
+        self.task_conns[worker].send(task)
+        self.running[worker] = key
+
+    def wait(self) -> list[tuple[object, object]]:
+        """Block until at least one running task is done: `[(key, result), ...]`; re-raises a task's error."""
+        from multiprocessing.connection import wait
+
+        by_conn = {self.result_conns[w]: w for w in self.running}
+        done = []
+        for conn in wait(list(by_conn)):
+            worker = by_conn[conn]
+            try:
+                status, value = conn.recv()
+            except (EOFError, ConnectionError) as e:
+                p = self.procs[worker]
+                p.join(timeout=5)
+                raise WorkerDied(f"worker process {p.pid} died (exit code {p.exitcode}); nothing after the last complete shard was kept") from e
+            key = self.running.pop(worker)
+            if status == "error":
+                raise value
+            done.append((key, value))
+        return done
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers: when idle, politely; otherwise (an error) at once."""
+        for conn in self.task_conns:
+            with contextlib.suppress(OSError):
+                conn.send(_STOP)
+        for p in self.procs:
+            if not kill:
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+            p.join()
+        for conn in (*self.task_conns, *self.result_conns):
+            conn.close()
+
+    def __enter__(self) -> "TaskPool":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.close(kill=exc_type is not None)
