@@ -272,16 +272,18 @@ def _tokenize_task(spec: _Spec, task: Task) -> PieceResult:
                     for split, ids in (("train", res.tokens), ("val", None)) if token_is_val is None else \
                             (("train", res.tokens[~token_is_val]), ("val", res.tokens[token_is_val])):
                         if ids is not None and len(ids):
-                            if split not in outs:
-                                outs[split] = open(task.piece(split), "wb")
-                            outs[split].write(memoryview(ids).cast("B"))
+                            with shards.naming(Path(task.piece(split))):
+                                if split not in outs:
+                                    outs[split] = open(task.piece(split), "wb")
+                                outs[split].write(memoryview(ids).cast("B"))
                 docs, tokens, skipped = docs + len(res.doc_lens), tokens + len(res.tokens), skipped + len(res.skips)
                 res.tokens = None
                 results.append(res)
             per_file.append((fi, docs, tokens, skipped))
     finally:
-        for f in outs.values():
-            f.close()
+        for split, f in outs.items():
+            with shards.naming(Path(task.piece(split))):
+                f.close()
     cat = lambda arrays, dtype: np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)  # noqa: E731
     return PieceResult(
         doc_lens=cat([r.doc_lens for r in results], np.int64),

@@ -120,7 +120,7 @@ def write_shard(directory: Path, index: int, tokens: np.ndarray, doc_offsets: np
 
 
 @contextlib.contextmanager
-def _naming(path: Path):
+def naming(path: Path):
     """Put the file's name into a write error: a bare "[Errno 28] No space left on device" names nothing."""
     try:
         yield
@@ -162,9 +162,9 @@ class ShardWriter:
             return
         raw = memoryview(np.ascontiguousarray(tokens, dtype=self.dtype)).cast("B")
         ends = self.num_tokens + np.cumsum(doc_lens, dtype=np.int64)
-        with _naming(self._bin_tmp):
+        with naming(self._bin_tmp):
             self._bin.write(raw)
-        with _naming(self._off_tmp):
+        with naming(self._off_tmp):
             self._off.write(ends.astype("<i8").tobytes())
         self._hash.update(raw)
         self.num_tokens = int(ends[-1])
@@ -173,7 +173,7 @@ class ShardWriter:
 
     def close(self, extra: dict | None = None) -> ShardMeta:
         for f, path in ((self._bin, self._bin_tmp), (self._off, self._off_tmp)):
-            with _naming(path):
+            with naming(path):
                 f.flush()
                 os.fsync(f.fileno())
             f.close()
