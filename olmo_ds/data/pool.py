@@ -262,6 +262,7 @@ class TaskPool:
     def __init__(self, fn: Callable, context, workers: int, mp_context):
         self.procs, self.task_conns, self.result_conns = [], [], []
         self.running: dict[int, object] = {}  # worker -> key of the task it runs
+        self.closed = False
         forked = mp_context.get_start_method() == "fork"
         for _ in range(workers):
             task_r, task_w = mp_context.Pipe(duplex=False)
@@ -304,7 +305,10 @@ class TaskPool:
         return done
 
     def close(self, kill: bool = False) -> None:
-        """Stop the workers: when idle, politely; otherwise (an error) at once."""
+        """Stop the workers: when idle, politely; otherwise (an error) at once. Once is enough."""
+        if self.closed:
+            return
+        self.closed = True
         for conn in self.task_conns:
             with contextlib.suppress(OSError):
                 conn.send(_STOP)

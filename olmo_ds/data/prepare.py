@@ -56,7 +56,7 @@ from olmo_ds.data.prepare_pieces import (
     ShardJob,
     Task,
     plan_tasks,
-    write_shard,
+    write_shard_job,
 )
 from olmo_ds.data.prepare_output import (
     STATE_FILE,
@@ -268,14 +268,7 @@ def _tokenize_task(spec: _Spec, task: Task) -> PieceResult:
                 res.at_line(next_line)
                 next_line += res.n_lines
                 if task.pieces is not None:
-                    token_is_val = np.repeat(res.is_val, res.doc_lens) if res.is_val is not None else None
-                    for split, ids in (("train", res.tokens), ("val", None)) if token_is_val is None else \
-                            (("train", res.tokens[~token_is_val]), ("val", res.tokens[token_is_val])):
-                        if ids is not None and len(ids):
-                            with shards.naming(Path(task.piece(split))):
-                                if split not in outs:
-                                    outs[split] = open(task.piece(split), "wb")
-                                outs[split].write(memoryview(ids).cast("B"))
+                    _append_to_pieces(task, outs, res)
                 docs, tokens, skipped = docs + len(res.doc_lens), tokens + len(res.tokens), skipped + len(res.skips)
                 res.tokens = None
                 results.append(res)
@@ -284,22 +277,39 @@ def _tokenize_task(spec: _Spec, task: Task) -> PieceResult:
         for split, f in outs.items():
             with shards.naming(Path(task.piece(split))):
                 f.close()
-    cat = lambda arrays, dtype: np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)  # noqa: E731
     return PieceResult(
-        doc_lens=cat([r.doc_lens for r in results], np.int64),
-        positions=cat([r.positions for r in results], np.int64),
-        is_val=cat([r.is_val for r in results], bool) if spec.val_fraction > 0 else None,
-        special=cat([r.special for r in results], bool),
+        doc_lens=_concat([r.doc_lens for r in results], np.int64),
+        positions=_concat([r.positions for r in results], np.int64),
+        is_val=_concat([r.is_val for r in results], bool) if spec.val_fraction > 0 else None,
+        special=_concat([r.special for r in results], bool),
         skips=[skip for r in results for skip in r.skips],
         text_bytes=sum(r.text_bytes for r in results),
         files=per_file,
     )
 
 
+def _append_to_pieces(task: Task, outs: dict, res: ChunkResult) -> None:
+    """Append a block's ids to the task's piece files, each split's to its own (opened on first use)."""
+    if res.is_val is None:
+        parts = {"train": res.tokens}
+    else:
+        token_is_val = np.repeat(res.is_val, res.doc_lens)
+        parts = {"train": res.tokens[~token_is_val], "val": res.tokens[token_is_val]}
+    for split, ids in parts.items():
+        if len(ids):
+            with shards.naming(Path(task.piece(split))):
+                if split not in outs:
+                    outs[split] = open(task.piece(split), "wb")
+                outs[split].write(memoryview(ids).cast("B"))
+
+
+def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+
+
 def _files_worker(spec: _Spec, task: Task | ShardJob):
     """`TaskPool`'s function in whole-file mode: tokenize a task into pieces, or write a shard from them."""
-    return _tokenize_task(spec, task) if isinstance(task, Task) else write_shard(task)
-
+    return _tokenize_task(spec, task) if isinstance(task, Task) else write_shard_job(task)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,6 +611,9 @@ class _Run:
                         if pieces:
                             pieces.planned(task, made, list(splits.values()))
                         jobs.extend(made)
+        except BaseException:
+            pool.close(kill=True)  # before its scratch goes: a worker may be writing there
+            raise
         finally:
             if pieces:
                 pieces.remove()

@@ -95,7 +95,7 @@ class PieceResult:
 
 @dataclass
 class ShardJob:
-    """One shard to write from ranges of piece files (run by a worker: `write_shard`)."""
+    """One shard to write from ranges of piece files (run by a worker: `write_shard_job`)."""
 
     directory: str
     index: int
@@ -109,7 +109,7 @@ class ShardJob:
         return [s[0] for s in self.segments]
 
 
-def write_shard(job: ShardJob) -> ShardJob:
+def write_shard_job(job: ShardJob) -> ShardJob:
     """Copy the job's piece ranges into shard `index` through `ShardWriter`, in blocks of whole documents."""
     writer = shards.ShardWriter(Path(job.directory), job.index, vocab_size=job.vocab_size, eos_id=job.eos_id)
     try:
