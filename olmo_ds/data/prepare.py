@@ -48,16 +48,6 @@ from olmo_ds.atomic import atomic_write_json
 from olmo_ds.data import partition, readers, shards
 from olmo_ds.data.pool import OrderedPool, TaskPool
 from olmo_ds.data.prepare_backend import select_backend
-from olmo_ds.data.prepare_pieces import (
-    PIECES_DIR,
-    PieceResult,
-    Pieces,
-    PieceSplit,
-    ShardJob,
-    Task,
-    plan_tasks,
-    write_shard_job,
-)
 from olmo_ds.data.prepare_output import (
     STATE_FILE,
     VAL_DIR,
@@ -69,6 +59,16 @@ from olmo_ds.data.prepare_output import (
     our_files,
     position,
     split_position,
+)
+from olmo_ds.data.prepare_pieces import (
+    PIECES_DIR,
+    PieceResult,
+    Pieces,
+    PieceSplit,
+    ShardJob,
+    Task,
+    plan_tasks,
+    write_shard_job,
 )
 from olmo_ds.data.prepare_report import (
     FileStats,
