@@ -72,8 +72,11 @@ test-gpu: $(SETUP) ## the GPU tier (bf16 on CUDA, compiled blocks under ZeRO-3, 
 test-faults: $(SETUP) ## fault injection (kills, preemption, disk full, rank death, bad input), full trials; ends with the reliability table
 	$(RUN) OLMO_DS_FAULT_TRIALS=full $(PY) -m pytest -q tests/faults $$($(PY) tests/faults/coverage.py)
 
-bench-prepare: $(SETUP) ## data preparation throughput (tokens/s, MB/s, RSS) at 1 and 2 workers
-	$(RUN) $(PY) scripts/bench_prepare.py
+# Arguments for bench-prepare, e.g. BENCH_PREPARE_ARGS="--many-files" (>= 2 GB of .json.gz in 128 files, 1 worker against all cores).
+BENCH_PREPARE_ARGS ?=
+
+bench-prepare: $(SETUP) ## data preparation throughput (tokens/s, MB/s, RSS) at 1 and 2 workers; BENCH_PREPARE_ARGS="--many-files": a corpus of many .json.gz files
+	$(RUN) $(PY) scripts/bench_prepare.py $(BENCH_PREPARE_ARGS)
 
 bench-data: $(SETUP) ## data loader throughput per rank
 	$(RUN) $(PY) scripts/bench_data.py

@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", required=True, help="HF tokenizer.json (or a directory holding one) or a sentencepiece .model")
     p.add_argument("--text-field", default="text", help="JSON key (Parquet: column) of the document text (default: text)")
     p.add_argument("--eos-token", default=None, help="token appended after every document (default: the tokenizer's EOS)")
-    p.add_argument("--workers", type=int, default=1, help="cores that tokenize (default: 1): N worker processes while this one writes, or this one and N-1 more when no core is spare")
+    p.add_argument("--workers", type=int, default=1, help="cores that tokenize (default: 1); see --work-unit for how they share the work")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="close a shard before it would exceed this many tokens (default: 100,000,000)")
     p.add_argument("--val-fraction", type=float, default=0.0, help="fraction of documents, chosen by a hash of their text, written to OUTPUT/val/")
     p.add_argument("--dry-run", action="store_true", help="tokenize and report per-file counts; write nothing")
@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer-backend", choices=("auto", "fast", "hf"), default="auto", help="auto (default): fastokens when it matches HF tokenizers on a sample of the input and an adversarial set, else HF with a warning; fast: fastokens or stop; hf: HF tokenizers only")
     p.add_argument("--match-special-tokens", action="store_true", help="match special-token text inside documents (a literal '<|endoftext|>') as the special token, as HF tokenizers does and olmo-ds did before; by default it is encoded as ordinary text so that EOS only ever ends a document")
     p.add_argument("--partition", type=_partition, default=None, metavar="I/M", help="prepare only part I of M (0-based) of the sorted input list, cut into M contiguous ranges of about equal bytes, into --output; join the M part directories with scripts/merge_shards.py (docs/data.md, 'Preparing a large corpus')")
+    p.add_argument("--work-unit", choices=("auto", "files", "blocks"), default="auto", help="what a worker takes: files (whole files, decompressing them itself; the shards are cut from its pieces), blocks (~1 MiB blocks handed out by this process, which decompresses compressed files itself), or auto (default): files when there are at least 4 input files per worker; the output is the same bytes either way")
     p.add_argument("--no-progress", action="store_true", help="no progress output (default: a bar when stderr is a terminal, else a plain line every --progress-every seconds, e.g. in a Slurm log)")
     p.add_argument("--progress-every", type=float, default=60.0, metavar="SECONDS", help="seconds between plain progress lines when stderr is not a terminal (default: 60)")
     a = p.parse_args(argv)
@@ -48,6 +49,7 @@ def main(argv=None) -> int:
         shard_tokens=a.shard_tokens, val_fraction=a.val_fraction, eos_token=a.eos_token, dry_run=a.dry_run,
         verbose=a.verbose, strict=a.strict, overwrite=a.overwrite, progress=False if a.no_progress else None, progress_every=a.progress_every,
         tokenizer_backend=a.tokenizer_backend, match_special_tokens=a.match_special_tokens, partition=a.partition,
+        work_unit=a.work_unit,
     )
     try:
         result = prepare(cfg)

@@ -83,6 +83,11 @@ def _worker(fn: Callable, context, task_conn, result_conn, parent_fds: list[int]
             result_conn.send_bytes(data)
 
 
+def _died(p) -> WorkerDied:
+    p.join(timeout=5)
+    return WorkerDied(f"worker process {p.pid} died (exit code {p.exitcode}); nothing after the last complete shard was kept")
+
+
 def _picklable(e: BaseException) -> BaseException:
     import pickle
 
@@ -155,7 +160,10 @@ class OrderedPool:
             while not exhausted and (worker := min(range(len(queued)), key=queued.__getitem__)) is not None and queued[worker] < self.depth:
                 if (args := take()) is None:
                     break
-                self.task_conns[worker].send(args)
+                try:
+                    self.task_conns[worker].send(args)
+                except ConnectionError as e:  # it died since its last result (a broken pipe)
+                    raise _died(self.procs[worker]) from e
                 queued[worker] += 1
                 order.append(worker)
             if not order:
@@ -186,11 +194,8 @@ class OrderedPool:
             else:
                 array = np.frombuffer(conn.recv_bytes(), dtype=np.dtype(dtype)).reshape(shape)
         except (EOFError, ConnectionError) as e:
-            p = self.procs[worker]
-            p.join(timeout=5)
-            raise WorkerDied(f"worker process {p.pid} died (exit code {p.exitcode}); nothing after the last complete shard was kept") from e
+            raise _died(self.procs[worker]) from e
         return header, array
-
     def close(self, kill: bool = False) -> None:
         """Stop the workers: after all results were read, politely; otherwise (an error) at once."""
         for conn in self.task_conns:
@@ -206,6 +211,117 @@ class OrderedPool:
             conn.close()
 
     def __enter__(self) -> "OrderedPool":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.close(kill=exc_type is not None)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: be killed when the parent dies. A `TaskPool` worker writes files (prepare's shards); one
+    that outlived a killed parent could still be writing while a rerun writes the same names."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    if os.getppid() != parent:  # it died before the call above
+        os._exit(1)
+
+
+def _task_worker(fn: Callable, context, task_conn, result_conn, parent_fds: list[int], parent: int) -> None:
+    """Run `fn(context, task)` for each task received and send back its result, or the error."""
+    _die_with_parent(parent)
+    for fd in parent_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    while True:
+        try:
+            task = task_conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if task is _STOP:
+            return
+        try:
+            result = ("ok", fn(context, task))
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent, which re-raises it
+            result = ("error", _picklable(e))
+        result_conn.send(result)
+
+
+class TaskPool:
+    """`fn(context, task) -> result` over `workers` processes, one task per worker at a time, each
+    result returned as soon as it is ready (the caller restores any order it needs).
+
+    For tasks of very different lengths (data preparation's whole files): a worker that finishes
+    takes the next task at once instead of queuing behind a long one, as `OrderedPool`'s per-worker
+    queues would. Results come back pickled through pipes, so they should be small (the bulk output
+    goes to files). A worker's death raises `WorkerDied`, as in `OrderedPool`; the parent's kills
+    the workers (Linux), since they may be writing files.
+    """
+
+    def __init__(self, fn: Callable, context, workers: int, mp_context):
+        self.procs, self.task_conns, self.result_conns = [], [], []
+        self.running: dict[int, object] = {}  # worker -> key of the task it runs
+        self.closed = False
+        forked = mp_context.get_start_method() == "fork"
+        for _ in range(workers):
+            task_r, task_w = mp_context.Pipe(duplex=False)
+            result_r, result_w = mp_context.Pipe(duplex=False)
+            parent_fds = [c.fileno() for c in (*self.task_conns, *self.result_conns, task_w, result_r)] if forked else []
+            p = mp_context.Process(target=_task_worker, args=(fn, context, task_r, result_w, parent_fds, os.getpid()), daemon=True)
+            p.start()
+            task_r.close()
+            result_w.close()
+            self.procs.append(p)
+            self.task_conns.append(task_w)
+            self.result_conns.append(result_r)
+
+    @property
+    def idle(self) -> int:
+        return len(self.procs) - len(self.running)
+
+    def submit(self, key, task) -> None:
+        """Give `task` to an idle worker; `key` comes back with its result."""
+        worker = next(w for w in range(len(self.procs)) if w not in self.running)
+        self.task_conns[worker].send(task)
+        self.running[worker] = key
+
+    def wait(self) -> list[tuple[object, object]]:
+        """Block until at least one running task is done: `[(key, result), ...]`; re-raises a task's error."""
+        from multiprocessing.connection import wait
+
+        by_conn = {self.result_conns[w]: w for w in self.running}
+        done = []
+        for conn in wait(list(by_conn)):
+            worker = by_conn[conn]
+            try:
+                status, value = conn.recv()
+            except (EOFError, ConnectionError) as e:
+                raise _died(self.procs[worker]) from e
+            key = self.running.pop(worker)
+            if status == "error":
+                raise value
+            done.append((key, value))
+        return done
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers: when idle, politely; otherwise (an error) at once. Once is enough."""
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.task_conns:
+            with contextlib.suppress(OSError):
+                conn.send(_STOP)
+        for p in self.procs:
+            if not kill:
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+            p.join()
+        for conn in (*self.task_conns, *self.result_conns):
+            conn.close()
+
+    def __enter__(self) -> "TaskPool":
         return self
 
     def __exit__(self, exc_type, *_) -> None:

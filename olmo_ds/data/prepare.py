@@ -4,15 +4,19 @@ The promise users rely on: without a validation split, the concatenation of `DIR
 name order is exactly the input documents' ids in input order (files sorted, lines in file order),
 each followed by EOS, whatever the number of workers. Hence the design:
 
-- The main process hands out blocks of whole lines; a pool of worker processes reads (uncompressed
-  files: each worker reads its own byte range, `readers.iter_ranges`), parses JSON and tokenizes
-  them (`pool_layout`: N workers are N processes when a core is spare for the main process,
-  otherwise N - 1 and the main process tokenizes whenever it would wait). Compressed streams can
-  only be decompressed in order, so the main process reads and cuts those (`readers.iter_chunks`).
-  Workers number lines within their block and the main process, which sees blocks in input order,
-  turns them into file lines; results come back in submission order, so output order is input
-  order for any worker count. At most `2 × workers` blocks are in
-  flight, so memory is bounded by the block size, never by the corpus or a file.
+- Blocks (`--work-unit blocks`; `work_unit` picks): the main process hands out blocks of whole
+  lines; a pool of worker processes reads (uncompressed files: each worker reads its own byte
+  range, `readers.iter_ranges`), parses JSON and tokenizes them (`pool_layout`: N workers are N
+  processes when a core is spare for the main process, otherwise N - 1 and the main process
+  tokenizes whenever it would wait). Compressed streams can only be decompressed in order, so the
+  main process reads and cuts those (`readers.iter_chunks`). Workers number lines within their
+  block and the main process, which sees blocks in input order, turns them into file lines;
+  results come back in submission order, so output order is input order for any worker count. At
+  most `2 × workers` blocks are in flight, so memory is bounded by the block size, never by the
+  corpus or a file. The main process writes and hashes every shard.
+- Whole files (`--work-unit files`, the choice with many input files): each worker takes whole
+  files, decompression included, and writes their ids to pieces; the main process cuts the pieces
+  into the same shards in input order and workers write them (`prepare_pieces`). Same bytes.
 - Shards are streamed to temporary files and renamed when complete, metadata last
   (`shards.ShardWriter`). Each shard's metadata records the input position just after its last
   document (`next_record`) and the skip counts up to there, so a rerun after a kill resumes from
@@ -30,6 +34,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import shutil
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -41,7 +46,7 @@ import numpy as np
 import olmo_ds
 from olmo_ds.atomic import atomic_write_json
 from olmo_ds.data import partition, readers, shards
-from olmo_ds.data.pool import OrderedPool
+from olmo_ds.data.pool import OrderedPool, TaskPool
 from olmo_ds.data.prepare_backend import select_backend
 from olmo_ds.data.prepare_output import (
     STATE_FILE,
@@ -54,6 +59,16 @@ from olmo_ds.data.prepare_output import (
     our_files,
     position,
     split_position,
+)
+from olmo_ds.data.prepare_pieces import (
+    PIECES_DIR,
+    PieceResult,
+    Pieces,
+    PieceSplit,
+    ShardJob,
+    Task,
+    plan_tasks,
+    write_shard_job,
 )
 from olmo_ds.data.prepare_report import (
     FileStats,
@@ -90,6 +105,10 @@ class PrepareConfig:
     # (I, M): prepare only part I of M (0-based) of the sorted input list, cut into M contiguous
     # ranges of about equal bytes; `scripts/merge_shards.py` joins the M part directories.
     partition: tuple[int, int] | None = None
+    # What a worker takes: "files" (whole files, decompression included; shards cut from the
+    # workers' pieces, `prepare_pieces`), "blocks" (~1 MiB blocks handed out by this process, which
+    # decompresses compressed files itself), or "auto": files when there are many (`work_unit`).
+    work_unit: str = "auto"
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -100,6 +119,8 @@ class PrepareConfig:
             raise PrepareError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.tokenizer_backend not in ("auto", "fast", "hf"):
             raise PrepareError(f"--tokenizer-backend must be auto, fast or hf, got {self.tokenizer_backend!r}")
+        if self.work_unit not in ("auto", "files", "blocks"):
+            raise PrepareError(f"--work-unit must be auto, files or blocks, got {self.work_unit!r}")
         if not self.text_field:
             raise PrepareError("--text-field must not be empty")
         if self.progress_every < 0:
@@ -231,6 +252,65 @@ def _process_chunk(spec: _Spec, file_index: int, block: readers.Block) -> ChunkR
     return ChunkResult(file_index, tokens, doc_lens, positions, is_val, skips, special, text_bytes, n_lines)
 
 
+def _tokenize_task(spec: _Spec, task: Task) -> PieceResult:
+    """Whole-file mode, in a worker: read (decompressing), parse and tokenize the task's files block
+    by block, appending each split's ids to its piece file; return everything but the ids."""
+    results, per_file = [], []
+    outs: dict[str, object] = {}
+    try:
+        for k, (fi, path) in enumerate(task.files):
+            next_line = task.start_line if k == 0 else 1
+            docs = tokens = skipped = 0
+            for first_line, block, _ in readers.iter_blocks(Path(path), task.chunk_bytes, next_line):
+                res = _process_chunk(spec, fi, block)
+                if first_line is not None:
+                    next_line = first_line
+                res.at_line(next_line)
+                next_line += res.n_lines
+                if task.pieces is not None:
+                    _append_to_pieces(task, outs, res)
+                docs, tokens, skipped = docs + len(res.doc_lens), tokens + len(res.tokens), skipped + len(res.skips)
+                res.tokens = None
+                results.append(res)
+            per_file.append((fi, docs, tokens, skipped))
+    finally:
+        for split, f in outs.items():
+            with shards.naming(Path(task.piece(split))):
+                f.close()
+    return PieceResult(
+        doc_lens=_concat([r.doc_lens for r in results], np.int64),
+        positions=_concat([r.positions for r in results], np.int64),
+        is_val=_concat([r.is_val for r in results], bool) if spec.val_fraction > 0 else None,
+        special=_concat([r.special for r in results], bool),
+        skips=[skip for r in results for skip in r.skips],
+        text_bytes=sum(r.text_bytes for r in results),
+        files=per_file,
+    )
+
+
+def _append_to_pieces(task: Task, outs: dict, res: ChunkResult) -> None:
+    """Append a block's ids to the task's piece files, each split's to its own (opened on first use)."""
+    if res.is_val is None:
+        parts = {"train": res.tokens}
+    else:
+        token_is_val = np.repeat(res.is_val, res.doc_lens)
+        parts = {"train": res.tokens[~token_is_val], "val": res.tokens[token_is_val]}
+    for split, ids in parts.items():
+        if len(ids):
+            with shards.naming(Path(task.piece(split))):
+                if split not in outs:
+                    outs[split] = open(task.piece(split), "wb")
+                outs[split].write(memoryview(ids).cast("B"))
+
+
+def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+
+
+def _files_worker(spec: _Spec, task: Task | ShardJob):
+    """`TaskPool`'s function in whole-file mode: tokenize a task into pieces, or write a shard from them."""
+    return _tokenize_task(spec, task) if isinstance(task, Task) else write_shard_job(task)
+
 
 # ---------------------------------------------------------------------------------------------
 # Main side: ordered pool, shard writers, manifests.
@@ -320,16 +400,41 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     spec = _Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if backend["name"] == "fastokens" else "hf", cfg.text_field, cfg.val_fraction,
                  not cfg.match_special_tokens, special_token_texts(tok))
     _loaded[spec] = encoder
+    unit = work_unit(cfg.work_unit, cfg.workers, hi - lo)
+    context = mp.get_context(_start_method(threads_before))
     with contextlib.ExitStack() as stack:
-        processes, work_here = pool_layout(cfg.workers)
-        pool = stack.enter_context(OrderedPool(_chunk_in_worker, spec, processes, mp.get_context(_start_method(threads_before)))) if processes else None
+        if unit == "files":
+            processes, work_here = cfg.workers, False
+            pool = stack.enter_context(TaskPool(_files_worker, spec, processes, context))
+        else:
+            processes, work_here = pool_layout(cfg.workers)
+            pool = stack.enter_context(OrderedPool(_chunk_in_worker, spec, processes, context)) if processes else None
         if mode == "overwrite":
             for p in our_files(out):
                 p.unlink()
         result = _run(cfg, files, (lo, hi), tok, ident, file_stats, spec, pool, work_here, backend, log)
+        plural = "es" if processes > 1 else ""
         result.layout = ("this process" if not processes else
-                         f"{processes} worker process{'es' if processes > 1 else ''}" + ("" if not work_here else " and this one, whenever it would wait"))
+                         f"{processes} worker process{plural} taking whole files (this one cuts and orders the shards)" if unit == "files" else
+                         f"{processes} worker process{plural}" + ("" if not work_here else " and this one, whenever it would wait"))
         return result
+
+
+FILES_PER_WORKER = 4  # `work_unit` auto: whole files once there are this many per worker
+
+
+def work_unit(requested: str, workers: int, num_files: int) -> str:
+    """What a worker takes: "files" (whole files) or "blocks".
+
+    Whole files need no work in this process beyond ordering, so they scale to many cores, but a
+    file is the smallest unit: with few files some workers would idle, and one large compressed
+    file would be one worker's. So `auto` takes whole files when there are at least
+    `FILES_PER_WORKER` per worker, and blocks otherwise (byte ranges of uncompressed files read by
+    the workers; compressed ones decompressed here); one worker is this process alone (blocks).
+    """
+    if requested != "auto":
+        return requested
+    return "files" if workers > 1 and num_files >= FILES_PER_WORKER * workers else "blocks"
 
 
 def usable_cores() -> int:
@@ -341,7 +446,7 @@ def usable_cores() -> int:
 
 
 def pool_layout(workers: int, cores: int | None = None) -> tuple[int, bool]:
-    """How `--workers N` runs: (worker processes, whether this process tokenizes too).
+    """How `--workers N` runs in blocks mode: (worker processes, whether this process tokenizes too).
 
     With a core to spare beyond N, N worker processes tokenize and this process only hands out
     blocks and writes and hashes the shards (a fifth to a third of a core at two workers), so the N
@@ -357,19 +462,20 @@ def pool_layout(workers: int, cores: int | None = None) -> tuple[int, bool]:
 
 
 def _run(cfg: PrepareConfig, files: list[Path], part: tuple[int, int], tok, ident: dict, file_stats: list[FileStats], spec: _Spec, pool, work_here: bool, backend: dict, log: Callable[[str], None]) -> PrepareResult:
-    """Resume or start the output, stream every block of files[lo:hi] (all of them unless this is a
-    part) through the pool into the shards, write the manifests. Input positions count files in the
-    whole list, so skip reports and resume points of a part read as those of a single run."""
+    """Resume or start the output, stream files[lo:hi] (all of them unless this is a part) through
+    the pool into the shards, write the manifests. Input positions count files in the whole list,
+    so skip reports and resume points of a part read as those of a single run."""
     lo, hi = part
     out = Path(cfg.output)
-    splits: dict[str, SplitWriter] = {}
+    resume: dict[str, tuple[Path, int, int]] = {}  # split -> (directory, complete shards, input position after them)
     skiplog, noted = SkipLog(), SkipLog()
     start = position(lo, 0)
     resumed_from = None
     if not cfg.dry_run:
         out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(out / PIECES_DIR, ignore_errors=True)  # a killed whole-file run's scratch
         dirs = {"train": out} | ({"val": out / VAL_DIR} if cfg.val_fraction > 0 else {})
-        resume_points = {}
+        states = {}
         for name, d in dirs.items():
             d.mkdir(exist_ok=True)
             metas = complete_shards(d)
@@ -377,67 +483,175 @@ def _run(cfg: PrepareConfig, files: list[Path], part: tuple[int, int], tok, iden
             if metas:
                 pos = position(*metas[-1]["prepare"]["next_record"])
                 state = metas[-1]["prepare"]
-            resume_points[name] = (pos, state)
-            splits[name] = SplitWriter(d, cfg.shard_tokens, tok.vocab_size, tok.eos_id, len(metas), pos)
-        start, state = min(resume_points.values(), key=lambda ps: ps[0])
+            resume[name], states[name] = (d, len(metas), pos), state
+        start, state = min(((pos, states[name]) for name, (_, _, pos) in resume.items()), key=lambda ps: ps[0])
         if state is not None:
             skiplog = SkipLog.from_dict(state["skipped"])
             noted = SkipLog.from_dict(state.get("noted", SkipLog().to_dict()))  # absent before special-token counts existed
         if start > position(lo, 0):
             fi, line = split_position(start)
             resumed_from = f"{files[fi]}:{line}" if fi < hi else "the end of the input"
-            log(f"resuming {out} from {resumed_from} (complete shards kept: " + ", ".join(f"{n} {s.next_index}" for n, s in splits.items()) + ")")
+            log(f"resuming {out} from {resumed_from} (complete shards kept: " + ", ".join(f"{n} {k}" for n, (_, k, _) in resume.items()) + ")")
         atomic_write_json(out / STATE_FILE, ident)
 
     t0 = time.perf_counter()
-    totals = {"docs": 0, "tokens": 0, "text_bytes": 0}
     disk_done = sum(s.bytes for s in file_stats[: split_position(start)[0] - lo])
     label = "prepare" if cfg.partition is None else f"prepare part {cfg.partition[0]}/{cfg.partition[1]}"
     progress = Progress(sum(s.bytes for s in file_stats), disk_done, cfg.progress, label, cfg.progress_every)
+    run = _Run(cfg, files, part, file_stats, skiplog, noted, progress, log)
     finished = False
-    reported = split_position(start)[0]
-    next_line = 1  # the file line where the next block of the current file starts
     try:
-        for (fi, first_line, consumed), res in _ordered_results(_tasks(files, start, hi, cfg.chunk_bytes), spec, pool, work_here):
-            while cfg.verbose and reported < fi:
-                log_file(log, file_stats[reported - lo])
-                reported += 1
-            if first_line is not None:
-                next_line = first_line
-            res.at_line(next_line)
-            next_line += res.n_lines
-            _add_block(res, files, file_stats[fi - lo], splits, skiplog, noted, cfg.strict)
-            totals["docs"] += len(res.doc_lens)
-            totals["tokens"] += len(res.tokens)
-            totals["text_bytes"] += res.text_bytes
-            progress.update(sum(s.bytes for s in file_stats[: fi - lo]) + consumed, len(res.doc_lens), len(res.tokens), res.text_bytes)
-        end = position(hi, 0)
-        for s in splits.values():
-            s.finish(end, _state(skiplog, noted))
+        if isinstance(pool, TaskPool):
+            run.whole_files(pool, tok, resume, start)
+        else:
+            run.blocks(pool, spec, work_here, tok, resume, start)
         finished = True
-    except BaseException:
-        for s in splits.values():
-            s.abort()
-        raise
     finally:
         progress.close(finished)
-    while cfg.verbose and reported < hi:
-        log_file(log, file_stats[reported - lo])
-        reported += 1
     seconds = time.perf_counter() - t0
 
     if cfg.dry_run:
-        return PrepareResult(None, file_stats, totals["docs"], totals["tokens"], 0, 0, 0, skiplog, seconds, totals["text_bytes"], totals["tokens"], noted=noted, backend=backend["name"])
+        return PrepareResult(None, file_stats, run.docs, run.tokens, 0, 0, 0, skiplog, seconds, run.text_bytes, run.tokens, noted=noted, backend=backend["name"])
 
     manifests = {}
-    for name in (["val"] if "val" in splits else []) + ["train"]:  # the top-level manifest last
-        manifests[name] = _write_manifest(splits[name].directory, cfg, files, tok, _state(skiplog, noted), name, manifests.get("val"), backend)
+    for name in (["val"] if "val" in resume else []) + ["train"]:  # the top-level manifest last
+        manifests[name] = _write_manifest(resume[name][0], cfg, files, tok, _state(skiplog, noted), name, manifests.get("val"), backend)
     train, val = manifests["train"], manifests.get("val")
     return PrepareResult(
         out, file_stats, train.num_docs, train.num_tokens, val.num_docs if val else 0, val.num_tokens if val else 0,
-        len(train.shards) + (len(val.shards) if val else 0), skiplog, seconds, totals["text_bytes"], totals["tokens"], resumed_from,
+        len(train.shards) + (len(val.shards) if val else 0), skiplog, seconds, run.text_bytes, run.tokens, resumed_from,
         noted=noted, backend=backend["name"],
     )
+
+
+class _Run:
+    """The input of one run, in order, into the split writers: documents, skips and notes."""
+
+    def __init__(self, cfg: PrepareConfig, files: list[Path], part: tuple[int, int], file_stats: list[FileStats], skiplog: SkipLog, noted: SkipLog, progress: Progress, log):
+        self.cfg, self.files, self.part, self.file_stats = cfg, files, part, file_stats
+        self.skiplog, self.noted = skiplog, noted  # up to the input read so far; shared with the caller
+        self.progress, self.log = progress, log
+        self.docs = self.tokens = self.text_bytes = 0
+        self.reported = part[0]  # files before this one have had their --verbose line
+
+    def _report_files_before(self, fi: int) -> None:
+        while self.cfg.verbose and self.reported < fi:
+            log_file(self.log, self.file_stats[self.reported - self.part[0]])
+            self.reported += 1
+
+    def _count(self, docs: int, tokens: int, text_bytes: int, disk_done: int) -> None:
+        self.docs, self.tokens, self.text_bytes = self.docs + docs, self.tokens + tokens, self.text_bytes + text_bytes
+        self.progress.update(disk_done, docs, tokens, text_bytes)
+
+    def _disk_before(self, fi: int) -> int:
+        return sum(s.bytes for s in self.file_stats[: fi - self.part[0]])
+
+    def blocks(self, pool: OrderedPool | None, spec: _Spec, work_here: bool, tok, resume: dict, start: int) -> None:
+        """Blocks of ~1 MiB handed out in order; this process writes the shards (`SplitWriter`)."""
+        lo, hi = self.part
+        splits = {name: SplitWriter(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos) for name, (d, k, pos) in resume.items()}
+        next_line = 1  # the file line where the next block of the current file starts
+        try:
+            for (fi, first_line, consumed), res in _ordered_results(_tasks(self.files, start, hi, self.cfg.chunk_bytes), spec, pool, work_here):
+                self._report_files_before(fi)
+                if first_line is not None:
+                    next_line = first_line
+                res.at_line(next_line)
+                next_line += res.n_lines
+                stats = self.file_stats[fi - lo]
+                stats.docs, stats.tokens, stats.skipped = stats.docs + len(res.doc_lens), stats.tokens + len(res.tokens), stats.skipped + len(res.skips)
+                self._add(res, splits, lambda name, mask: (res.tokens if mask is None else res.tokens[np.repeat(mask, res.doc_lens)],))
+                self._count(len(res.doc_lens), len(res.tokens), res.text_bytes, self._disk_before(fi) + consumed)
+            for s in splits.values():
+                s.finish(position(hi, 0), _state(self.skiplog, self.noted))
+        except BaseException:
+            for s in splits.values():
+                s.abort()
+            raise
+        self._report_files_before(hi)
+
+    def whole_files(self, pool: TaskPool, tok, resume: dict, start: int) -> None:
+        """Whole files to the workers, which write pieces; this process cuts the pieces' documents
+        into shards in input order and hands each shard to a worker to write (`prepare_pieces`)."""
+        lo, hi = self.part
+        workers = len(pool.procs)
+        pieces = None if self.cfg.dry_run else Pieces(Path(self.cfg.output) / PIECES_DIR)
+        splits = {name: PieceSplit(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos) for name, (d, k, pos) in resume.items()}
+        tasks = deque(plan_tasks(self.files, start, hi, workers, self.cfg.chunk_bytes, pieces.directory if pieces else None))
+        by_index = {t.index: t for t in tasks}
+        done: dict[int, PieceResult] = {}  # tokenized, waiting for the tasks before them
+        jobs: deque[ShardJob] = deque()
+        next_cut = 0
+        # Tokenize at most this many tasks ahead of the first one not yet cut, so the pieces waiting
+        # for a slow early file stay few.
+        window = 4 * workers
+        try:
+            if not tasks:
+                jobs.extend(job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted)))
+            while tasks or jobs or pool.running:
+                while pool.idle and (jobs or (tasks and tasks[0].index < next_cut + window)):
+                    if jobs:  # first: a written shard frees pieces
+                        job = jobs.popleft()
+                        pool.submit("shard", job)
+                    else:
+                        task = tasks.popleft()
+                        pool.submit(task.index, task)
+                for key, value in pool.wait():
+                    if key == "shard":
+                        if pieces:
+                            pieces.written(value)
+                        continue
+                    done[key] = value
+                    while next_cut in done:
+                        task, res = by_index.pop(next_cut), done.pop(next_cut)
+                        made = self._add_piece(task, res, splits)
+                        next_cut += 1
+                        if not by_index:  # the last task is cut: the last shards can close
+                            made += [job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted))]
+                        if pieces:
+                            pieces.planned(task, made, list(splits.values()))
+                        jobs.extend(made)
+        except BaseException:
+            pool.close(kill=True)  # before its scratch goes: a worker may be writing there
+            raise
+        finally:
+            if pieces:
+                pieces.remove()
+        self._report_files_before(hi)
+
+    def _add_piece(self, task: Task, res: PieceResult, splits: dict[str, PieceSplit]) -> list[ShardJob]:
+        lo = self.part[0]
+        for fi, docs, tokens, skipped in res.files:
+            self._report_files_before(fi)
+            stats = self.file_stats[fi - lo]
+            stats.docs, stats.tokens, stats.skipped = stats.docs + docs, stats.tokens + tokens, stats.skipped + skipped
+        jobs = []
+        self._add(res, splits, lambda name, mask: (task.piece(name),), jobs)
+        last = task.files[-1][0]
+        self._count(len(res.doc_lens), sum(f[2] for f in res.files), res.text_bytes, self._disk_before(last + 1))
+        return jobs
+
+    def _add(self, res: ChunkResult | PieceResult, splits: dict, ids, jobs: list | None = None) -> None:
+        """Hand a block's or a piece's documents to the split writers and count its skips and notes,
+        in input order. `ids(split, mask)`: the split's ids (or where they are) as the writer's first
+        arguments, `mask` selecting the split's documents (None: all)."""
+        if self.cfg.strict and res.skips:
+            pos, reason = res.skips[0]
+            fi, line = split_position(pos)
+            raise PrepareError(f"{self.files[fi]}:{line}: {reason.replace('_', ' ')} (--strict stops at the first bad record)")
+        special_at = res.positions[res.special]
+        if splits:
+            state_at = _logs_before(self.skiplog, self.noted, res.skips, special_at, self.files)
+            masks = {"train": None} if res.is_val is None else {"train": ~res.is_val, "val": res.is_val}
+            for name, mask in masks.items():
+                lens, positions = (res.doc_lens, res.positions) if mask is None else (res.doc_lens[mask], res.positions[mask])
+                made = splits[name].add(*ids(name, mask), lens, positions, state_at)
+                if jobs is not None:
+                    jobs.extend(made)
+        for p, reason in res.skips:
+            self.skiplog.add(reason, _where(self.files, p))
+        for p in special_at:
+            self.noted.add(SPECIAL_TEXT, _where(self.files, int(p)))
 
 
 def _state(skiplog: SkipLog, noted: SkipLog) -> dict:
@@ -445,39 +659,21 @@ def _state(skiplog: SkipLog, noted: SkipLog) -> dict:
     return {"skipped": skiplog.to_dict(), "noted": noted.to_dict()}
 
 
-def _add_block(res: ChunkResult, files: list[Path], stats: FileStats, splits: dict[str, SplitWriter], skiplog: SkipLog, noted: SkipLog, strict: bool) -> None:
-    """Hand one block's documents to the split writers and count its skips and notes, in input order."""
-    if strict and res.skips:
-        pos, reason = res.skips[0]
-        fi, line = split_position(pos)
-        raise PrepareError(f"{files[fi]}:{line}: {reason.replace('_', ' ')} (--strict stops at the first bad record)")
-    stats.docs += len(res.doc_lens)
-    stats.tokens += len(res.tokens)
-    stats.skipped += len(res.skips)
-    special_at = res.positions[res.special]
-    if splits:
-        before, noted_before = skiplog.copy(), noted.copy()
+def _logs_before(skiplog: SkipLog, noted: SkipLog, skips: list[tuple[int, str]], special_at: np.ndarray, files: list[Path]) -> Callable[[int], dict]:
+    """`state_at(pos)`: the counts as they stand just before input position `pos`, a position within
+    the block or piece whose skips and notes these are (and whose earlier input `skiplog` and `noted` hold)."""
+    before, noted_before = skiplog.copy(), noted.copy()
 
-        def state_at(pos: int) -> dict:
-            # The logs as they stood just before input position `pos` (within this block).
-            s, n = before.copy(), noted_before.copy()
-            for p, reason in res.skips:
-                if p < pos:
-                    s.add(reason, _where(files, p))
-            for p in special_at[special_at < pos]:
-                n.add(SPECIAL_TEXT, _where(files, int(p)))
-            return _state(s, n)
+    def state_at(pos: int) -> dict:
+        s, n = before.copy(), noted_before.copy()
+        for p, reason in skips:
+            if p < pos:
+                s.add(reason, _where(files, p))
+        for p in special_at[special_at < pos]:
+            n.add(SPECIAL_TEXT, _where(files, int(p)))
+        return _state(s, n)
 
-        if res.is_val is None:
-            splits["train"].add(res.tokens, res.doc_lens, res.positions, state_at)
-        else:
-            token_is_val = np.repeat(res.is_val, res.doc_lens)
-            for name, doc_mask, tok_mask in (("train", ~res.is_val, ~token_is_val), ("val", res.is_val, token_is_val)):
-                splits[name].add(res.tokens[tok_mask], res.doc_lens[doc_mask], res.positions[doc_mask], state_at)
-    for p, reason in res.skips:
-        skiplog.add(reason, _where(files, p))
-    for p in special_at:
-        noted.add(SPECIAL_TEXT, _where(files, int(p)))
+    return state_at
 
 
 def _where(files: list[Path], pos: int) -> str:

@@ -36,6 +36,12 @@ def split_position(pos: int) -> tuple[int, int]:
     return pos >> _LINE_BITS, pos & ((1 << _LINE_BITS) - 1)
 
 
+def resume_point(next_record: int, state: dict) -> dict:
+    """What a shard's metadata records for resume: the input position of the first document after
+    it, and the skip and note counts of the input before that position."""
+    return {"prepare": {"next_record": list(split_position(next_record)), **state}}
+
+
 class SplitWriter:
     """The shards of one split (train or val), skipping documents already in complete shards."""
 
@@ -52,14 +58,10 @@ class SplitWriter:
         if len(lens) and positions[0] < self.resume_pos:
             keep = positions >= self.resume_pos
             tokens, lens, positions = tokens[np.repeat(keep, lens)], lens[keep], positions[keep]
-        self.sharded.add(tokens, lens, lambda k: self._resume_point(int(positions[k]), state_at(int(positions[k]))))
-
-    @staticmethod
-    def _resume_point(next_record: int, state: dict) -> dict:
-        return {"prepare": {"next_record": list(split_position(next_record)), **state}}
+        self.sharded.add(tokens, lens, lambda k: resume_point(int(positions[k]), state_at(int(positions[k]))))
 
     def finish(self, end: int, state: dict) -> None:
-        self.sharded.finish(self._resume_point(end, state))
+        self.sharded.finish(resume_point(end, state))
 
     def abort(self) -> None:
         self.sharded.abort()

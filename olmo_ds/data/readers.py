@@ -338,14 +338,21 @@ def _offset_of_line(data: bytes, n: int) -> int:
 
 def parse_chunk(data: bytes, first_line: int, text_file: bool, text_field: str = "text") -> list[tuple[int, str | None, str | None]]:
     """Parse one block into `(line, text, None)` for each document and `(line, None, reason)` for each skip."""
+    return _parse(data, first_line, text_file, text_field)[0]
+
+
+def _parse(data: bytes, first_line: int, text_file: bool, text_field: str) -> tuple[list[tuple[int, str | None, str | None]], int]:
+    """`parse_chunk`'s records and the number of newlines in `data` (known from the split, so the
+    block is not scanned once more to count them)."""
     if text_file:
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
-            return [(first_line, None, INVALID_UTF8)]
-        return [(first_line, text, None) if text.strip() else (first_line, None, EMPTY)]
+            return [(first_line, None, INVALID_UTF8)], data.count(b"\n")
+        return [(first_line, text, None) if text.strip() else (first_line, None, EMPTY)], data.count(b"\n")
     out = []
-    for i, line in enumerate(data.split(b"\n")):
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines):
         if not line.strip():
             continue  # blank lines (and the empty tail after the last newline) are not records
         lineno = first_line + i
@@ -366,7 +373,7 @@ def parse_chunk(data: bytes, first_line: int, text_file: bool, text_field: str =
             out.append((lineno, None, EMPTY))
         else:
             out.append((lineno, text, None))
-    return out
+    return out, len(lines) - 1
 
 
 @dataclass(frozen=True)
@@ -446,7 +453,8 @@ def load_block(block: Block, text_field: str, head: int | None = None) -> tuple[
         records = [(i, None, MISSING_FIELD) if t is None else (i, None, EMPTY) if not t.strip() else (i, t, None) for i, t in enumerate(texts)]
         return records, len(texts), pc.sum(pc.binary_length(column)).as_py() or 0
     data = block.data if isinstance(block, InMemory) else read_range(block.path, block.start, block.end)
-    return parse_chunk(data, 0, block.text_file, text_field), data.count(b"\n"), len(data)
+    records, newlines = _parse(data, 0, block.text_file, text_field)
+    return records, newlines, len(data)
 
 
 def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:

@@ -120,7 +120,7 @@ def write_shard(directory: Path, index: int, tokens: np.ndarray, doc_offsets: np
 
 
 @contextlib.contextmanager
-def _naming(path: Path):
+def naming(path: Path):
     """Put the file's name into a write error: a bare "[Errno 28] No space left on device" names nothing."""
     try:
         yield
@@ -162,9 +162,9 @@ class ShardWriter:
             return
         raw = memoryview(np.ascontiguousarray(tokens, dtype=self.dtype)).cast("B")
         ends = self.num_tokens + np.cumsum(doc_lens, dtype=np.int64)
-        with _naming(self._bin_tmp):
+        with naming(self._bin_tmp):
             self._bin.write(raw)
-        with _naming(self._off_tmp):
+        with naming(self._off_tmp):
             self._off.write(ends.astype("<i8").tobytes())
         self._hash.update(raw)
         self.num_tokens = int(ends[-1])
@@ -173,7 +173,7 @@ class ShardWriter:
 
     def close(self, extra: dict | None = None) -> ShardMeta:
         for f, path in ((self._bin, self._bin_tmp), (self._off, self._off_tmp)):
-            with _naming(path):
+            with naming(path):
                 f.flush()
                 os.fsync(f.fileno())
             f.close()
@@ -217,12 +217,42 @@ class ShardWriter:
             path.unlink(missing_ok=True)
 
 
-class ShardedWriter:
-    """Cuts a stream of whole documents into shards of at most `shard_tokens` tokens.
+class ShardCutter:
+    """Where the shards of a document stream close: before a document that would take the open
+    shard past `shard_tokens` tokens, unless the shard is still empty (a document longer than the
+    limit gets a shard of its own; documents are never split). The one rule: `ShardedWriter` writes
+    by it, and data preparation's whole-file mode plans shards from pieces by it
+    (`prepare_pieces`), so both give the same shards for the same documents."""
 
-    A shard closes on a document boundary before it would exceed the limit; a document longer
-    than the limit gets a shard of its own (documents are never split). Shard boundaries depend
-    only on the document stream, so the same documents always give the same shards.
+    def __init__(self, shard_tokens: int):
+        self.shard_tokens = shard_tokens
+        self.tokens = 0  # of the open shard
+        self.docs = 0
+
+    def feed(self, lens: np.ndarray) -> list[int]:
+        """The next documents' lengths → the indices k (into `lens`) where a shard closes just
+        before document k; the open shard then starts anew with document k."""
+        cum = np.cumsum(lens, dtype=np.int64)
+        breaks, done = [], 0
+        while done < len(cum):
+            base = int(cum[done - 1]) if done else 0
+            end = int(np.searchsorted(cum, base + self.shard_tokens - self.tokens, side="right"))
+            if end == done and self.docs == 0:
+                end = done + 1
+            if end > done:
+                self.tokens += int(cum[end - 1]) - base
+                self.docs += end - done
+            if end < len(cum):
+                breaks.append(end)
+                self.tokens = self.docs = 0
+            done = end
+        return breaks
+
+
+class ShardedWriter:
+    """Cuts a stream of whole documents into shards of at most `shard_tokens` tokens (`ShardCutter`).
+
+    Shard boundaries depend only on the document stream, so the same documents always give the same shards.
     """
 
     def __init__(self, directory: Path, shard_tokens: int, *, vocab_size: int, eos_id: int, next_index: int = 0):
@@ -232,23 +262,21 @@ class ShardedWriter:
         self.eos_id = eos_id
         self.next_index = next_index
         self.writer: ShardWriter | None = None
+        self.cutter = ShardCutter(shard_tokens)
 
     def add(self, tokens: np.ndarray, lens: np.ndarray, close_extra=None) -> None:
         """Append documents; `close_extra(k)` gives the metadata extras of a shard closed just before
         document k of this batch (e.g. where in the input the next shard starts)."""
-        done = 0
-        while done < len(lens):
-            if self.writer is None:
-                self.writer = ShardWriter(self.directory, self.next_index, vocab_size=self.vocab_size, eos_id=self.eos_id)
-            cum = np.cumsum(lens[done:])
-            fit = int(np.searchsorted(cum, self.shard_tokens - self.writer.num_tokens, side="right"))
-            if fit == 0 and self.writer.num_docs == 0:
-                fit = 1
-            end = int(cum[fit - 1]) if fit else 0
-            self.writer.append(tokens[:end], lens[done : done + fit])
-            tokens, done = tokens[end:], done + fit
-            if done < len(lens):
-                self._close(close_extra(done) if close_extra else None)
+        ends = np.cumsum(lens, dtype=np.int64)
+        start = 0
+        for k in [*self.cutter.feed(lens), len(lens)]:
+            if k > start:
+                if self.writer is None:
+                    self.writer = ShardWriter(self.directory, self.next_index, vocab_size=self.vocab_size, eos_id=self.eos_id)
+                self.writer.append(tokens[(ends[start - 1] if start else 0) : ends[k - 1]], lens[start:k])
+            if k < len(lens):
+                self._close(close_extra(k) if close_extra else None)
+            start = k
 
     def _close(self, extra: dict | None) -> None:
         self.writer.close(extra)

@@ -5,6 +5,8 @@ end to end at 1 and 2 workers, and where the fast path's time goes.
     python scripts/bench_prepare.py --size-mb 16             # a quick run
     python scripts/bench_prepare.py --backends fast          # only fastokens
     python scripts/bench_prepare.py --backends fast --big-file-mb 4000   # and on one 4 GB file: RSS over time, speed
+    python scripts/bench_prepare.py --many-files --workers 1 16   # >= 2 GB of .json.gz in 128 files: 1 vs 16 workers,
+                                                                   # and 16 independent fastokens processes
 
 Prints tokens/s, MB/s, peak RSS and the ratios against the targets.
 
@@ -16,6 +18,12 @@ the corpus's texts, already in memory, one thread) and `scripts/prepare_data.py`
 `scripts/validate_shards.py` (read, parse, tokenize, write, checksum, verify) at 1 and 2 workers on
 the same corpus, each in a fresh process, prints the ratios, and splits the fast path's CPU time
 into its stages, since once tokenizing is fast the rest of the pipeline is what is left.
+
+`--many-files` asks the corpus-scale question instead: on >= 2 GB of .json.gz in 128 files
+(generated in parallel from the installed text, `generate_gz_corpus`), prepare + validate with 1
+worker and with all cores (whole-file mode), against as many independent fastokens processes each
+on its share of the files (`measure_files_ceiling`), all in one call, and checks that the outputs
+are the same bytes (`same_output`); a table comes last.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import orjson
@@ -188,6 +197,7 @@ def measure_prepare(tokenizer: Path, corpus: Path, output: Path, workers: int, b
         "tokens_per_s": manifest["num_tokens"] / seconds,
         "tokens_per_cpu_s": manifest["num_tokens"] / (prep["cpu_seconds"] + val["cpu_seconds"]),
         "input_mb_per_s": sum(i["bytes"] for i in manifest["inputs"]) / seconds / 1e6,
+        "layout": re.search(r"^tokenizer\s+(.*)$", prep["stdout"], re.M).group(1),  # who tokenized, as the summary says
     }
 
 
@@ -392,16 +402,205 @@ def run(tokenizer: Path, corpus_dir: Path, size_mb: int, workers: list[int], bac
     return results
 
 
+# ---------------------------------------------------------------------------------------------
+# Many files: a corpus of .json.gz files, prepared whole-file by many workers.
+
+
+def _varied(doc: str, k: int) -> str:
+    """The document with its lines (a one-line document: its words) rotated by k: the same words
+    in another text, so no document of the corpus is another's copy."""
+    sep = "\n" if "\n" in doc else " "
+    parts = doc.split(sep)
+    k %= len(parts)
+    return sep.join(parts[k:] + parts[:k]) if k else doc
+
+
+_POOL: list[str] = []  # the distinct documents, inherited by the forked writers
+
+
+def _write_gz(args: tuple[Path, int, int]) -> tuple[int, int]:
+    """One .json.gz file of about `gz_bytes` on disk: the pool's documents in a file-own order, each
+    rotated by a file-own amount; returns (bytes on disk, bytes of JSON lines)."""
+    path, seed, gz_bytes = args
+    rng = random.Random(seed)
+    order = list(range(len(_POOL)))
+    rng.shuffle(order)
+    # gzip level 1: 5x faster to write than the default 6 (which would hold ~25 % more text per byte
+    # on disk); reading costs the same per byte of text either way.
+    comp = zlib.compressobj(1, zlib.DEFLATED, 31)
+    tmp = path.with_suffix(".tmp")
+    text = 0
+    with open(tmp, "wb") as f:
+        i = 0
+        while f.tell() < gz_bytes:
+            batch = b"".join(orjson.dumps({"text": _varied(_POOL[order[j % len(order)]], rng.randrange(1 << 20))}) + b"\n" for j in range(i, i + 256))
+            i += 256
+            text += len(batch)
+            f.write(comp.compress(batch))
+        f.write(comp.flush())
+    os.replace(tmp, path)
+    return path.stat().st_size, text
+
+
+def generate_gz_corpus(directory: Path, gz_mb: int, files: int, pool_mb: int, extra_text: Path | None = None) -> Path:
+    """`files` .json.gz files of `gz_mb` MB together, written in parallel (one process per core):
+    every file draws from one pool of `pool_mb` MB of distinct real documents (`_unique_documents`),
+    in its own order and with its own rotation of each document's lines (`_varied`), so the
+    tokenizer sees real text and no file repeats another. Reused when present."""
+    directory = Path(directory)
+    marker = directory / f"corpus-{gz_mb}mb-{files}files.done"
+    if marker.exists():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in directory.glob("*"):
+        old.unlink()
+    global _POOL
+    _POOL = _unique_documents(pool_mb * 1_000_000, extra_text)
+    with mp.get_context("fork").Pool(os.cpu_count()) as pool:
+        sizes = pool.map(_write_gz, [(directory / f"part-{i:04d}.json.gz", i, gz_mb * 1_000_000 // files) for i in range(files)], chunksize=1)
+    (directory / "corpus.json").write_text(json.dumps({"gz_bytes": sum(s for s, _ in sizes), "text_bytes": sum(t for _, t in sizes), "files": files,
+                                                      "pool_docs": len(_POOL), "pool_bytes": sum(len(d.encode()) for d in _POOL)}))
+    marker.touch()
+    return directory
+
+
+_CEILING_FILES = r"""
+import os, sys, time, json
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+t0 = time.perf_counter()
+from olmo_ds.data import readers
+from olmo_ds.tokenizer import load_tokenizer
+tok = load_tokenizer(sys.argv[1], backend="fast")
+tok.split_special_tokens = True  # special-token strings in a document are text, as prepare_data.py encodes them by default
+t1 = time.perf_counter()
+texts = [t for f in sys.argv[2:] for t in readers.read_documents(f)]  # decompress and parse
+t2 = time.perf_counter()
+n = 0
+for i in range(0, len(texts), 256):
+    n += len(tok.encode_batch_flat(texts[i:i + 256])[0])
+t3 = time.perf_counter()
+print(json.dumps({"load_tokenizer": t1 - t0, "read_seconds": t2 - t1, "seconds": t3 - t2, "tokens": n, "docs": len(texts)}))
+"""
+
+
+def measure_files_ceiling(tokenizer: Path, groups: list[list[Path]]) -> dict:
+    """One process per group of files, all at once: each loads its tokenizer, reads its files
+    (decompressing and parsing) and then encodes the texts, timed apart. Throughput is the sum over
+    the processes of tokens over encode seconds (fastokens alone), and of tokens over read + encode
+    seconds (a whole job without coordination or output)."""
+    procs = [subprocess.Popen([sys.executable, "-c", _CEILING_FILES, str(tokenizer), *map(str, g)], stdout=subprocess.PIPE, text=True, env=package_env())
+             for g in groups]
+    runs = []
+    for p in procs:
+        out, _ = p.communicate()
+        if p.returncode != 0:
+            raise RuntimeError(f"ceiling run failed (exit {p.returncode})")
+        runs.append(json.loads(out))
+    return {
+        "processes": len(groups), "tokens": sum(r["tokens"] for r in runs), "docs": sum(r["docs"] for r in runs),
+        "tokens_per_s": sum(r["tokens"] / r["seconds"] for r in runs),
+        "read_and_encode_tokens_per_s": sum(r["tokens"] / (r["read_seconds"] + r["seconds"]) for r in runs),
+        "slowest_seconds": max(r["seconds"] for r in runs),
+    }
+
+
+def same_output(a: Path, b: Path) -> tuple[bool, str]:
+    """Whether two validated output directories are the same bytes: every file but the `.bin`s
+    compared byte for byte (offsets, every shard's metadata with its sha256, manifests, val/,
+    .prepare.json), and the `.bin`s by size, their sha256 being the metadata's (validate_shards.py
+    checked each against its file). Reading 2 x 7 GB once more would double validation's time."""
+    files = lambda d: {str(p.relative_to(d)): p for p in sorted(d.rglob("*")) if p.is_file()}  # noqa: E731
+    fa, fb = files(a), files(b)
+    if set(fa) != set(fb):
+        return False, f"different files: {sorted(set(fa) ^ set(fb))[:5]}"
+    for name, p in fa.items():
+        if name.endswith(".bin"):
+            if p.stat().st_size != fb[name].stat().st_size:
+                return False, f"{name}: sizes differ"
+        elif p.read_bytes() != fb[name].read_bytes():
+            return False, f"{name} differs"
+    return True, f"{len(fa)} files, {sum(n.endswith('.bin') for n in fa)} shards"
+
+
+def run_many_files(tokenizer: Path, directory: Path, gz_mb: int, files: int, workers: list[int], pool_mb: int, log=print,
+                   extra_text: Path | None = None, keep: bool = False) -> dict:
+    """The corpus-scale case: a corpus of many .json.gz files, `prepare_data.py` + `validate_shards.py`
+    at each worker count (the most in whole-file mode, 1 worker in blocks: the defaults), against
+    as many independent fastokens processes as the most workers, in one call."""
+    t0 = time.perf_counter()
+    corpus = directory / "corpus-gz"
+    gen = mp.get_context("fork").Process(target=generate_gz_corpus, args=(corpus, gz_mb, files, pool_mb), kwargs={"extra_text": extra_text})
+    gen.start()
+    gen.join()
+    if gen.exitcode != 0:
+        raise RuntimeError(f"generating the corpus in {corpus} failed (exit code {gen.exitcode})")
+    info = json.loads((corpus / "corpus.json").read_text())
+    log(f"corpus: {corpus}: {info['files']} .json.gz files, {info['gz_bytes'] / 1e9:.2f} GB on disk, {info['text_bytes'] / 1e9:.2f} GB of JSON lines "
+        f"(from {info['pool_bytes'] / 1e6:.0f} MB of distinct documents), made in {time.perf_counter() - t0:.0f} s; cpus: {os.cpu_count()}")
+    paths = sorted(corpus.glob("*.json.gz"))
+    n = max(workers)
+    groups = [paths[k::n] for k in range(n)]
+    results = {"corpus": info, "tokenizer": str(tokenizer), "workers": workers}
+    one = results["ceiling_1"] = measure_files_ceiling(tokenizer, groups[:1])
+    log(f"fastokens, 1 process on 1/{n} of the files: {one['tokens_per_s'] / 1e6:.1f}M tokens/s encoding, {one['read_and_encode_tokens_per_s'] / 1e6:.1f}M with reading")
+    many = results[f"ceiling_{n}"] = measure_files_ceiling(tokenizer, groups)
+    log(f"fastokens, {n} processes at once, 1/{n} of the files each: {many['tokens_per_s'] / 1e6:.1f}M tokens/s encoding "
+        f"({many['tokens_per_s'] / one['tokens_per_s']:.2f}x one), {many['read_and_encode_tokens_per_s'] / 1e6:.1f}M with reading")
+    runs = results["prepare"] = []
+    for w in workers:
+        out = directory / f"shards-w{w}"
+        r = measure_prepare(tokenizer, corpus, out, w, "fast")
+        if r["tokens"] != many["tokens"] + r["docs"]:  # every document's ids plus its EOS, nothing else
+            raise RuntimeError(f"prepare_data.py --workers {w} wrote {r['tokens']:,} tokens for {r['docs']:,} documents; the ceiling runs encoded {many['tokens']:,}")
+        runs.append(r)
+        log(f"prepare+validate --workers {w}: {r['seconds']:.1f} s ({r['prepare_seconds']:.1f} + {r['validate_seconds']:.1f}), "
+            f"{r['tokens_per_s'] / 1e6:.1f}M tokens/s end to end, {r['loop_tokens_per_s'] / 1e6:.1f}M without start-up; {r['layout']}")
+    first = directory / f"shards-w{workers[0]}"
+    for w in workers[1:]:
+        ok, what = same_output(first, directory / f"shards-w{w}")
+        results.setdefault("identical", {})[w] = ok
+        log(f"--workers {w} output == --workers {workers[0]} output: {'yes' if ok else 'NO'} ({what})")
+    if not keep:
+        for w in workers:
+            shutil.rmtree(directory / f"shards-w{w}", ignore_errors=True)
+    base = runs[0]
+    log("")
+    log(f"| {info['files']} .json.gz files, {info['gz_bytes'] / 1e9:.2f} GB ({info['text_bytes'] / 1e9:.2f} GB of text, {base['tokens'] / 1e9:.2f}G tokens) "
+        f"| seconds | end to end | without start-up |")
+    log("|---|---|---|---|")
+    log(f"| fastokens alone, 1 process, 1/{n} of the files in memory | {one['slowest_seconds']:.1f} | — | {one['tokens_per_s'] / 1e6:.1f}M |")
+    log(f"| fastokens alone, {n} processes at once | {many['slowest_seconds']:.1f} | — | {many['tokens_per_s'] / 1e6:.1f}M ({many['tokens_per_s'] / one['tokens_per_s']:.2f}x) |")
+    log(f"| read + parse + fastokens, {n} processes at once, no output | — | — | {many['read_and_encode_tokens_per_s'] / 1e6:.1f}M |")
+    for r in runs:
+        log(f"| prepare + validate, --workers {r['workers']} | {r['prepare_seconds']:.1f} + {r['validate_seconds']:.1f} | "
+            f"{r['tokens_per_s'] / 1e6:.1f}M ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x) | {r['loop_tokens_per_s'] / 1e6:.1f}M ({r['loop_tokens_per_s'] / base['loop_tokens_per_s']:.2f}x) |")
+    top = runs[-1]
+    results["end_to_end_over_1"] = e2e = top["tokens_per_s"] / base["tokens_per_s"]
+    results["over_independent"] = ind = top["loop_tokens_per_s"] / many["tokens_per_s"]
+    results["scaling_over_machine"] = sc = (top["loop_tokens_per_s"] / base["loop_tokens_per_s"]) / (many["tokens_per_s"] / one["tokens_per_s"])
+    log(f"--workers {top['workers']} / --workers {base['workers']}, end to end: {e2e:.2f}x (target >= 8); "
+        f"without start-up / {n} independent fastokens processes: {ind:.2f} (target >= 0.8); "
+        f"its {top['workers']}-over-{base['workers']} scaling / the machine's {n}-over-1: {sc:.2f}; "
+        f"identical output: {'yes' if all(results.get('identical', {}).values()) else 'NO'}; whole call {time.perf_counter() - t0:.0f} s")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", default="allenai/dolma2-tokenizer", help="tokenizer.json, or a hub id from the HF cache (default: OLMo 2/3's)")
     p.add_argument("--extra-text", type=Path, default=None, help="a directory of .json.gz web text to put first in the corpus (the measured runs used ../shared/data/c4-sample)")
     p.add_argument("--dir", type=Path, default=Path("data/bench-prepare"), help="where the generated corpus and the shards go (corpus reused when present)")
     p.add_argument("--size-mb", type=int, default=256, help="size of the generated corpus (default: 256)")
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--workers", type=int, nargs="+", default=None, help="worker counts (default: 1 2; with --many-files: 1 and this machine's cores)")
     p.add_argument("--backends", nargs="+", choices=("hf", "fast"), default=["hf", "fast"])
     p.add_argument("--repeats", type=int, default=1, help="run each prepare this many times and keep the fastest (default: 1)")
     p.add_argument("--big-file-mb", type=int, default=0, help="also run on one file of this many MB: each process's RSS over time at the most workers, and prepare+validate at every worker count (0: skip)")
+    p.add_argument("--many-files", action="store_true", help="instead: a corpus of --gz-mb of .json.gz in --files files, prepare+validate at each --workers "
+                   "(the most in whole-file mode) and as many independent fastokens processes, fast backend; prints a table last")
+    p.add_argument("--gz-mb", type=int, default=2048, help="--many-files: MB of .json.gz to generate (default: 2048)")
+    p.add_argument("--files", type=int, default=128, help="--many-files: number of files (default: 128)")
+    p.add_argument("--pool-mb", type=int, default=128, help="--many-files: MB of distinct documents the files draw from (default: 128)")
+    p.add_argument("--keep", action="store_true", help="--many-files: keep the shard directories (default: deleted after the comparison)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = p.parse_args(argv)
     try:
@@ -409,7 +608,11 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    results = run(tokenizer, a.dir, a.size_mb, a.workers, a.backends, big_file_mb=a.big_file_mb, repeats=a.repeats, extra_text=a.extra_text)
+    if a.many_files:
+        workers = a.workers or [1, os.cpu_count() or 1]
+        results = run_many_files(tokenizer, a.dir, a.gz_mb, a.files, workers, a.pool_mb, extra_text=a.extra_text, keep=a.keep)
+    else:
+        results = run(tokenizer, a.dir, a.size_mb, a.workers or [1, 2], a.backends, big_file_mb=a.big_file_mb, repeats=a.repeats, extra_text=a.extra_text)
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
     return 0

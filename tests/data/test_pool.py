@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
-from olmo_ds.data.pool import OrderedPool, WorkerDied
+from olmo_ds.data.pool import OrderedPool, TaskPool, WorkerDied
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,14 +67,15 @@ def test_a_dead_worker_is_an_error_not_a_hang():
     assert time.monotonic() - t0 < 30
 
 
-def test_workers_exit_when_the_parent_is_killed(tmp_path):
+@pytest.mark.parametrize("pool", ["OrderedPool", "TaskPool"])
+def test_workers_exit_when_the_parent_is_killed(tmp_path, pool):
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(f"""
         import multiprocessing as mp, sys, time
         sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from olmo_ds.data.pool import OrderedPool
+        from olmo_ds.data.pool import {pool} as Pool
         from test_pool import square_block
-        pool = OrderedPool(square_block, {{}}, 3, mp.get_context("fork"))
+        pool = Pool(square_block, {{}}, 3, mp.get_context("fork"))
         print(" ".join(str(p.pid) for p in pool.procs), flush=True)
         time.sleep(60)
     """))
@@ -87,3 +88,45 @@ def test_workers_exit_when_the_parent_is_killed(tmp_path):
     for p in alive:
         p.kill()
     assert not alive, f"workers outlived their parent: {[p.pid for p in alive]}"
+
+
+def sleepy_task(context, task):
+    """Task i sleeps longer the smaller i is, so results come back out of submission order."""
+    i = task
+    if i == context.get("fail_at"):
+        raise ValueError(f"bad task {i}")
+    if i == context.get("die_at"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.03 * (3 - i % 4))
+    return {"i": i, "pid": os.getpid()}
+
+
+def run_tasks(pool: TaskPool, n: int) -> list:
+    todo, done = list(range(n)), []
+    while todo or pool.running:
+        while todo and pool.idle:
+            i = todo.pop(0)
+            pool.submit(f"key{i}", i)
+        done += pool.wait()
+    return done
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_task_pool_returns_each_result_as_it_is_ready(method):
+    with TaskPool(sleepy_task, {}, 3, mp.get_context(method)) as pool:
+        done = run_tasks(pool, 12)
+    assert sorted(key for key, _ in done) == sorted(f"key{i}" for i in range(12))
+    assert all(key == f"key{r['i']}" for key, r in done)
+    assert [r["i"] for _, r in done] != list(range(12))  # a worker that finished early took the next task
+    assert len({r["pid"] for _, r in done}) == 3 and os.getpid() not in {r["pid"] for _, r in done}
+
+
+def test_task_pool_raises_a_task_error_and_a_worker_death():
+    with pytest.raises(ValueError, match="bad task 5"):
+        with TaskPool(sleepy_task, {"fail_at": 5}, 2, mp.get_context("fork")) as pool:
+            run_tasks(pool, 10)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDied, match="exit code -9"):
+        with TaskPool(sleepy_task, {"die_at": 4}, 2, mp.get_context("fork")) as pool:
+            run_tasks(pool, 10)
+    assert time.monotonic() - t0 < 30

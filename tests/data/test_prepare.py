@@ -12,7 +12,7 @@ import tokenizers
 
 from olmo_ds.data import shards
 from olmo_ds.data import prepare as prepare_mod
-from olmo_ds.data.prepare import PrepareConfig, PrepareError, pool_layout, prepare, val_hash
+from olmo_ds.data.prepare import PrepareConfig, PrepareError, pool_layout, prepare, val_hash, work_unit
 from testdata import SHARED
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,6 +89,104 @@ def test_pool_layout_keeps_a_core_for_the_main_process_when_there_is_one():
     assert pool_layout(16, cores=16) == (15, True)
     assert pool_layout(2, cores=2) == (1, True)
     assert pool_layout(4, cores=2) == (3, True)
+
+
+def write_many_files(raw: Path) -> list[str]:
+    """The c4 documents over 14 files of every kind (JSON lines plain, gzip and zstd, .txt, Parquet, an
+    empty file), with bad records and special-token text; returns the good texts in input order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    raw.mkdir(parents=True, exist_ok=True)
+    texts = c4_texts()
+    texts[5] = "quoting <|endoftext|> on a web page " + texts[5]
+    lines = lambda ts: "".join(json.dumps({"text": t}) + "\n" for t in ts).encode()  # noqa: E731
+    good = []
+    for i in range(10):
+        chunk = texts[(3 * i) % 30 : (3 * i) % 30 + 3 + i % 4]
+        good += chunk
+        data = lines(chunk)
+        if i == 2:
+            data = data + b'{"text": 42}\n{"id": 1}\n' + lines(texts[:1])
+            good += texts[:1]
+        name = f"f{i:02d}"
+        if i % 3 == 0:
+            (raw / f"{name}.jsonl.gz").write_bytes(gzip.compress(data))
+        elif i % 3 == 1:
+            (raw / f"{name}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+        else:
+            (raw / f"{name}.jsonl").write_bytes(data)
+    (raw / "f10.jsonl").write_bytes(b"")
+    (raw / "f11.txt").write_text(texts[29])
+    pq.write_table(pa.table({"text": texts[10:20]}), raw / "f12.parquet", row_group_size=3)
+    (raw / "f13.txt").write_text(" ")
+    return good + [texts[29]] + texts[10:20]
+
+
+def test_whole_files_give_the_bytes_of_one_worker(tmp_path):
+    """--work-unit files (workers tokenize whole files into pieces, shards cut from them) writes
+    exactly what one worker writes: every file of the output directory compared byte for byte (each
+    shard's .bin, .offsets.npy and .json with its resume point, manifest.json with skip and note
+    counts and examples, val/ and its manifest, .prepare.json), and nothing else is left behind."""
+    raw = tmp_path / "raw"
+    good = write_many_files(raw)
+    for val_fraction, runs in ((0.3, ((1, "files"), (3, "files"), (2, "auto"))), (0.0, ((3, "files"),))):
+        kw = dict(shard_tokens=2500, val_fraction=val_fraction)
+        ref = run([raw], tmp_path / f"ref{val_fraction}", DOLMA2, **kw)
+        assert ref.layout == "this process"
+        expected = dir_bytes(ref.output)
+        assert sum(k.endswith(".bin") for k in expected) > 6 and ref.skipped.counts and ref.noted.counts
+        for workers, unit in runs:
+            result = run([raw], tmp_path / f"w{workers}{unit}{val_fraction}", DOLMA2, workers=workers, work_unit=unit, **kw)
+            assert result.layout.startswith(f"{workers} worker process") and "whole files" in result.layout
+            assert dir_bytes(result.output) == expected, (workers, unit, val_fraction)
+            assert sorted(p.name for p in result.output.iterdir()) == sorted({k.split("/")[0] for k in expected})
+    hf = tokenizers.Tokenizer.from_file(str(DOLMA2))
+    hf.encode_special_tokens = True  # special-token text is text, as prepare encodes it by default
+    eos = hf.token_to_id("<|endoftext|>")
+    docs = [hf.encode(t, add_special_tokens=False).ids + [eos] for t in good]
+    ids, lens = read_all(tmp_path / "ref0.0")
+    assert ids.tolist() == [i for d in docs for i in d] and lens == [len(d) for d in docs]
+    dry = prepare(PrepareConfig(inputs=[str(raw)], output=tmp_path / "dry", tokenizer=str(DOLMA2), dry_run=True, progress=False, workers=2, work_unit="files"), log=lambda _: None)
+    assert not (tmp_path / "dry").exists() and (dry.num_docs, [f.docs for f in dry.files]) == (len(good), [f.docs for f in ref.files])
+
+
+def test_work_unit_auto_takes_whole_files_when_there_are_many():
+    assert work_unit("auto", 16, 64) == "files" and work_unit("auto", 16, 63) == "blocks"
+    assert work_unit("auto", 2, 8) == "files" and work_unit("auto", 1, 1000) == "blocks"
+    assert work_unit("blocks", 16, 1000) == "blocks" and work_unit("files", 1, 1) == "files"
+
+
+def test_whole_files_resume_after_a_crash_in_either_mode(tmp_path):
+    """Shards finish out of order in whole-file mode; a rerun keeps only the complete shards before
+    the first gap, drops the pieces, and resumes (mid-file) to the same bytes, in either mode."""
+    raw = tmp_path / "raw"
+    write_many_files(raw)
+    kw = dict(shard_tokens=2500, val_fraction=0.3)
+    ref = run([raw], tmp_path / "ref", NEOX, **kw)
+    expected = dir_bytes(ref.output)
+    n = len(shards.list_shards(ref.output))
+    for unit in ("files", "blocks"):
+        out = Path(shutil.copytree(ref.output, tmp_path / unit))
+        (out / "manifest.json").unlink()
+        for p in out.glob(f"shard-{n // 2:05d}.*"):  # a gap: later shards complete, this one not
+            p.unlink()
+        (out / f"shard-{n // 2:05d}.bin.tmp").write_bytes(b"\1" * 10)
+        (out / ".prepare-pieces").mkdir()
+        (out / ".prepare-pieces" / "piece-000003.train.bin").write_bytes(b"\0" * 64)
+        result = run([raw], out, NEOX, workers=2, work_unit=unit, **kw)
+        assert result.resumed_from is not None and not result.resumed_from.endswith(":1")  # mid-file
+        assert result.run_tokens < result.num_tokens + result.val_tokens
+        assert dir_bytes(out) == expected, unit
+
+
+def test_whole_files_strict_stops_at_the_first_bad_record(tmp_path):
+    raw = tmp_path / "raw"
+    write_many_files(raw)
+    with pytest.raises(PrepareError, match=rf"{re.escape(str((raw / 'f02.jsonl').resolve()))}:6: text not a string \(--strict"):
+        run([raw], tmp_path / "out", NEOX, strict=True, workers=2, work_unit="files")
+    assert not (tmp_path / "out" / ".prepare-pieces").exists()
 
 
 def test_plain_files_read_by_the_workers_give_the_same_bytes_and_ids(tmp_path):

@@ -8,6 +8,7 @@ OWNER_TESTS: dict[str, list[str]] = {
     "crash/SIGKILL of prepare_data (fixed points)": [
         "tests/data/test_prepare.py::test_rerun_after_a_crash_at_any_point_is_byte_identical",
         "tests/data/test_prepare.py::test_rerun_after_sigkill_is_byte_identical",
+        "tests/data/test_prepare.py::test_whole_files_resume_after_a_crash_in_either_mode",
     ],
     "bad input: corrupt shard (flipped byte, no EOS, offsets)": [
         "tests/data/test_validate.py::test_flipped_byte_and_missing_eos",

@@ -40,6 +40,7 @@ SEED = int(os.environ.get("OLMO_DS_FAULT_SEED", random.SystemRandom().randrange(
 # fault -> (trials in the sampled run, trials in the full run)
 TRIALS = {
     "prepare_sigkill": (2, 12),
+    "prepare_files_sigkill": (2, 12),  # the same with --work-unit files
     "prepare_partition_sigkill": (1, 6),  # M = 3 parts, one of them killed
     "train_kill_chains": (1, 2),  # independent runs, each killed `train_kills_per_chain` times
     "train_kills_per_chain": (1, 11),
@@ -108,15 +109,15 @@ def dir_bytes(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(Path(directory).rglob("*")) if p.is_file()}
 
 
-def write_c4_corpus(raw: Path, copies: int) -> Path:
-    """Real C4 web text as JSON lines, `copies` times over, one file per copy group of three."""
+def write_c4_corpus(raw: Path, copies: int, per_file: int = 3) -> Path:
+    """Real C4 web text as JSON lines, `copies` times over, `per_file` copies to a file."""
     raw.mkdir(parents=True, exist_ok=True)
     texts = []
     for path in sorted(C4_DIR.glob("*.json.gz")):
         with gzip.open(path, "rt") as f:
             texts += [json.loads(line)["text"] for line in f]
     for c in range(copies):
-        with open(raw / f"part-{c // 3:03d}.jsonl", "a") as f:
+        with open(raw / f"part-{c // per_file:03d}.jsonl", "a") as f:
             for t in texts:
                 f.write(json.dumps({"text": t, "copy": c}) + "\n")
     return raw

@@ -3,7 +3,9 @@
 The kill hits the whole process group (the script and its tokenizer workers) at a moment drawn
 uniformly over an uninterrupted run's duration, so it lands in tokenizer loading, mid-shard,
 between a shard's files, or while the manifest is written. Half of the trials also kill the first
-rerun, so resuming from a resumed run is exercised too. The partitioned case runs M = 3 parts as
+rerun, so resuming from a resumed run is exercised too. Both work units run: blocks handed out by
+the main process, and whole files (workers write pieces and finish shards out of order), each
+compared with the same reference (a blocks run; an uninterrupted whole-file run must equal it too). The partitioned case runs M = 3 parts as
 Slurm array tasks (scripts/slurm/prepare_array.sbatch with a stand-in `srun`), kills one, checks
 that the merge refuses the unfinished part, resumes it, and merges to a single run's tokens.
 """
@@ -28,18 +30,19 @@ FAULT = "SIGKILL prepare_data.py at a random moment"
 ARGS = ["--tokenizer", str(NEOX), "--shard-tokens", "3000", "--val-fraction", "0.1", "--no-progress"]
 
 
-def prepare_cmd(raw, out) -> list[str]:
-    return [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--input", str(raw), "--output", str(out), "--workers", "2", *ARGS]
+def prepare_cmd(raw, out, unit: str = "blocks") -> list[str]:
+    return [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--input", str(raw), "--output", str(out), "--workers", "2",
+            "--work-unit", unit, *ARGS]
 
 
-def start(raw, out) -> subprocess.Popen:
-    return subprocess.Popen(prepare_cmd(raw, out), cwd=ROOT, env=base_env(), stdout=subprocess.DEVNULL,
+def start(raw, out, unit: str) -> subprocess.Popen:
+    return subprocess.Popen(prepare_cmd(raw, out, unit), cwd=ROOT, env=base_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def killed_at(raw, out, delay: float) -> bool:
+def killed_at(raw, out, delay: float, unit: str) -> bool:
     """Start a run and SIGKILL it after `delay` seconds; True if it was still running then."""
-    proc = start(raw, out)
+    proc = start(raw, out, unit)
     try:
         proc.wait(delay)
         return False
@@ -52,7 +55,7 @@ def killed_at(raw, out, delay: float) -> bool:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     work = tmp_path_factory.mktemp("prepare_kill")
-    raw = write_c4_corpus(work / "raw", copies=12)
+    raw = write_c4_corpus(work / "raw", copies=12, per_file=1)
     ref = work / "ref"
     t0 = time.monotonic()
     proc = subprocess.run(prepare_cmd(raw, ref), cwd=ROOT, env=base_env(), capture_output=True, text=True)
@@ -60,19 +63,29 @@ def reference(tmp_path_factory):
     return raw, dir_bytes(ref), time.monotonic() - t0, ref
 
 
-def test_rerun_after_sigkill_at_a_random_moment_is_byte_identical(reference, tmp_path):
+UNITS = {"blocks": ("prepare_sigkill", FAULT), "files": ("prepare_files_sigkill", f"{FAULT}, whole files")}
+
+
+@pytest.mark.parametrize("unit", UNITS)
+def test_rerun_after_sigkill_at_a_random_moment_is_byte_identical(reference, tmp_path, unit):
     raw, expected, duration, _ = reference
-    draw = rng("prepare_sigkill")
+    name, fault = UNITS[unit]
+    if unit != "blocks":  # kill moments span an uninterrupted run of this unit, which must give the same bytes
+        t0 = time.monotonic()
+        proc = subprocess.run(prepare_cmd(raw, tmp_path / "whole", unit), cwd=ROOT, env=base_env(), capture_output=True, text=True)
+        duration = time.monotonic() - t0
+        assert proc.returncode == 0 and dir_bytes(tmp_path / "whole") == expected, proc.stderr
+    draw = rng(name)
     failures = []
-    for trial in range(trials("prepare_sigkill")):
+    for trial in range(trials(name)):
         out = tmp_path / f"trial{trial}"
         delay = draw.uniform(0.05, duration)
-        interrupted = killed_at(raw, out, delay)
+        interrupted = killed_at(raw, out, delay, unit)
         if trial % 2 == 1 and interrupted:
-            killed_at(raw, out, draw.uniform(0.05, duration))  # kill the resumed run as well
-        rerun = subprocess.run(prepare_cmd(raw, out), cwd=ROOT, env=base_env(), capture_output=True, text=True)
+            killed_at(raw, out, draw.uniform(0.05, duration), unit)  # kill the resumed run as well
+        rerun = subprocess.run(prepare_cmd(raw, out, unit), cwd=ROOT, env=base_env(), capture_output=True, text=True)
         identical = rerun.returncode == 0 and dir_bytes(out) == expected
-        record(FAULT, survived=identical, data_lost=not identical)
+        record(fault, survived=identical, data_lost=not identical)
         if not identical:
             failures.append(f"trial {trial} (kill after {delay:.2f}s): rc {rerun.returncode}\n{rerun.stderr[-2000:]}")
     assert not failures, "\n".join(failures)

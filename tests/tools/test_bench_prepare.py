@@ -22,3 +22,19 @@ def test_bench_prepare_small(tmp_path):
     assert [b["workers"] for b in r["big_file_prepare"]] == [1, 2]
     assert all(b["tokens"] == m["tokens"] for b in r["big_file_prepare"])  # the same file, every worker count
     assert any("2 workers / 1 worker" in line for line in lines) and any(line.startswith("big file, --workers 2") for line in lines)
+
+
+def test_bench_prepare_many_files(tmp_path):
+    from olmo_ds.tools.bench_prepare import run_many_files
+
+    lines = []
+    r = run_many_files(DOLMA2.resolve(), tmp_path, gz_mb=1, files=8, workers=[1, 2], pool_mb=1, log=lines.append)
+    assert r["corpus"]["files"] == len(list((tmp_path / "corpus-gz").glob("*.json.gz"))) == 8
+    assert r["corpus"]["gz_bytes"] >= 900_000 and r["corpus"]["text_bytes"] > 2 * r["corpus"]["gz_bytes"]
+    one, two = r["prepare"]
+    assert one["tokens"] == two["tokens"] and r["identical"] == {2: True}
+    assert one["layout"] == "fastokens, run by this process" and "taking whole files" in two["layout"]  # auto: 8 files, 2 workers
+    assert r["ceiling_2"]["tokens"] + two["docs"] == two["tokens"] and 0 < r["ceiling_1"]["tokens"] < r["ceiling_2"]["tokens"]  # 1 process: half the files
+    assert r["end_to_end_over_1"] > 0 and r["over_independent"] > 0
+    assert lines[-1].startswith("--workers 2 / --workers 1, end to end:") and "identical output: yes" in lines[-1]
+    assert not (tmp_path / "shards-w1").exists()  # deleted after the comparison

@@ -1,0 +1,198 @@
+"""Whole-file mode of data preparation: workers tokenize whole files into pieces, and the shards are
+cut from the pieces exactly where one process would cut them.
+
+Why: handing out 1 MiB blocks from one process that also decompresses every compressed file (in
+order: a stream cannot be split) and writes and hashes every shard caps the speed-up at a few
+workers. With many input files there is a unit of work that needs none of that: the file.
+
+- A worker takes a `Task` (one file, or several consecutive small ones), decompresses, parses and
+  tokenizes it block by block and appends each split's ids to its own piece file
+  (`OUTPUT/.prepare-pieces/piece-NNNNNN.{train,val}.bin`, no header). It sends back only the
+  documents' lengths, their input positions, the skips and the special-token notes (`PieceResult`).
+- The main process takes the results in input order and cuts each split's documents into shards
+  with `shards.ShardCutter`, the rule `ShardedWriter` writes by (`PieceSplit`). A shard is known
+  once the document after it is: it becomes a `ShardJob` (the ranges of pieces it is made of, its
+  documents' lengths, its resume point), which the next idle worker writes through
+  `shards.ShardWriter` (temporary names, sha256, fsync, rename, metadata last); then the pieces no
+  shard needs any more are deleted. So the main process orders and deletes; workers read, tokenize
+  and write. A shard's ids are written twice (piece, then shard), spread over the workers.
+
+What makes the output byte-identical to a one-worker run (every shard's `.bin`, `.offsets.npy` and
+`.json`, the manifests, the validation split, `.prepare.json`): the documents and their order are
+the same (files in input order, lines in file order, the same per-block tokenizing code); shard
+boundaries come from the same `ShardCutter` over the same lengths; a shard's resume point is the
+same function of the input (the position of the next document, the skips and notes before it,
+`prepare._logs_before`); and nothing written records the mode or the worker count.
+
+Kill safety: workers finish shards in any order, but a shard is complete only once its `.json`
+exists, and a rerun keeps only the complete shards 0..k-1 (`prepare_output.complete_shards` deletes
+a complete shard after a gap), deletes `.prepare-pieces`, and reads the input again from just after
+shard k-1's last document, in either mode.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from olmo_ds.data import shards
+from olmo_ds.data.prepare_output import resume_point, split_position
+
+PIECES_DIR = ".prepare-pieces"
+GROUP_BYTES = 4 << 20  # files smaller than this (on disk) share a task with their neighbours
+BLOCK_TOKENS = 1 << 22  # ids copied from a piece per step: a worker's memory stays bounded
+
+
+@dataclass(frozen=True)
+class Task:
+    """Files to tokenize whole, in order; the first from line `start_line` (a resume point)."""
+
+    index: int
+    files: tuple[tuple[int, str], ...]  # (index in the input list, path)
+    start_line: int
+    pieces: str | None  # where the piece files go; None in a dry run (ids are counted, not kept)
+    chunk_bytes: int
+
+    def piece(self, split: str) -> str:
+        return str(Path(self.pieces) / f"piece-{self.index:06d}.{split}.bin")
+
+
+def plan_tasks(files: list[Path], start: int, end_file: int, workers: int, chunk_bytes: int, pieces: Path | None) -> list[Task]:
+    """Tasks covering the input from position `start` to the end of file `end_file - 1`:
+    consecutive files grouped until a task holds `GROUP_BYTES` on disk (fewer when the input is
+    small, so that every worker gets several tasks)."""
+    start_file, start_line = split_position(start)
+    sizes = {fi: files[fi].stat().st_size for fi in range(start_file, end_file)}
+    target = min(GROUP_BYTES, max(sum(sizes.values()) // (8 * workers), 1))
+    tasks, group, size = [], [], 0
+    for fi in range(start_file, end_file):
+        group.append((fi, str(files[fi])))
+        size += sizes[fi]
+        if size >= target or fi == end_file - 1:
+            first = start_line if group[0][0] == start_file else 1
+            tasks.append(Task(len(tasks), tuple(group), max(first, 1), str(pieces) if pieces else None, chunk_bytes))
+            group, size = [], 0
+    return tasks
+
+
+@dataclass
+class PieceResult:
+    """What a worker sends back for a task; the ids themselves are in the task's piece files."""
+
+    doc_lens: np.ndarray  # int64 tokens per document, EOS included, in input order
+    positions: np.ndarray  # int64 input position (`prepare_output.position`) of each document
+    is_val: np.ndarray | None  # bool per document, when there is a validation split
+    special: np.ndarray  # bool per document: its text holds a special token's text
+    skips: list[tuple[int, str]]  # (input position, reason)
+    text_bytes: int
+    files: list[tuple[int, int, int, int]]  # per file: (index, documents, tokens, skipped records)
+
+
+@dataclass
+class ShardJob:
+    """One shard to write from ranges of piece files (run by a worker: `write_shard_job`)."""
+
+    directory: str
+    index: int
+    vocab_size: int
+    eos_id: int
+    segments: list[tuple[str, int, int, np.ndarray]]  # (piece file, first id, end id, its documents' lengths)
+    extra: dict  # the resume point, stored in the shard's metadata
+
+    @property
+    def pieces(self) -> list[str]:
+        return [s[0] for s in self.segments]
+
+
+def write_shard_job(job: ShardJob) -> ShardJob:
+    """Copy the job's piece ranges into shard `index` through `ShardWriter`, in blocks of whole documents."""
+    writer = shards.ShardWriter(Path(job.directory), job.index, vocab_size=job.vocab_size, eos_id=job.eos_id)
+    try:
+        for path, first, end, lens in job.segments:
+            ids = np.memmap(path, dtype=writer.dtype, mode="r", offset=first * writer.dtype.itemsize, shape=(end - first,))
+            ends = np.cumsum(lens, dtype=np.int64)
+            d = 0
+            while d < len(lens):
+                e = max(int(np.searchsorted(ends, (ends[d - 1] if d else 0) + BLOCK_TOKENS, side="right")), d + 1)
+                writer.append(ids[(ends[d - 1] if d else 0) : ends[e - 1]], lens[d:e])
+                d = e
+            del ids
+        writer.close(job.extra)
+    except BaseException:
+        writer.abort()
+        raise
+    job.segments = [(path, first, end, np.zeros(0, np.int64)) for path, first, end, _ in job.segments]  # the lengths need not travel back
+    return job
+
+
+class PieceSplit:
+    """One split's shards in whole-file mode: the documents of each piece, in input order, cut into
+    `ShardJob`s by the rule `ShardedWriter` writes by, skipping documents already in complete shards."""
+
+    def __init__(self, directory: Path, shard_tokens: int, vocab_size: int, eos_id: int, next_index: int, resume_pos: int):
+        self.directory = directory
+        self.cutter = shards.ShardCutter(shard_tokens)
+        self.vocab_size, self.eos_id = vocab_size, eos_id
+        self.next_index = next_index
+        self.resume_pos = resume_pos  # documents before this input position are already in complete shards
+        self.open: list[tuple[str, int, int, np.ndarray]] = []  # segments of the shard being filled
+
+    def add(self, piece: str, lens: np.ndarray, positions: np.ndarray, state_at: Callable[[int], dict]) -> list[ShardJob]:
+        """The piece's documents (all of this split in the task, in order) → the shards they complete."""
+        first = int(np.searchsorted(positions, self.resume_pos, side="left"))  # positions increase
+        ends = np.cumsum(lens, dtype=np.int64)
+        base = int(ends[first - 1]) if first else 0
+        lens, positions, ends = lens[first:], positions[first:], ends[first:]
+        jobs, start = [], 0
+        for k in [*self.cutter.feed(lens), len(lens)]:
+            if k > start:
+                self.open.append((piece, int(ends[start - 1]) if start else base, int(ends[k - 1]), lens[start:k]))
+            if k < len(lens):
+                jobs.append(self._close(resume_point(int(positions[k]), state_at(int(positions[k])))))
+            start = k
+        return jobs
+
+    def finish(self, end: int, state: dict) -> list[ShardJob]:
+        """The last, partly filled shard (as `ShardedWriter.finish`)."""
+        return [self._close(resume_point(end, state))] if self.open else []
+
+    def _close(self, extra: dict) -> ShardJob:
+        job = ShardJob(str(self.directory), self.next_index, self.vocab_size, self.eos_id, self.open, extra)
+        self.open = []
+        self.next_index += 1
+        return job
+
+
+class Pieces:
+    """The piece files in `directory` and how many planned shards still read each; a piece is
+    deleted as soon as its documents are all cut and none does."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        shutil.rmtree(directory, ignore_errors=True)  # a killed run's: never reused
+        directory.mkdir(parents=True)
+        self.readers: Counter = Counter()
+
+    def planned(self, task: Task, jobs: list[ShardJob], splits: list[PieceSplit]) -> None:
+        """After a task's documents were cut: count the segments made of its pieces (in the jobs
+        made now and in the shards still open; each is one reader), and delete a piece nobody reads."""
+        mine = {task.piece("train"), task.piece("val")}
+        segments = [seg for job in jobs for seg in job.segments] + [seg for s in splits for seg in s.open]
+        self.readers.update(seg[0] for seg in segments if seg[0] in mine)
+        for piece in mine:
+            if self.readers[piece] == 0:
+                Path(piece).unlink(missing_ok=True)
+
+    def written(self, job: ShardJob) -> None:
+        self.readers.subtract(job.pieces)
+        for piece in set(job.pieces):
+            if self.readers[piece] <= 0:
+                Path(piece).unlink(missing_ok=True)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
