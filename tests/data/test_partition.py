@@ -161,7 +161,8 @@ def fake_srun(bin_dir: Path, record: Path, run: bool) -> None:
 
 def array_task(parts_dir: Path, task_id: int, count: int, args: list[str], bin_dir: Path, submit_dir: Path = REPO) -> subprocess.CompletedProcess:
     """scripts/slurm/prepare_array.sbatch as Slurm runs array task `task_id` of `count` (indices from 3)."""
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_ARRAY_TASK_ID=str(3 + task_id), SLURM_ARRAY_TASK_MIN="3",
+    path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]])  # the script's `python`: this one
+    env = dict(os.environ, PATH=path, SLURM_ARRAY_TASK_ID=str(3 + task_id), SLURM_ARRAY_TASK_MIN="3",
                SLURM_ARRAY_TASK_COUNT=str(count), SLURM_CPUS_PER_TASK="2", SLURM_SUBMIT_DIR=str(submit_dir), PYTHONPATH=pythonpath(REPO))
     return subprocess.run(["bash", str(REPO / "scripts" / "slurm" / "prepare_array.sbatch"), str(parts_dir), *args], env=env, capture_output=True, text=True)
 
