@@ -29,6 +29,7 @@ import logging
 import math
 import mmap
 import os
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -238,6 +239,14 @@ def _without_crc32():
         set_(before)
 
 
+def _free_gib(directory: Path) -> float:
+    """Free space where a write failed: torch.save reports a full disk without errno, so this is what says so."""
+    try:
+        return shutil.disk_usage(directory).free / 2**30
+    except OSError:
+        return float("nan")
+
+
 def _fsync(path: str | Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -315,8 +324,9 @@ class AsyncSaver:
             atomic_write_bytes(written_marker(ckpt_dir, self.rank), b"")
         except BaseException as e:  # reported at the next collective point; the previous checkpoint stays latest
             self._error = e
-            log.warning("rank %d: writing %s failed in the background: %s: %s (the previous checkpoint stays `latest`; "
-                        "this is raised at the next save or at the end of training)", self.rank, ckpt_dir, type(e).__name__, e)
+            log.warning("rank %d: writing %s failed in the background: %s: %s (%.2f GiB free there; the previous checkpoint "
+                        "stays `latest`; this is raised at the next save or at the end of training)", self.rank, ckpt_dir,
+                        type(e).__name__, e, _free_gib(ckpt_dir))
 
     def poll(self) -> dict | None:
         """Rank 0, between steps: complete the save in flight once every rank has written its part.
