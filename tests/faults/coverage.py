@@ -57,8 +57,8 @@ OWNER_TESTS: dict[str, list[str]] = {
         "tests/train/test_preflight.py::test_resume_refuses_another_model_or_world_size",
     ],
     "bad input: interrupted checkpoint save on disk": [
-        "tests/train/test_checkpoint.py::test_resume_auto_takes_the_newest_complete_checkpoint",
-        "tests/train/test_checkpoint.py::test_retention_keeps_last_n_and_every_mth_and_clears_old_partials",
+        "tests/checkpoint/test_checkpoint.py::test_resume_auto_takes_the_newest_complete_checkpoint",
+        "tests/checkpoint/test_checkpoint.py::test_retention_keeps_last_n_and_every_mth_and_clears_old_partials",
     ],
     "background save: in flight never latest/resumed/pruned/evaluated; failure raised": [
         "tests/checkpoint/test_async_save.py::test_a_save_in_flight_is_not_latest_resumed_or_pruned_until_every_rank_wrote",
