@@ -292,6 +292,11 @@ class AsyncSaver:
     def in_flight(self) -> Path | None:
         return self._in_flight["ckpt_dir"] if self._in_flight else None
 
+    @property
+    def in_flight_blocked_s(self) -> tuple[float, float] | None:
+        """(seconds `start` held training, of which allocating host memory) for the save in flight."""
+        return (self._in_flight["blocked"], self._in_flight["alloc"]) if self._in_flight else None
+
     def start(self, step: int, train_state: dict, *, tokenizer_path) -> Path:
         """Snapshot this step's state (blocking only for the copy to host memory) and start writing it.
         A save still in flight completes first (call `wait` before, to receive its summary)."""

@@ -6,8 +6,9 @@
 The real trainer (the same `Trainer` as `scripts/pretrain.py`, one rank, bench_train's generated data)
 trains a few steps, then saves `--blocking-saves` times with `checkpoint.async_save: never` and
 `--saves` times with `always` (background), training on while each background save writes. Reported
-per save: "blocked" (the time `Trainer.save()` holds the training loop; for the first background save
-also how much of it allocated the host memory that later saves reuse), "complete" (until
+per save: "blocked" (the time `Trainer.save()` holds the training loop), of it "snapshot" (the
+background saver's part: DeepSpeed's state, the copy to host memory, the RNG files) and "alloc" (the
+host memory that the first background save allocates and later ones reuse), "complete" (until
 `train_state.json` exists, as rank 0's poll between steps sees it) and the steps trained meanwhile;
 then a raw write of as many bytes as the checkpoint holds (one buffer, `write` + `fsync`, the disk's
 own speed there) and the steady state (background saves after the first) against the targets of
@@ -76,7 +77,7 @@ def run(opts: BenchOptions, saves: int = 3, blocking_saves: int = 1, steps_cap: 
         t0 = time.perf_counter()
         path = trainer.save()
         blocked = time.perf_counter() - t0
-        alloc = trainer.saver.snapshots.alloc_s if mode == "always" else 0.0
+        snapshot, alloc = trainer.saver.in_flight_blocked_s or (blocked, 0.0)
         trained = 0
         while trainer.saver.in_flight is not None:  # train on until the background save completes
             if trained < steps_cap:
@@ -86,7 +87,7 @@ def run(opts: BenchOptions, saves: int = 3, blocking_saves: int = 1, steps_cap: 
                 time.sleep(0.05)
             trainer._saved(trainer.saver.poll())
         complete = time.perf_counter() - t0
-        rows.append({"mode": "background" if mode == "always" else "blocking", "blocked_s": blocked, "alloc_s": alloc,
+        rows.append({"mode": "background" if mode == "always" else "blocking", "blocked_s": blocked, "snapshot_s": snapshot, "alloc_s": alloc,
                      "complete_s": complete, "steps_meanwhile": trained, "bytes": _dir_bytes(path)})
     trainer.loader.close()
     nbytes = rows[-1]["bytes"]
@@ -112,13 +113,14 @@ def steady_state(r: dict) -> dict | None:
 def format_report(r: dict) -> str:
     gb = r["saves"][-1]["bytes"] / 1e9
     lines = [f"checkpoint saves: {r['preset']} on {r['device']} ({r['ds_config']}, one rank), {gb:.2f} GB per checkpoint",
-             f"{'save':<14} {'blocked s':>10} {'of it alloc s':>14} {'complete s':>11} {'steps meanwhile':>16} {'complete / raw':>15}"]
+             f"{'save':<14} {'blocked s':>10} {'snapshot s':>11} {'alloc s':>8} {'complete s':>11} {'steps meanwhile':>16} {'complete / raw':>15}"]
     n = 0
     for s in r["saves"]:
         n = n + 1 if s["mode"] == "background" else n
         name = f"background {n}" if s["mode"] == "background" else "blocking"
+        snapshot = f"{s['snapshot_s']:.2f}" if s["mode"] == "background" else "-"
         alloc = f"{s['alloc_s']:.2f}" if s["mode"] == "background" and s["alloc_s"] >= 0.005 else "-"
-        lines.append(f"{name:<14} {s['blocked_s']:>10.2f} {alloc:>14} {s['complete_s']:>11.2f} "
+        lines.append(f"{name:<14} {s['blocked_s']:>10.2f} {snapshot:>11} {alloc:>8} {s['complete_s']:>11.2f} "
                      f"{s['steps_meanwhile']:>16} {s['complete_s'] / r['raw_write_s']:>15.2f}")
     lines.append(f"raw write of the same bytes (one file, write + fsync): {r['raw_write_s']:.2f} s ({r['raw_write_gb_s']:.2f} GB/s)")
     steady = steady_state(r)
