@@ -507,7 +507,11 @@ class Trainer:
         tokenizer_path = self.tokenizer.path if self.tokenizer else None
         try:
             if self._save_async():
+                t0 = time.perf_counter()
                 self._saved(self.saver.wait())  # the save in flight, if any, completes (and is pruned around) first
+                if (waited := time.perf_counter() - t0) >= 1.0 and self.rank == 0:
+                    log.info("checkpoint: training waited %.1fs for the previous background save to be written "
+                             "(checkpoint.every is shorter than a write takes)", waited)
                 path = self.saver.start(self.step, self.train_state(), tokenizer_path=tokenizer_path)
                 if final:
                     self._saved(self.saver.wait())
