@@ -1,29 +1,41 @@
 """Checkpoints that do not stop training: a host snapshot taken in step, written in the background.
 
 DeepSpeed's `engine.save_checkpoint` hands each file's state dict to its checkpoint engine. Ours
-(`HostSnapshotEngine`) copies every tensor to host memory (pinned buffers reused from save to save, so
-the copy runs at PCIe speed) and returns: training may change the weights and moments right after,
-the snapshot holds the step's values. A writer thread then `torch.save`s the files, and each rank
-marks its part written (`rank-NNNNN.written`). Completion keeps the blocking save's rule: rank 0 writes
-`train_state.json` (and moves `latest`) only once every rank's marker is there, so a checkpoint is
-complete exactly when `train_state.json` exists and a SIGKILL or a full disk at any moment leaves the
-previous checkpoint `latest` and resumable. Rank 0 finds the markers by polling the filesystem between
-steps (`poll`), so no collective runs beside training; the collective points are the next save and the
-end of training (`wait`), where all ranks learn together whether any rank's write failed.
+(`HostSnapshotEngine`) copies every tensor into host memory and returns: training may change the
+weights and moments right after, the snapshot holds the step's values. Training waits only for that
+copy, so it runs at the speed of the link: each file's tensors land in one block of host memory
+(`HostArena`) allocated at the first save and reused by every later one, page-locked on CUDA so the
+device-to-host copies are DMA, issued without waiting and synchronised once. A writer thread then
+`torch.save`s the files (without zip CRC-32s, which `torch.load` never checks and which cost a core
+about 0.2 s per GB), fsyncs them, and each rank marks its part written (`rank-NNNNN.written`).
 
-One save is in flight at a time (the next one waits for it); pruning runs only after completion and
-only removes checkpoints older than the newest complete one, so it never touches a save in flight;
-evaluation and export read complete checkpoints only.
+Completion keeps the blocking save's rule: rank 0 writes `train_state.json` (and moves `latest`) only
+once every rank's marker is there, so a checkpoint is complete exactly when `train_state.json` exists
+and a SIGKILL or a full disk at any moment leaves the previous checkpoint `latest` and resumable.
+Rank 0 finds the markers by polling the filesystem between steps (`poll`), so no collective runs
+beside training; the collective points are the next save and the end of training (`wait`), where all
+ranks learn together whether any rank's write failed.
+
+One save is in flight at a time (the next one waits for it, and so does a preemption's save);
+pruning runs only after completion and only removes checkpoints older than the newest complete one,
+so it never touches a save in flight; evaluation and export read complete checkpoints only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import math
+import mmap
 import os
+import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from olmo_ds.atomic import atomic_write_bytes
@@ -34,35 +46,129 @@ log = logging.getLogger("olmo_ds")
 
 WRITTEN = "rank-{:05d}.written"
 POLL_S = 1.0  # rank 0 looks for the markers at most this often (a stat per rank on a shared filesystem)
+PAGE = 4096  # every tensor of an arena starts on a page boundary
 
 
 def written_marker(ckpt_dir: Path, rank: int) -> Path:
     return Path(ckpt_dir) / WRITTEN.format(rank)
 
 
+class HostArena:
+    """Host memory for one checkpoint file's tensors, allocated once and reused from save to save.
+
+    One anonymous mapping per file rather than a pinned tensor per tensor: PyTorch's pinned allocator
+    (`pin_memory=True`) rounds each block up to a power of two (a 5 GB tensor takes 8 GiB) and
+    page-locks it with cudaHostAlloc, which faults and zeroes every page on one thread. Here the pages
+    are faulted in on several threads (as transparent huge pages where the kernel allows), then
+    page-locked with cudaHostRegister (CUDA only; elsewhere, or if that fails, the memory stays
+    pageable and copies into it are plain memcpys). Each tensor is its own storage over its slice
+    (`torch.frombuffer`), so `torch.save` writes what the blocking save writes, not the whole block.
+    """
+
+    def __init__(self, layout: list[tuple[torch.dtype, tuple[int, ...]]], *, pin: bool):
+        self.layout = layout
+        sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in layout]
+        offsets, total = [], 0
+        for size in sizes:
+            offsets.append(total)
+            total += -(-size // PAGE) * PAGE
+        self.nbytes = total
+        self._mm = mmap.mmap(-1, max(total, PAGE))
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._mm.madvise(mmap.MADV_HUGEPAGE)
+        _fault_in(self._mm)
+        self.pinned_at = _page_lock(self._mm) if pin and total else None
+        self.tensors = [torch.frombuffer(self._mm, dtype=dtype, count=math.prod(shape), offset=offset).view(shape) if size
+                        else torch.empty(shape, dtype=dtype)
+                        for (dtype, shape), size, offset in zip(layout, sizes, offsets)]
+
+    def release(self) -> None:
+        """Unlock the pages; the mapping goes with the last tensor that views it."""
+        self.tensors = []
+        if self.pinned_at is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.pinned_at)
+            self.pinned_at = None
+
+
+def _fault_in(mm: mmap.mmap) -> None:
+    """Touch every page of `mm` once, split over threads: the kernel zeroes each page on its first touch,
+    a few GB/s per thread, so one thread spends seconds on a 16 GB snapshot."""
+    pages = np.frombuffer(mm, dtype=np.uint8)
+    threads = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    chunk = -(-len(pages) // (threads * PAGE)) * PAGE
+
+    def touch(i: int) -> None:
+        pages[i * chunk:(i + 1) * chunk:PAGE] = 0  # numpy releases the GIL for the loop
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="olmo_ds-fault-in") as pool:
+        list(pool.map(touch, range(threads)))
+    del pages
+
+
+def _page_lock(mm: mmap.mmap) -> int | None:
+    """cudaHostRegister the mapping; its address, or None (with a warning) where CUDA refuses."""
+    view = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(view)
+    del view  # a live ctypes view would pin the mmap object itself
+    try:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, len(mm), 0))
+    except Exception as e:  # noqa: BLE001 - any refusal leaves pageable memory, slower but correct
+        log.warning("checkpoint: could not page-lock %.1f GiB of host memory for background saves (%s); copies to it "
+                    "will be slower", len(mm) / 2**30, e)
+        return None
+    return address
+
+
+def _map(obj, fn):
+    """`obj` with every tensor inside its dicts, lists and tuples replaced by `fn(tensor)`, in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        out = type(obj)((k, _map(v, fn)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):  # a module state dict's version record, which load_state_dict reads
+            out._metadata = obj._metadata
+        return out
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_map(v, fn) for v in obj)
+    return obj  # numbers, strings, configs: not changed by training
+
+
 class HostSnapshotEngine:
     """A DeepSpeed checkpoint engine (`engine.checkpoint_engine`) that queues host copies instead of writing.
 
     DeepSpeed calls `save(state_dict, path)` for every file of a checkpoint and `commit` at its end;
-    `take()` hands the queued (path, snapshot) pairs to the writer. Loading is plain `torch.load`.
+    `take()` hands the queued (path, snapshot) pairs to the writer. The snapshots live in `HostArena`s,
+    one per file in DeepSpeed's order, reused while the file's tensors keep their shapes and dtypes:
+    a snapshot must be written before the next one is taken (`AsyncSaver` waits for that).
+    Loading is plain `torch.load`.
     """
 
     name = "olmo_ds.HostSnapshotEngine"
 
     def __init__(self):
         self.pending: list[tuple[str, object]] = []
-        self._buffers: list[torch.Tensor] = []  # pinned host buffers, reused in order from save to save
-        self._next = 0
+        self._arenas: list[HostArena] = []
+        self._file = 0
+        self.alloc_s = 0.0  # seconds this checkpoint spent allocating arenas (the first save's one-time cost)
 
     # --- DeepSpeed's checkpoint engine interface --------------------------------------------------
     def create(self, info) -> None:
-        self._next = 0
+        self._file, self.alloc_s = 0, 0.0
 
     def makedirs(self, path, exist_ok=False) -> None:
         os.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict, path: str) -> None:
-        self.pending.append((str(path), self._snapshot(state_dict)))
+        tensors: list[torch.Tensor] = []
+        _map(state_dict, tensors.append)
+        arena = self._arena([(t.dtype, tuple(t.shape)) for t in tensors])
+        slots = iter(arena.tensors)
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            slot = next(slots)
+            return slot.copy_(t.detach(), non_blocking=True)  # device-to-host: queued; commit waits for all
+
+        self.pending.append((str(path), _map(state_dict, copy)))
 
     def load(self, path: str, map_location=None):
         return torch.load(path, map_location=map_location, weights_only=False)
@@ -92,29 +198,61 @@ class HostSnapshotEngine:
 
     # --- snapshots ---------------------------------------------------------------------------------
     def take(self) -> list[tuple[str, object]]:
-        pending, self.pending = self.pending, []
+        pending, self.pending, self._file = self.pending, [], 0
         return pending
 
-    def _snapshot(self, obj):
-        if isinstance(obj, torch.Tensor):
-            return self._host_copy(obj.detach())
-        if isinstance(obj, dict):
-            return type(obj)((k, self._snapshot(v)) for k, v in obj.items())
-        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-            return type(obj)(self._snapshot(v) for v in obj)
-        return obj  # numbers, strings, configs: not changed by training
+    @property
+    def held_bytes(self) -> int:
+        return sum(a.nbytes for a in self._arenas)
 
-    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cpu":
-            return t.clone()
-        i, self._next = self._next, self._next + 1
-        if i < len(self._buffers) and self._buffers[i].shape == t.shape and self._buffers[i].dtype == t.dtype:
-            buf = self._buffers[i]
-        else:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self._buffers[i:i + 1] = [buf]
-        buf.copy_(t, non_blocking=True)
-        return buf
+    def release(self) -> None:
+        """Give the arenas' memory back (a blocking save follows; the next background save allocates anew)."""
+        for arena in self._arenas:
+            arena.release()
+        self._arenas = []
+
+    def _arena(self, layout: list[tuple[torch.dtype, tuple[int, ...]]]) -> HostArena:
+        i, self._file = self._file, self._file + 1
+        if i < len(self._arenas) and self._arenas[i].layout == layout:
+            return self._arenas[i]
+        t0 = time.perf_counter()
+        if i < len(self._arenas):
+            self._arenas[i].release()
+        arena = HostArena(layout, pin=torch.cuda.is_available())
+        self._arenas[i:i + 1] = [arena]
+        self.alloc_s += time.perf_counter() - t0
+        return arena
+
+
+@contextlib.contextmanager
+def _without_crc32():
+    """torch.save's zip records without CRC-32 (process-wide while it lasts; only the writer saves then)."""
+    get, set_ = getattr(torch.serialization, "get_crc32_options", None), getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or set_ is None:  # torch < 2.6 always computes them
+        yield
+        return
+    before = get()
+    set_(False)
+    try:
+        yield
+    finally:
+        set_(before)
+
+
+def _free_gib(directory: Path) -> float:
+    """Free space where a write failed: torch.save reports a full disk without errno, so this is what says so."""
+    try:
+        return shutil.disk_usage(directory).free / 2**30
+    except OSError:
+        return float("nan")
+
+
+def _fsync(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def snapshot_bytes_estimate(num_params: int, dp_world: int) -> int:
@@ -123,16 +261,18 @@ def snapshot_bytes_estimate(num_params: int, dp_world: int) -> int:
     return int(num_params * 12 / dp_world * 1.1)
 
 
-def host_copy_fits(bytes_per_rank: int, local_ranks: int) -> tuple[bool, str]:
+def host_copy_fits(bytes_per_rank: int, local_ranks: int, held: int = 0) -> tuple[bool, str]:
     """Whether every rank of this node can hold its snapshot in host memory now (after any CPU offload
-    already took its share), keeping a tenth of the machine and 4 GiB free; the reason either way."""
+    already took its share), keeping a tenth of the machine and 4 GiB free; the reason either way.
+    `held`: bytes each rank already holds for snapshots (its arenas, reused), which need not be found again."""
     import psutil
 
     mem = psutil.virtual_memory()
-    need = bytes_per_rank * local_ranks
+    need = max(bytes_per_rank - held, 0) * local_ranks
     spare = mem.available - max(0.1 * mem.total, 4 * 2**30)
-    text = (f"host copy of {bytes_per_rank / 2**30:.1f} GiB x {local_ranks} rank(s) on this node against "
-            f"{mem.available / 2**30:.1f} GiB available host memory")
+    text = (f"host copy of {bytes_per_rank / 2**30:.1f} GiB x {local_ranks} rank(s) on this node"
+            + (f" ({held / 2**30:.1f} GiB each already held)" if held else "")
+            + f" against {mem.available / 2**30:.1f} GiB available host memory")
     return need <= spare, text
 
 
@@ -145,15 +285,21 @@ class AsyncSaver:
         self.snapshots = HostSnapshotEngine()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._in_flight: dict | None = None  # ckpt_dir, step, train_state, tokenizer_path, started, blocked
+        self._in_flight: dict | None = None  # ckpt_dir, step, train_state, tokenizer_path, started, blocked, alloc
         self._last_poll = 0.0
 
     @property
     def in_flight(self) -> Path | None:
         return self._in_flight["ckpt_dir"] if self._in_flight else None
 
+    @property
+    def in_flight_blocked_s(self) -> tuple[float, float] | None:
+        """(seconds `start` held training, of which allocating host memory) for the save in flight."""
+        return (self._in_flight["blocked"], self._in_flight["alloc"]) if self._in_flight else None
+
     def start(self, step: int, train_state: dict, *, tokenizer_path) -> Path:
-        """Snapshot this step's state (blocking only for the device-to-host copy) and start writing it."""
+        """Snapshot this step's state (blocking only for the copy to host memory) and start writing it.
+        A save still in flight completes first (call `wait` before, to receive its summary)."""
         self.wait()
         t0 = time.perf_counter()
         ckpt_dir = prepare_checkpoint_dir(self.run_dir, step, self.rank)
@@ -169,18 +315,23 @@ class AsyncSaver:
         self._thread = threading.Thread(target=self._write, args=(files, ckpt_dir), name=f"olmo_ds-save-{step}", daemon=True)
         self._thread.start()
         self._in_flight = {"ckpt_dir": ckpt_dir, "step": step, "train_state": train_state, "tokenizer_path": tokenizer_path,
-                           "started": t0, "blocked": time.perf_counter() - t0}
+                           "started": t0, "blocked": time.perf_counter() - t0, "alloc": self.snapshots.alloc_s}
         return ckpt_dir
 
     def _write(self, files: list[tuple[str, object]], ckpt_dir: Path) -> None:
         try:
-            for path, state in files:
-                torch.save(state, path)
+            with _without_crc32():
+                for path, state in files:
+                    torch.save(state, path)
+                    _fsync(path)  # on disk before the marker says so, as the marker itself is
+            for directory in {Path(path).parent for path, _ in files}:
+                _fsync(directory)
             atomic_write_bytes(written_marker(ckpt_dir, self.rank), b"")
         except BaseException as e:  # reported at the next collective point; the previous checkpoint stays latest
             self._error = e
-            log.warning("rank %d: writing %s failed in the background: %s: %s (the previous checkpoint stays `latest`; "
-                        "this is raised at the next save or at the end of training)", self.rank, ckpt_dir, type(e).__name__, e)
+            log.warning("rank %d: writing %s failed in the background: %s: %s (%.2f GiB free there; the previous checkpoint "
+                        "stays `latest`; this is raised at the next save or at the end of training)", self.rank, ckpt_dir,
+                        type(e).__name__, e, _free_gib(ckpt_dir))
 
     def poll(self) -> dict | None:
         """Rank 0, between steps: complete the save in flight once every rank has written its part.
@@ -220,7 +371,7 @@ class AsyncSaver:
         s = self._in_flight
         finalize_checkpoint(s["ckpt_dir"], s["step"], s["train_state"], tokenizer_path=s["tokenizer_path"])
         self._in_flight = None
-        return {"ckpt_dir": s["ckpt_dir"], "blocked_s": s["blocked"], "total_s": time.perf_counter() - s["started"]}
+        return {"ckpt_dir": s["ckpt_dir"], "blocked_s": s["blocked"], "alloc_s": s["alloc"], "total_s": time.perf_counter() - s["started"]}
 
 
 class AsyncSaveError(RuntimeError):

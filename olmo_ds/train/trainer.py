@@ -507,11 +507,17 @@ class Trainer:
         tokenizer_path = self.tokenizer.path if self.tokenizer else None
         try:
             if self._save_async():
+                t0 = time.perf_counter()
+                self._saved(self.saver.wait())  # the save in flight, if any, completes (and is pruned around) first
+                if (waited := time.perf_counter() - t0) >= 1.0 and self.rank == 0:
+                    log.info("checkpoint: training waited %.1fs for the previous background save to be written "
+                             "(checkpoint.every is shorter than a write takes)", waited)
                 path = self.saver.start(self.step, self.train_state(), tokenizer_path=tokenizer_path)
                 if final:
                     self._saved(self.saver.wait())
                 return path
             self._saved(self.saver.wait())
+            self.saver.snapshots.release()  # host memory kept for background saves is not needed by this one
             t0 = time.perf_counter()
             path = ckpt.save_checkpoint(self.engine, self.run_dir, self.step, self.train_state(), rank=self.rank, tokenizer_path=tokenizer_path)
             self._saved({"ckpt_dir": path, "blocked_s": time.perf_counter() - t0, "total_s": time.perf_counter() - t0})
@@ -530,7 +536,8 @@ class Trainer:
         if self.device.type != "cuda":
             return False  # on CPU the copy is most of a save's cost, and tests time their kills against blocking saves
         local = local_world_size(os.environ) or 1
-        fits, why = host_copy_fits(snapshot_bytes_estimate(self.model_cfg.num_params(), self.world_size), local)
+        fits, why = host_copy_fits(snapshot_bytes_estimate(self.model_cfg.num_params(), self.world_size), local,
+                                   held=self.saver.snapshots.held_bytes)
         flag = torch.tensor(float(fits), device=self.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
         fits_everywhere = bool(flag.item())
@@ -546,8 +553,10 @@ class Trainer:
             return
         c, path = self.cfg.checkpoint, summary["ckpt_dir"]
         pruned = ckpt.prune_checkpoints(ckpt.checkpoints_dir(self.run_dir), c.keep_last, c.keep_every, protect=path)
-        log.info("saved %s: training blocked %.1fs, written in %.1fs%s", path, summary["blocked_s"], summary["total_s"],
-                 f" (removed {len(pruned)} old)" if pruned else "")
+        alloc = summary.get("alloc_s", 0.0)
+        log.info("saved %s: training blocked %.1fs%s, written in %.1fs%s", path, summary["blocked_s"],
+                 f" ({alloc:.1f}s of it allocating host memory for background saves, once)" if alloc >= 0.05 else "",
+                 summary["total_s"], f" (removed {len(pruned)} old)" if pruned else "")
 
     def _save_failed(self, ckpt_dir: Path | None, e: BaseException) -> CheckpointSaveError:
         # The half-written directory has no train_state.json, so resume skips it and the next save of
@@ -591,7 +600,9 @@ class Trainer:
         try:
             while self.step < cfg.max_steps:
                 if self._stop_requested():
-                    log.info("signal received: saving a checkpoint at step %d and exiting", self.step)
+                    in_flight = self.saver.in_flight
+                    log.info("signal received: saving a checkpoint at step %d and exiting%s", self.step,
+                             f"; the background save of {in_flight.name} completes first" if in_flight else "")
                     status = "preempted"
                     break
                 m = self.train_step(self.loader.next_batch())

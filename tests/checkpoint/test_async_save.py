@@ -1,6 +1,8 @@
 """Background checkpoint saves keep the blocking save's guarantees: the snapshot is the step's state whatever
-training does next; a save in flight is never `latest`, never resumed from, never pruned; a failed write
-leaves the previous checkpoint `latest` and is raised at the next collective point."""
+training does next; a save in flight is never `latest`, never resumed from, pruned, evaluated or exported;
+a failed write leaves the previous checkpoint `latest` and is raised at the next collective point. And the
+host memory behind the snapshots is allocated once and reused. (Kills, full disks and preemption during a
+real run's background save: tests/faults.)"""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from olmo_ds import checkpoint as ckpt
 from olmo_ds.checkpoint.async_save import AsyncSaveError, AsyncSaver, HostSnapshotEngine, host_copy_fits, written_marker
+from olmo_ds.weights import resolve_weights
 
 
 class Gate:
@@ -51,6 +54,47 @@ def test_the_snapshot_is_the_steps_state_not_what_training_does_next():
     assert torch.equal(snap["list"][0], torch.arange(6.0))
 
 
+def test_host_memory_is_allocated_once_and_reused_while_the_files_keep_their_shapes():
+    """The first save pays for the host memory (`alloc_s`); later ones copy into the same bytes."""
+    engine = HostSnapshotEngine()
+    w, m = torch.arange(6.0), torch.zeros(2, 3, dtype=torch.bfloat16)
+    state = {"w": w, "groups": [{"m": m, "step": torch.tensor(3)}], "empty": torch.empty(0)}
+    engine.create(None)
+    engine.save(state, "optim.pt")
+    engine.save({"module": {"b": torch.ones(5)}}, "model.pt")
+    first = engine.take()
+    assert engine.alloc_s > 0 and engine.held_bytes == 3 * 4096 + 4096
+    pointers = [first[0][1]["w"].data_ptr(), first[0][1]["groups"][0]["m"].data_ptr(), first[1][1]["module"]["b"].data_ptr()]
+    w.add_(1), m.add_(2)
+    engine.create(None)
+    engine.save(state, "optim.pt")
+    engine.save({"module": {"b": torch.ones(5)}}, "model.pt")
+    (_, snap), (_, model) = engine.take()
+    assert engine.alloc_s == 0, "the second save allocated again"
+    assert [snap["w"].data_ptr(), snap["groups"][0]["m"].data_ptr(), model["module"]["b"].data_ptr()] == pointers
+    assert torch.equal(snap["w"], torch.arange(6.0) + 1) and torch.equal(snap["groups"][0]["m"], m) and snap["groups"][0]["m"].dtype == torch.bfloat16
+    assert snap["groups"][0]["step"].item() == 3 and snap["empty"].shape == (0,)
+    engine.create(None)
+    engine.save({"w": torch.arange(7.0)}, "optim.pt")  # another shape: that file's memory is allocated anew
+    assert engine.alloc_s > 0 and torch.equal(engine.take()[0][1]["w"], torch.arange(7.0))
+    engine.release()
+    assert engine.held_bytes == 0
+
+
+def test_a_snapshot_file_holds_only_its_tensors_and_loads_like_the_blocking_saves(tmp_path):
+    """Each snapshot tensor is its own storage over a slice of the arena: torch.save writes its bytes, not the arena's."""
+    state = {"a": torch.randn(1000), "b": torch.randn(3, 7).to(torch.bfloat16), "n": 5}
+    torch.save(state, tmp_path / "blocking.pt")
+    saver = AsyncSaver(FakeEngine(torch.ones(3)), tmp_path, rank=0, world_size=1)
+    saver.snapshots.save(state, str(tmp_path / "background.pt"))
+    Gate.fail = False
+    saver._write(saver.snapshots.take(), tmp_path)
+    assert written_marker(tmp_path, 0).exists()
+    loaded = torch.load(tmp_path / "background.pt", weights_only=False)
+    assert loaded["n"] == 5 and all(torch.equal(loaded[k], state[k]) and loaded[k].dtype == state[k].dtype for k in ("a", "b"))
+    assert abs((tmp_path / "background.pt").stat().st_size - (tmp_path / "blocking.pt").stat().st_size) < 1024
+
+
 def make_complete(run_dir: Path, step: int) -> Path:
     d = ckpt.checkpoints_dir(run_dir) / ckpt.step_tag(step)
     d.mkdir(parents=True)
@@ -66,6 +110,12 @@ def test_a_save_in_flight_is_not_latest_resumed_or_pruned_until_every_rank_wrote
     assert saver.in_flight == ckpt_dir and not ckpt.is_complete(ckpt_dir)
     assert (ckpt.checkpoints_dir(tmp_path) / ckpt.LATEST).read_text().strip() == previous.name
     assert ckpt.resolve_resume("auto", tmp_path) == previous
+    # evaluation and export: a run dir resolves to the previous checkpoint, `--all-checkpoints` lists only it,
+    # and the directory in flight named explicitly is refused as incomplete
+    assert resolve_weights(tmp_path) == ("checkpoint", previous)
+    assert ckpt.list_checkpoints(ckpt.checkpoints_dir(tmp_path)) == [(4, previous)]
+    with pytest.raises(ValueError, match="checkpoint is incomplete"):
+        resolve_weights(ckpt_dir)
     ckpt.prune_checkpoints(ckpt.checkpoints_dir(tmp_path), keep_last=1)
     assert ckpt_dir.is_dir() and previous.is_dir()
     saver._last_poll = 0.0
@@ -100,3 +150,5 @@ def test_a_host_copy_that_does_not_fit_is_refused_with_the_numbers():
     fits, why = host_copy_fits(10 * 2**40, 8)
     assert not fits and "host copy of 10240.0 GiB x 8 rank(s) on this node against" in why
     assert host_copy_fits(1, 1)[0]
+    fits, why = host_copy_fits(10 * 2**40, 8, held=10 * 2**40)  # the memory of earlier saves is reused
+    assert fits and "(10240.0 GiB each already held)" in why

@@ -58,8 +58,13 @@ OWNER_TESTS: dict[str, list[str]] = {
         "tests/train/test_preflight.py::test_resume_refuses_another_model_or_world_size",
     ],
     "bad input: interrupted checkpoint save on disk": [
-        "tests/train/test_checkpoint.py::test_resume_auto_takes_the_newest_complete_checkpoint",
-        "tests/train/test_checkpoint.py::test_retention_keeps_last_n_and_every_mth_and_clears_old_partials",
+        "tests/checkpoint/test_checkpoint.py::test_resume_auto_takes_the_newest_complete_checkpoint",
+        "tests/checkpoint/test_checkpoint.py::test_retention_keeps_last_n_and_every_mth_and_clears_old_partials",
+    ],
+    "background save: in flight never latest/resumed/pruned/evaluated; failure raised": [
+        "tests/checkpoint/test_async_save.py::test_a_save_in_flight_is_not_latest_resumed_or_pruned_until_every_rank_wrote",
+        "tests/checkpoint/test_async_save.py::test_a_failed_background_write_leaves_the_previous_checkpoint_and_is_raised_at_the_next_save",
+        "tests/train/test_run_dir.py::test_background_and_blocking_saves_write_the_same_checkpoints",
     ],
     "bad input: malformed eval task records": [
         "tests/eval/test_tasks.py::test_plain_jsonl_errors_name_file_and_line",

@@ -44,7 +44,9 @@ TRIALS = {
     "prepare_partition_sigkill": (1, 6),  # M = 3 parts, one of them killed
     "train_kill_chains": (1, 2),  # independent runs, each killed `train_kills_per_chain` times
     "train_kills_per_chain": (1, 11),
-    "train_sigterm": (1, 2),  # one SIGTERM per chain
+    "train_sigterm": (0, 2),  # one SIGTERM per chain (in `make test` tests/train/test_pretrain_multirank.py has one)
+    "train_async_kills_per_chain": (1, 3),  # SIGKILL while a background save (checkpoint.async_save: always) is in flight
+    "train_async_sigterm": (1, 2),  # one SIGTERM per chain while a background save is in flight
 }
 
 

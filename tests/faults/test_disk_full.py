@@ -1,4 +1,4 @@
-"""A full disk while writing shards and while saving a checkpoint: a clear error, nothing lost.
+"""A full disk while writing shards and while saving a checkpoint (blocking or in the background): a clear error, nothing lost.
 
 Two ways to fill a disk: a tiny tmpfs mounted over the output (a real ENOSPC; needs root and
 mount, skipped where unavailable) and RLIMIT_FSIZE set in the child (EFBIG past a file size; works
@@ -176,6 +176,62 @@ def test_disk_full_while_saving_a_checkpoint(tmp_path):
     record(FAULT_CKPT, survived=codes != [0, 0] and clear and intact and loadable and exact, data_lost=not (intact and loadable))
     assert codes != [0, 0], full.tail()
     assert clear, full.tail()
+    assert intact and loadable
+    assert exact, again.tail()
+
+
+FAULT_ASYNC = "disk full during a background checkpoint write"
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(MODE != "full", reason="three 2-rank launches: make test-faults")
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_disk_full_during_a_background_write(tmp_path, mechanism):
+    """`checkpoint.async_save: always`: the step-6 save's background write fails (RUN/checkpoints on a tmpfs
+    with room for half a checkpoint more, or RLIMIT_FSIZE below the optimizer-state file) while training
+    goes on; the failure is logged at once, raised on every rank at the step-9 save, and the step-3
+    checkpoint stays `latest`, intact and loadable; with space back the run resumes exactly."""
+    data = write_markov_shards(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(tmp_path, data, run_dir=str(run_dir), max_steps=9, checkpoint={"every": 3, "keep_last": 2, "async_save": "always"},
+                      logging={"every": 1, "tensorboard": False})
+    config = write_config(tmp_path / "run.yaml", cfg)
+    root = ckpt.checkpoints_dir(run_dir)
+    with (tmpfs(root, 256 * 2**20) if mechanism == "tmpfs" else _nothing(run_dir)):
+        first = Ranks(config, tmp_path / "logs-first", args=("--set", "max_steps=3"))
+        assert first.wait(180) == [0, 0], first.tail()
+        step3 = ckpt.checkpoints_dir(run_dir) / ckpt.step_tag(3)
+        before = dir_bytes(step3)
+        size = sum(len(v) for v in before.values())
+        optim_file = max(len(v) for v in before.values())
+        if mechanism == "tmpfs":  # room for what is there and half a checkpoint more: the step-6 save runs out (ENOSPC)
+            used = shutil.disk_usage(root).used
+            grow(root, used + size // 2)
+        full = Ranks(config, tmp_path / "logs-full", preexec_fn=file_size_limit(optim_file // 2) if mechanism == "rlimit" else None)
+        codes = full.wait(180)
+        log = full.log(0) + full.log(1)
+        failed_losses = _losses(run_dir)
+        step6 = run_dir / "checkpoints" / ckpt.step_tag(6)
+        intact = dir_bytes(step3) == before and (ckpt.checkpoints_dir(run_dir) / ckpt.LATEST).read_text().strip() == step3.name \
+            and not ckpt.is_complete(step6)
+        _, weights, state = ckpt.load_model_state(step3)
+        loadable = state["step"] == 3 and len(weights) > 0
+        # Logged by the failing rank when its write fails, raised on every rank at the next save (step 9), after
+        # training went on past step 6.
+        noticed = f"writing {step6} failed in the background" in log and max(failed_losses) == 9
+        clear = all(f"error: rank {r}: saving {step6} failed" in full.log(r) for r in (0, 1)) \
+            and f"The previous checkpoint {step3} is intact" in log
+        if mechanism == "tmpfs":
+            grow(root, 4 * (used + size))
+        again = Ranks(config, tmp_path / "logs-again")
+        resumed_ok = again.wait(180) == [0, 0]
+        resumed = _losses(run_dir)
+        exact = resumed_ok and all(resumed[s] == failed_losses[s] for s in range(4, 10)) \
+            and ckpt.is_complete(ckpt.checkpoints_dir(run_dir) / ckpt.step_tag(9))
+    record(FAULT_ASYNC, survived=codes != [0, 0] and noticed and clear and intact and loadable and exact,
+           data_lost=not (intact and loadable))
+    assert codes != [0, 0], full.tail()
+    assert noticed and clear, full.tail()
     assert intact and loadable
     assert exact, again.tail()
 

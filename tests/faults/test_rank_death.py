@@ -88,7 +88,7 @@ def test_survivor_exits_in_bounded_time_naming_the_dead_rank(config, launcher, v
     metrics = metrics_path(config)
     before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
     if launcher == "bare":
-        ranks = Ranks(config, tmp_path / "logs", args=("--set", f"run_dir={metrics.parent}"))
+        ranks = Ranks(config, tmp_path / "logs", args=("--resume", "auto", "--set", f"run_dir={metrics.parent}"))
         assert wait_for(lambda: training(metrics, before), 180, procs=ranks.procs), ranks.tail()
         ranks.procs[victim].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
@@ -101,7 +101,9 @@ def test_survivor_exits_in_bounded_time_naming_the_dead_rank(config, launcher, v
         output = ranks.log(1 - victim)
         rc = survivor.returncode
     else:
-        cmd = torchrun_cmd(PRETRAIN, "--config", str(config)) if launcher == "torchrun" else deepspeed_cmd(PRETRAIN, "--config", str(config))
+        # Every launch after the first finds the earlier one's metrics.jsonl: it continues that run (no checkpoints: from step 0).
+        args = ("--config", str(config), "--resume", "auto")
+        cmd = torchrun_cmd(PRETRAIN, *args) if launcher == "torchrun" else deepspeed_cmd(PRETRAIN, *args)
         log = tmp_path / "launcher.log"
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -3,9 +3,13 @@
 A chain is one run killed again and again: each launch (`--resume auto`) is SIGKILLed as a whole
 (both ranks at once, a node losing power) either at a random step or a random moment just after a
 checkpoint save has started; one launch per chain gets SIGTERM on every rank instead (what Slurm
-sends on preemption) and must save and exit 0. After each fault the next launch must resume from the
-newest checkpoint that was complete on disk, and every loss, gradient norm and learning rate it logs
-must equal the uninterrupted run's to the last bit; the chain's final weights must equal the
+sends on preemption) and must save and exit 0. Other launches save in the background
+(`checkpoint.async_save: always`) and are SIGKILLed, or get SIGTERM, at a random moment while such a
+save is in flight (training has gone on past the saved step): the killed save must never become
+`latest` nor be picked by evaluation or export, and the preempted run must let it complete before
+its own save. After each fault the next launch must resume from the newest checkpoint that was
+complete on disk, and every loss, gradient norm and learning rate it logs must equal the
+uninterrupted run's (blocking saves) to the last bit; the chain's final weights must equal the
 uninterrupted run's exactly.
 """
 
@@ -30,6 +34,10 @@ from tests.train.train_testlib import tiny_config, write_config, write_markov_sh
 FAULT_STEP = "SIGKILL 2-rank training at a random step"
 FAULT_SAVE = "SIGKILL 2-rank training during a checkpoint save"
 FAULT_TERM = "SIGTERM every rank (preemption)"
+FAULT_ASYNC = "SIGKILL 2-rank training during a background save"
+FAULT_ASYNC_TERM = "SIGTERM every rank during a background save"
+ASYNC_KINDS = ("async", "async_term")
+BACKGROUND = ("--set", "checkpoint.async_save=always")
 MAX_STEPS = 24
 EVERY = 3
 LAUNCH_TIMEOUT = 180
@@ -94,14 +102,35 @@ def mismatches(lines: list[dict], expected: dict[int, dict]) -> list[str]:
 
 def plan(chain: int, draw) -> list[str]:
     kills = ["save" if draw.random() < 0.5 else "step" for _ in range(trials("train_kills_per_chain"))]
-    if chain < trials("train_sigterm"):
-        kills.insert(draw.randrange(len(kills) + 1), "term")
+    kills += ["async"] * trials("train_async_kills_per_chain")
+    draw.shuffle(kills)
+    for kind, name in (("term", "train_sigterm"), ("async_term", "train_async_sigterm")):
+        if chain < trials(name):
+            kills.insert(draw.randrange(len(kills) + 1), kind)
     return kills
+
+
+def previous_stays_latest(run_dir: Path, newest_dir: Path | None) -> bool:
+    """After a background save was killed: `latest`, evaluation and export still name the checkpoint
+    complete before it (none of them exist when there was none)."""
+    from olmo_ds.weights import resolve_weights
+
+    latest = ckpt.checkpoints_dir(run_dir) / ckpt.LATEST
+    if newest_dir is None:
+        return not latest.exists() and ckpt.latest_checkpoint(ckpt.checkpoints_dir(run_dir)) is None
+    return latest.read_text().strip() == newest_dir.name and resolve_weights(run_dir) == ("checkpoint", newest_dir)
+
+
+def saved_lines(log: str) -> list[str]:
+    """The checkpoint tags rank 0 logged as complete, in order."""
+    return re.findall(r"saved \S*/(step-\d+): training blocked", log)
 
 
 def inject(kind: str, ranks: Ranks, run_dir: Path, newest: int, draw, skip: int) -> dict:
     """Run one fault against a fresh launch (`skip`: metrics lines of earlier launches); returns what happened."""
     procs = ranks.procs
+    if kind in ASYNC_KINDS:
+        return inject_in_flight(kind, ranks, run_dir, newest, draw, skip)
     if kind == "save":
         # The step's metrics line is written just before its save starts: kill a few ms after it.
         next_save = (newest // EVERY + 1) * EVERY
@@ -125,6 +154,38 @@ def inject(kind: str, ranks: Ranks, run_dir: Path, newest: int, draw, skip: int)
     saved = int(m.group(1)) if m else None
     ok = codes == [0, 0] and saved is not None and newest_complete(run_dir)[0] == saved
     return {"fault": FAULT_TERM, "ok": ok, "detail": f"exit codes {codes}, saved step {saved}, newest {newest_complete(run_dir)}"}
+
+
+def inject_in_flight(kind: str, ranks: Ranks, run_dir: Path, newest: int, draw, skip: int) -> dict:
+    """SIGKILL or SIGTERM while the launch's first background save is in flight: once training has logged
+    the step after the saved one (rank 0 completes the save at its next poll, up to a second later)."""
+    next_save = (newest // EVERY + 1) * EVERY
+    saving = ckpt.checkpoints_dir(run_dir) / ckpt.step_tag(next_save)
+    _, newest_dir = newest_complete(run_dir)
+    assert wait_for(lambda: last_step(run_dir, skip) >= next_save + 1, LAUNCH_TIMEOUT, poll=0.001, procs=ranks.procs), ranks.tail()
+    if kind == "async":
+        time.sleep(draw.uniform(0.0, 0.25))
+        ranks.kill()
+        ranks.wait(30)
+        if not (saving.is_dir() and not ckpt.is_complete(saving)):
+            return {"fault": FAULT_STEP}  # it completed first: a kill at a step like any other
+        kept = previous_stays_latest(run_dir, newest_dir)
+        return {"fault": FAULT_ASYNC, "ok": kept, "detail": f"killed with {saving.name} in flight; previous {newest_dir} "
+                f"{'still' if kept else 'NOT'} latest and the one evaluation/export picks"}
+    time.sleep(draw.uniform(0.0, 0.1))  # the ranks see the signal at the next step's start: before the next periodic save
+    ranks.signal_each(signal.SIGTERM)
+    codes = ranks.wait(90)
+    log = ranks.log(0)
+    m = re.search(r"signal received: saving a checkpoint at step (\d+) and exiting(; the background save of (step-\d+) completes first)?", log)
+    saved, waited_for = (int(m.group(1)), m.group(3)) if m else (None, None)
+    order = saved_lines(log)
+    # A save in flight at the signal completes (and is logged) before the preemption's own save does.
+    ok = codes == [0, 0] and saved is not None and order[-1:] == [ckpt.step_tag(saved)] and ckpt.is_complete(saving) \
+        and (waited_for is None or waited_for == ckpt.step_tag(saved) or waited_for in order[:-1]) \
+        and newest_complete(run_dir)[0] == saved and (ckpt.checkpoints_dir(run_dir) / ckpt.LATEST).read_text().strip() == ckpt.step_tag(saved)
+    return {"fault": FAULT_ASYNC_TERM if waited_for else FAULT_TERM, "ok": ok,
+            "detail": f"exit codes {codes}, saved step {saved} after waiting for {waited_for}, completed in order {order}, "
+                      f"newest {newest_complete(run_dir)}"}
 
 
 @pytest.mark.parametrize("chain", range(trials("train_kill_chains")))
@@ -153,7 +214,7 @@ def run_segment(run_dir: Path, data: Path, kinds: list[str], draw, expected: dic
         newest, newest_dir = newest_complete(run_dir)
         kind = kinds.pop(0) if kinds and newest < MAX_STEPS - EVERY else "finish"
         lines_before = len(metrics_lines(run_dir))
-        ranks = Ranks(cfg, tmp / f"logs-{run_dir.name}-{launch}")
+        ranks = Ranks(cfg, tmp / f"logs-{run_dir.name}-{launch}", args=("--resume", "auto", *(BACKGROUND if kind in ASYNC_KINDS else ())))
         if kind == "finish":
             codes = ranks.wait(LAUNCH_TIMEOUT)
             if codes != [0, 0]:
