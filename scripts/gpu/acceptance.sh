@@ -4,6 +4,7 @@
 #   bash scripts/gpu/acceptance.sh chain    # the OLMo-3-style 1B stage chain, a few steps per stage
 #   bash scripts/gpu/acceptance.sh tiers    # the GPU tier and the CPU tier of the test suite, with wall times
 #                                           # (gpu-tier or cpu-tier: one of them)
+#   bash scripts/gpu/acceptance.sh bench-checkpoint|bench-prepare   # the benchmarks of issues 25 and 28
 # Needs deepspeed importable and `python` on PATH; the test data at $OLMO_DS_SHARED (default ./shared).
 # The host has no network, so the Dolma 2 tokenizer goes into the HF cache as `hf download` would put it.
 # Logs go to $OUT (default out/gpu); the last lines printed are a table of step, exit code and seconds.
@@ -55,8 +56,17 @@ tiers|gpu-tier|cpu-tier)
   [ "$1" = gpu-tier ] || t cpu-tier make test OFFLINE=1 PYTEST_ARGS="-n 16 --dist loadfile"
   grep -h "passed\|failed\|olmo-ds test device" "$OUT"/*-tier.log | tail -n 6
   ;;
+bench-checkpoint)  # issue 25's targets at the 1B: blocked per background save, complete vs a raw write (~4 min, 36 GB disk)
+  t bench-checkpoint python scripts/bench_checkpoint.py --json "$OUT/bench-checkpoint.json"
+  tail -n 8 "$OUT/bench-checkpoint.log"
+  ;;
+bench-prepare)  # 2 GB of .json.gz in 128 files, 1 and 16 workers end to end, 16 independent encoders (~4 min, 20 GB in /tmp)
+  t bench-prepare python scripts/bench_prepare.py --many-files --workers 1 16 \
+      --tokenizer "$OLMO_DS_SHARED/tokenizers/dolma2-tokenizer.json" --dir /tmp/bpm --json "$OUT/bench-prepare.json"
+  tail -n 12 "$OUT/bench-prepare.log"
+  ;;
 *)
-  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers|gpu-tier|cpu-tier" >&2; exit 2;;
+  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers|gpu-tier|cpu-tier|bench-checkpoint|bench-prepare" >&2; exit 2;;
 esac
 echo "--- step, exit code, seconds"
 cat "$OUT/table"
