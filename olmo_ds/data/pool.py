@@ -110,7 +110,40 @@ def _widen(conn, size: int = 8 << 20) -> None:
             return
 
 
-class OrderedPool:
+class _Workers:
+    """Worker processes, each fed through a task pipe and answering through a result pipe; a context
+    manager that stops them on exit: politely when all went well, at once after an error."""
+
+    procs: list
+    task_conns: list
+    result_conns: list
+    closed = False
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers: when idle, politely; otherwise (an error) at once. Once is enough."""
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.task_conns:
+            with contextlib.suppress(OSError):
+                conn.send(_STOP)
+        for p in self.procs:
+            if not kill:
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+            p.join()
+        for conn in (*self.task_conns, *self.result_conns):
+            conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.close(kill=exc_type is not None)
+
+
+class OrderedPool(_Workers):
     """`fn(context, *args) -> (header, np.ndarray)` over `workers` processes, results in order.
 
     `context` is sent to each worker once (with the fork start method it is inherited, not pickled).
@@ -196,25 +229,6 @@ class OrderedPool:
         except (EOFError, ConnectionError) as e:
             raise _died(self.procs[worker]) from e
         return header, array
-    def close(self, kill: bool = False) -> None:
-        """Stop the workers: after all results were read, politely; otherwise (an error) at once."""
-        for conn in self.task_conns:
-            with contextlib.suppress(OSError):
-                conn.send(_STOP)
-        for p in self.procs:
-            if not kill:
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-            p.join()
-        for conn in (*self.task_conns, *self.result_conns):
-            conn.close()
-
-    def __enter__(self) -> "OrderedPool":
-        return self
-
-    def __exit__(self, exc_type, *_) -> None:
-        self.close(kill=exc_type is not None)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -248,7 +262,7 @@ def _task_worker(fn: Callable, context, task_conn, result_conn, parent_fds: list
         result_conn.send(result)
 
 
-class TaskPool:
+class TaskPool(_Workers):
     """`fn(context, task) -> result` over `workers` processes, one task per worker at a time, each
     result returned as soon as it is ready (the caller restores any order it needs).
 
@@ -262,7 +276,6 @@ class TaskPool:
     def __init__(self, fn: Callable, context, workers: int, mp_context):
         self.procs, self.task_conns, self.result_conns = [], [], []
         self.running: dict[int, object] = {}  # worker -> key of the task it runs
-        self.closed = False
         forked = mp_context.get_start_method() == "fork"
         for _ in range(workers):
             task_r, task_w = mp_context.Pipe(duplex=False)
@@ -304,25 +317,3 @@ class TaskPool:
             done.append((key, value))
         return done
 
-    def close(self, kill: bool = False) -> None:
-        """Stop the workers: when idle, politely; otherwise (an error) at once. Once is enough."""
-        if self.closed:
-            return
-        self.closed = True
-        for conn in self.task_conns:
-            with contextlib.suppress(OSError):
-                conn.send(_STOP)
-        for p in self.procs:
-            if not kill:
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-            p.join()
-        for conn in (*self.task_conns, *self.result_conns):
-            conn.close()
-
-    def __enter__(self) -> "TaskPool":
-        return self
-
-    def __exit__(self, exc_type, *_) -> None:
-        self.close(kill=exc_type is not None)
