@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from olmo_ds.eval.loglikelihood import score_requests
+from olmo_ds.eval.loglikelihood import ScoredRequests, score_requests
 from olmo_ds.eval.scoring import DistContext
 from olmo_ds.eval.tasks import Question, Task
 
@@ -46,6 +46,7 @@ def _encode_unique(tokenizer, texts: set[str]) -> dict[str, list[int]]:
 class MultipleChoiceResult:
     tasks: dict[str, dict]  # task name -> metrics
     stats: dict  # counts and timings of the whole pass (all tasks scored together)
+    scored: ScoredRequests | None = None  # per request, in `PreparedTasks.requests` order
 
 
 @dataclass
@@ -189,4 +190,4 @@ def evaluate_tasks(
         "forward_tokens_per_second": rate(scored.forward_tokens),
         "scored_tokens_per_second": rate(scored_tokens),
     }
-    return MultipleChoiceResult(results, stats)
+    return MultipleChoiceResult(results, stats, scored)
