@@ -111,8 +111,10 @@ def score_requests(
             greedy.update(top)
             counts += c
         if shared:
-            path = _score_packed if packed else _score_shared_contexts
-            part, top, c = path(model, olmo, requests, shared, max_len, batch_tokens, pad_id, dist_ctx)
+            if packed:
+                part, top, c = _score_packed(model, requests, shared, max_len, batch_tokens, pad_id, dist_ctx)
+            else:
+                part, top, c = _score_shared_contexts(model, olmo, requests, shared, batch_tokens, pad_id, dist_ctx)
             scores.update(part)
             greedy.update(top)
             counts += c
@@ -130,7 +132,7 @@ def score_requests(
     )
 
 
-def _score_packed(model, olmo, requests, idx: list[int], max_len: int, batch_tokens: int, pad_id: int, dist_ctx: DistContext):
+def _score_packed(model, requests, idx: list[int], max_len: int, batch_tokens: int, pad_id: int, dist_ctx: DistContext):
     """Contexts and their continuations packed into fixed-shape rows (`olmo_ds.eval.packing`); a
     context too long for the window is cut from the left first, as the row path would."""
     items: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
@@ -218,7 +220,7 @@ def _reduce(keys: list, lengths: list[int], values: np.ndarray, fn) -> dict:
     return out
 
 
-def _score_shared_contexts(model, olmo, requests, idx: list[int], max_len: int, batch_tokens: int, pad_id: int, dist_ctx: DistContext):
+def _score_shared_contexts(model, olmo, requests, idx: list[int], batch_tokens: int, pad_id: int, dist_ctx: DistContext):
     """Each distinct context run once; its continuations run on a copy of its keys and values.
 
     The first continuation token is scored from the context's last position; the rest from one row

@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="olmo2-1b" if GPU else "tiny", help="model preset, random init (default: olmo2-1b on GPU, tiny on CPU)")
     p.add_argument("--tasks", nargs="+", default=[], help="task dirs/files (default: $OLMO_DS_SHARED/eval/{arc_easy,piqa}_rc_0shot)")
     p.add_argument("--tokenizer", default=None, help="default: $OLMO_DS_SHARED/tokenizers/dolma2-tokenizer.json")
-    p.add_argument("--limit", type=int, default=None, help="questions per task (default: all)")
+    p.add_argument("--limit", type=int, default=None if GPU else 20, help="questions per task (default: all on GPU, 20 on CPU)")
     p.add_argument("--batch-tokens", type=int, default=d.batch_tokens if GPU else 4096, help="positions per forward, offline")
     p.add_argument("--seq-len", type=int, default=d.seq_len if GPU else 128, help="perplexity rows; the in-loop run's batch.seq_len")
     p.add_argument("--ppl-rows", type=int, default=d.ppl_rows if GPU else 8)
