@@ -36,7 +36,7 @@ PREPARE_ARGS ?=
 RUN_DIR ?= runs/demo
 
 .DEFAULT_GOAL := help
-.PHONY: help install hostfile demo prepare-data test test-fast test-gpu test-faults bench-prepare bench-data bench-train bench-checkpoint clean
+.PHONY: help install hostfile demo prepare-data test test-fast test-gpu test-faults bench-prepare bench-data bench-train bench-checkpoint bench-eval clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-15s %s\n", $$1, $$2}'
@@ -86,6 +86,9 @@ bench-train: $(SETUP) ## training throughput, MFU and memory (GPU: olmo2-1b; CPU
 
 bench-checkpoint: $(SETUP) ## how long a checkpoint blocks training (blocking vs background save) beside a raw write of its bytes
 	$(RUN) $(PY) scripts/bench_checkpoint.py
+
+bench-eval: $(SETUP) ## evaluation speed, batching exact vs packed: multiple choice, perplexity, in the loop (GPU: olmo2-1b; CPU: tiny)
+	$(RUN) $(PY) scripts/bench_eval.py
 
 clean: ## remove demo outputs (keeps .venv)
 	rm -rf data/demo runs/demo

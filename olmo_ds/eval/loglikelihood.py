@@ -2,18 +2,24 @@
 
 A request is (context ids, continuation ids); its score is the sum of log-probs of the continuation
 tokens given everything before them, exactly what lm-evaluation-harness computes request by request.
-The choices of a question share its context, so most of that work is repeated. Two ways to share it:
+The choices of a question share its context, so most of that work is repeated. How it is shared
+(`batching`):
 
-- Our OLMo (also inside a DeepSpeed engine): each distinct context is run once into a KV cache; the
-  first continuation token is read at its last position, and every distinct continuation runs
-  only its own tokens against a copy of that cache. On piqa + arc_easy this halves the tokens run.
-- Any other model (e.g. transformers', for agreement checks): one row per distinct model input
-  (context + continuation)[:-1]. Inputs that are a prefix of another are read from the longer
-  row's logits (the model is causal), so one-token answers to one question cost a single row.
+- `packed` (the default), our OLMo (also inside a DeepSpeed engine): each question's context and its
+  distinct continuations go into one row, the continuations as branches that see the context and
+  not each other (`olmo_ds.eval.packing`); rows of one width, batches of one shape, one forward each,
+  the head run only where a token is scored. Compiled blocks serve these forwards (one graph).
+- `exact`, our OLMo: each distinct context is run once into a KV cache; the first continuation token
+  is read at its last position, and every distinct continuation runs only its own tokens against a
+  copy of that cache. Batches hold contexts of one exact length (many small batches and shapes, run
+  eagerly). The packed path's reference: both give the same scores up to float rounding.
+- Any other model (e.g. transformers', for agreement checks), either setting: one row per distinct
+  model input (context + continuation)[:-1]. Inputs that are a prefix of another are read from the
+  longer row's logits (the model is causal), so one-token answers to one question cost a single row.
 
 A context longer than the window is truncated from the left (the continuation always kept whole),
-counted, and scored on the row path; a continuation that does not fit the window is an error, since
-its score would be wrong.
+counted, and scored on the row path (`exact`) or packed as the shortened context (`packed`); a
+continuation that does not fit the window is an error, since its score would be wrong.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from olmo_ds.eval.scoring import DistContext, length_batches, logits_of, model_device, pad_rows, run_split, target_logprobs
+from olmo_ds.eval.packing import plan_packed
+from olmo_ds.eval.scoring import (DistContext, check_batching, length_batches, logits_of, model_device, olmo_of, pad_rows,
+                                  run_split, target_logprobs)
 
 
 @dataclass
@@ -32,8 +40,9 @@ class ScoredRequests:
     greedy: np.ndarray  # bool [N]: every continuation token is the model's arg-max (lm-eval's is_greedy)
     num_tokens: np.ndarray  # int64 [N]: continuation tokens scored
     truncated: np.ndarray  # bool [N]: the context was cut from the left to fit the window
-    forward_rows: int  # model rows actually run (distinct inputs after prefix sharing)
-    forward_tokens: int  # tokens in those rows (excluding padding)
+    forward_rows: int  # rows of the forwards the batches need, over all ranks, padding rows included
+    forward_tokens: int  # positions those rows hold: what the model ran, padding included
+    padding_tokens: int  # of forward_tokens, padding
 
 
 def _host_rows(inputs: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], list[int]]:
@@ -65,15 +74,17 @@ def score_requests(
     dist_ctx: DistContext | None = None,
     where: list[str] | None = None,
     share_contexts: bool = True,
+    batching: str = "packed",
 ) -> ScoredRequests:
     """Sum of continuation log-probs for each (context ids, continuation ids) request.
 
     `max_len` is the model's window; `where[i]` names request i in errors (e.g. "file:12").
     With `dist_ctx` the rows are split across ranks and every rank returns all scores.
     `share_contexts`: with our OLMo (or a DeepSpeed engine around it), run each distinct context
-    once and its continuations from a copy of its KV cache (see `_score_shared_contexts`); other
-    models, and requests whose context had to be truncated, take the row-per-input path.
+    once, as `batching` says (`packed` or `exact`, see the module docstring); without it, and for
+    other models, one row per distinct input. Requests with an empty context take that row path too.
     """
+    check_batching(batching)
     dist_ctx = dist_ctx or DistContext.current()
     truncated = np.zeros(len(requests), dtype=bool)
     for i, (ctx, cont) in enumerate(requests):
@@ -83,26 +94,30 @@ def score_requests(
             raise ValueError(f"{where[i] if where else f'request {i}'}: continuation of {len(cont)} tokens does not fit the model's window of {max_len}")
         truncated[i] = len(ctx) + len(cont) - 1 > max_len
 
-    olmo = _olmo_of(model) if share_contexts else None
-    shared = [i for i in range(len(requests)) if olmo is not None and not truncated[i] and requests[i][0]]
+    olmo = olmo_of(model) if share_contexts else None
+    packed = olmo is not None and batching == "packed"
+    shared = [i for i in range(len(requests)) if olmo is not None and (packed or not truncated[i]) and requests[i][0]]
     taken = set(shared)
     plain = [i for i in range(len(requests)) if i not in taken]
 
     was_training = getattr(model, "training", False)
     model.eval()
     try:
-        scores, greedy, rows, tokens = {}, {}, 0, 0
+        scores, greedy, counts = {}, {}, np.zeros(3, dtype=np.int64)  # rows, positions, padding
         # Both parts are decided from the requests alone, so every rank runs them in the same order.
         if plain:
-            part, top, r, t = _score_rows(model, requests, plain, max_len, batch_tokens, pad_id, dist_ctx)
+            part, top, c = _score_rows(model, requests, plain, max_len, batch_tokens, pad_id, dist_ctx)
             scores.update(part)
             greedy.update(top)
-            rows, tokens = rows + r, tokens + t
+            counts += c
         if shared:
-            part, top, r, t = _score_shared_contexts(model, olmo, requests, shared, batch_tokens, pad_id, dist_ctx)
+            if packed:
+                part, top, c = _score_packed(model, requests, shared, max_len, batch_tokens, pad_id, dist_ctx)
+            else:
+                part, top, c = _score_shared_contexts(model, olmo, requests, shared, batch_tokens, pad_id, dist_ctx)
             scores.update(part)
             greedy.update(top)
-            rows, tokens = rows + r, tokens + t
+            counts += c
     finally:
         if was_training:
             model.train()
@@ -111,17 +126,40 @@ def score_requests(
         greedy=np.array([greedy[i] for i in range(len(requests))], dtype=bool),
         num_tokens=np.array([len(c) for _, c in requests], dtype=np.int64),
         truncated=truncated,
-        forward_rows=rows,
-        forward_tokens=tokens,
+        forward_rows=int(counts[0]),
+        forward_tokens=int(counts[1]),
+        padding_tokens=int(counts[2]),
     )
 
 
-def _olmo_of(model):
-    """Our OLMo behind `model` (itself, or a DeepSpeed engine's module), else None."""
-    from olmo_ds.model import OLMo
+def _score_packed(model, requests, idx: list[int], max_len: int, batch_tokens: int, pad_id: int, dist_ctx: DistContext):
+    """Contexts and their continuations packed into fixed-shape rows (`olmo_ds.eval.packing`); a
+    context too long for the window is cut from the left first, as the row path would."""
+    items: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    item_of: dict[int, int] = {}
+    for i in idx:
+        ctx, cont = tuple(requests[i][0]), tuple(requests[i][1])
+        if len(ctx) + len(cont) - 1 > max_len:
+            ctx = ctx[len(ctx) + len(cont) - 1 - max_len:]
+        item_of[i] = items.setdefault((ctx, cont), len(items))
+    plan = plan_packed(list(items), batch_tokens, pad_id)
+    device = model_device(model)
 
-    inner = getattr(model, "module", model)
-    return inner if isinstance(inner, OLMo) else None
+    def step(b: int):
+        pb = plan.batches[b]
+        out = model(pb.input_ids.to(device), doc_lens=pb.doc_lens.to(device), positions=pb.positions.to(device),
+                    branches=pb.branches.to(device), score=(pb.index.to(device), pb.targets.to(device)))
+        lp, top = out.logprob.double().cpu().numpy(), out.greedy.cpu().numpy()
+        return (dict(zip(pb.items.tolist(), np.add.reduceat(lp, pb.starts).tolist())),
+                dict(zip(pb.items.tolist(), np.logical_and.reduceat(top, pb.starts).tolist())))
+
+    scores: dict[int, float] = {}
+    greedy: dict[int, bool] = {}
+    for part, top in run_split(len(plan.batches), step, dist_ctx):
+        scores.update(part)
+        greedy.update(top)
+    counts = (len(plan.batches) * plan.rows_per_batch, plan.padded_tokens, plan.padded_tokens - plan.tokens)
+    return {i: scores[item_of[i]] for i in idx}, {i: greedy[item_of[i]] for i in idx}, counts
 
 
 def _score_rows(model, requests, idx: list[int], max_len: int, batch_tokens: int, pad_id: int, dist_ctx: DistContext):
@@ -161,7 +199,8 @@ def _score_rows(model, requests, idx: list[int], max_len: int, batch_tokens: int
     for part, top in run_split(len(batches), step, dist_ctx):
         scores.update(part)
         greedy.update(top)
-    return scores, greedy, len(rows), sum(len(r) for r in rows)
+    positions = sum(len(batch) * max(len(rows[r]) for r in batch) for batch in batches)
+    return scores, greedy, (len(rows), positions, positions - sum(len(r) for r in rows))
 
 
 def _sums(keys: list, lengths: list[int], values: np.ndarray) -> dict:
@@ -263,5 +302,9 @@ def _score_shared_contexts(model, olmo, requests, idx: list[int], batch_tokens: 
         scores.update(part)
         greedy.update(top)
     tokens = sum(len(c) for c in ctx_list) + sum(len(k) - 1 for ks in conts for k in ks)
-    rows = len(ctx_list) + sum(1 for ks in conts for k in ks if len(k) > 1)
-    return {i: scores[key_of[i]] for i in idx}, {i: greedy[key_of[i]] for i in idx}, rows, tokens
+    rows, positions = 0, 0
+    for batch in batches:  # contexts of one length, then the tails padded to the longest (one pad token if none)
+        tails = [len(k) - 1 for c in batch for k in conts[c] if len(k) > 1] or [1]
+        rows += len(batch) + len(tails)
+        positions += len(batch) * len(ctx_list[batch[0]]) + len(tails) * max(tails)
+    return {i: scores[key_of[i]] for i in idx}, {i: greedy[key_of[i]] for i in idx}, (rows, positions, positions - tokens)

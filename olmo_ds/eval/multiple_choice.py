@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from olmo_ds.eval.loglikelihood import score_requests
+from olmo_ds.eval.loglikelihood import ScoredRequests, score_requests
 from olmo_ds.eval.scoring import DistContext
 from olmo_ds.eval.tasks import Question, Task
 
@@ -46,6 +46,7 @@ def _encode_unique(tokenizer, texts: set[str]) -> dict[str, list[int]]:
 class MultipleChoiceResult:
     tasks: dict[str, dict]  # task name -> metrics
     stats: dict  # counts and timings of the whole pass (all tasks scored together)
+    scored: ScoredRequests | None = None  # per request, in `PreparedTasks.requests` order
 
 
 @dataclass
@@ -104,6 +105,7 @@ def evaluate_tasks(
     batch_tokens: int = 16384,
     uncond: bool = False,
     limit: int | None = None,
+    batching: str = "packed",
 ) -> MultipleChoiceResult:
     """Score every task; `.tasks` maps each task's name to its metrics. Every rank returns the same numbers.
 
@@ -112,12 +114,14 @@ def evaluate_tasks(
     `dp_rank`/`dp_world` default to torch.distributed's; the rows are split across ranks and the
     per-request scores gathered, so the result does not depend on the world size. All tasks are
     scored in one pass (one set of batches), so short tasks fill the batches of long ones.
+    `batching`: `packed` (default) or `exact`, see `olmo_ds.eval.loglikelihood`.
     """
     dist_ctx = DistContext.current() if dp_rank is None else DistContext(dp_rank, dp_world or 1)
     prepared = tasks if isinstance(tasks, PreparedTasks) else prepare_tasks(tokenizer, tasks, uncond=uncond, limit=limit)
     pairs = prepared.pairs
     t0 = time.perf_counter()
-    scored = score_requests(model, prepared.requests, max_len=max_len, batch_tokens=batch_tokens, pad_id=tokenizer.pad_id or 0, dist_ctx=dist_ctx, where=prepared.where)
+    scored = score_requests(model, prepared.requests, max_len=max_len, batch_tokens=batch_tokens, pad_id=tokenizer.pad_id or 0,
+                            dist_ctx=dist_ctx, where=prepared.where, batching=batching)
     score_s = time.perf_counter() - t0
 
     results: dict[str, dict] = {}
@@ -162,17 +166,28 @@ def evaluate_tasks(
         results[task.name] = metrics
 
     scored_tokens = int(scored.num_tokens.sum())
+    request_tokens = sum(len(c) + len(k) for c, k in prepared.requests)
+
+    def rate(n: int) -> float:
+        return n / score_s if score_s > 0 else float("nan")
+
     stats = {
+        "batching": batching,
         "requests": len(prepared.requests),
         "distinct_contexts": prepared.distinct_contexts,
         "truncated_contexts": int(scored.truncated.sum()),
         "forward_rows": scored.forward_rows,
         "forward_tokens": scored.forward_tokens,
+        "padding_tokens": scored.padding_tokens,
+        "request_tokens": request_tokens,
         "scored_tokens": scored_tokens,
         "tokenize_seconds": prepared.tokenize_seconds,
         "score_seconds": score_s,
-        # Scored = continuation tokens whose log-prob is read; forward = all tokens the model ran.
-        "scored_tokens_per_second": scored_tokens / score_s if score_s > 0 else float("nan"),
-        "forward_tokens_per_second": scored.forward_tokens / score_s if score_s > 0 else float("nan"),
+        # Request tokens = context + continuation of every request (what lm-eval users count); forward
+        # = every position the model ran, padding included; scored = continuation tokens read.
+        "requests_per_second": rate(len(prepared.requests)),
+        "request_tokens_per_second": rate(request_tokens),
+        "forward_tokens_per_second": rate(scored.forward_tokens),
+        "scored_tokens_per_second": rate(scored_tokens),
     }
-    return MultipleChoiceResult(results, stats)
+    return MultipleChoiceResult(results, stats, scored)

@@ -32,7 +32,7 @@ from olmo_ds.data import shards
 from olmo_ds.data.dataset import TokenSource
 from olmo_ds.eval.jsonl import SUFFIXES as JSONL_SUFFIXES
 from olmo_ds.eval.jsonl import read_texts
-from olmo_ds.eval.scoring import DistContext, logits_of, model_device, run_split, target_logprobs
+from olmo_ds.eval.scoring import DistContext, check_batching, logits_of, model_device, olmo_of, run_split, target_logprobs
 
 IGNORE_INDEX = -100
 
@@ -91,7 +91,12 @@ class PerplexityResult:
     text_tokens: int  # targets that are not special tokens
     bytes: int  # UTF-8 bytes of the text targets
     seconds: float
-    tokens_per_second: float
+    tokens_per_second: float  # labelled targets per second
+    rows: int = 0  # rows of tokens scored (the requests of this evaluation), over all ranks
+    forward_tokens: int = 0  # positions the model ran, padding rows included, over all ranks
+    rows_per_second: float = float("nan")
+    forward_tokens_per_second: float = float("nan")
+    batching: str = "packed"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,6 +110,7 @@ def evaluate_perplexity(
     *,
     dist_ctx: DistContext | None = None,
     split: bool = True,
+    batching: str = "packed",
 ) -> PerplexityResult:
     """Loss, perplexity and bits-per-byte of `model` on `batches` of `input_ids`/`labels` ([B, T]).
 
@@ -112,24 +118,43 @@ def evaluate_perplexity(
     across ranks here; the result is bitwise that of one rank. `split=False`: each rank passes its
     own share (e.g. `olmo_ds.data.loader.validation_batches(..., dp_rank, dp_world_size)`), every
     rank the same number of batches, and the sums are gathered. Every rank returns the total.
+
+    `batching`: `packed` (default) runs our OLMo's scoring forward (`OLMo.forward(score=...)`: the head
+    only on labelled positions, compiled blocks where training compiles them) on batches of one shape,
+    every batch topped up to the most rows any has with rows of padding; `exact` (and any other
+    model) reads full logits from the batches as given, eagerly. Both give the same numbers up to
+    float rounding.
     """
+    check_batching(batching)
     dist_ctx = dist_ctx or DistContext.current()
     device = model_device(model)
     byte_table = torch.as_tensor(token_bytes, dtype=torch.long, device=device)
     batches = list(batches)
+    scoring = batching == "packed" and olmo_of(model) is not None
+    width = max((b["input_ids"].shape[1] for b in batches), default=0)
+    rows = max((b["input_ids"].shape[0] for b in batches), default=0)
 
-    def step(b: int) -> tuple[float, int, float, int, int]:
+    def step(b: int) -> tuple[float, int, float, int, int, int, int]:
         batch = batches[b]
         labels = batch["labels"].to(device)
-        logits = logits_of(model, batch["input_ids"].to(device))
-        targets = labels.clamp(min=0)
-        # Row by row, so no float32 copy of the whole batch's logits is ever made.
-        nats = -torch.stack([target_logprobs(logits[r], targets[r]) for r in range(logits.shape[0])]).double()
-        mask = labels != IGNORE_INDEX
+        if scoring:
+            ids, labels = _top_up(batch["input_ids"].to(device), labels, rows, width)
+            flat = labels.reshape(-1)
+            index = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+            targets = flat[index]
+            nats = -model(ids, score=(index, targets)).logprob.double()
+            mask = torch.ones_like(targets, dtype=torch.bool)
+        else:
+            ids = batch["input_ids"].to(device)
+            logits = logits_of(model, ids)
+            targets = labels.clamp(min=0)
+            # Row by row, so no float32 copy of the whole batch's logits is ever made.
+            nats = -torch.stack([target_logprobs(logits[r], targets[r]) for r in range(logits.shape[0])]).double()
+            mask = labels != IGNORE_INDEX
         nbytes = byte_table[targets] * mask
         text = nbytes > 0
         sums = torch.stack([(nats * mask).sum(), mask.sum().double(), (nats * text).sum(), text.sum().double(), nbytes.sum().double()]).cpu().tolist()
-        return sums[0], int(sums[1]), sums[2], int(sums[3]), int(sums[4])
+        return sums[0], int(sums[1]), sums[2], int(sums[3]), int(sums[4]), batch["input_ids"].shape[0], ids.numel()
 
     was_training = getattr(model, "training", False)
     model.eval()
@@ -147,10 +172,14 @@ def evaluate_perplexity(
         if was_training:
             model.train()
     seconds = time.perf_counter() - t0
-    nats, tokens, text_nats, text_tokens, nbytes = (sum(p[k] for p in parts) for k in range(5))
+    nats, tokens, text_nats, text_tokens, nbytes, num_rows, positions = (sum(p[k] for p in parts) for k in range(7))
     if tokens == 0:
         raise ValueError("evaluate_perplexity: the batches hold no labelled target tokens")
     ce = nats / tokens
+
+    def rate(n: int) -> float:
+        return n / seconds if seconds > 0 else float("nan")
+
     return PerplexityResult(
         ce_loss=ce,
         perplexity=math.exp(ce),
@@ -159,8 +188,25 @@ def evaluate_perplexity(
         text_tokens=text_tokens,
         bytes=nbytes,
         seconds=seconds,
-        tokens_per_second=tokens / seconds if seconds > 0 else float("nan"),
+        tokens_per_second=rate(tokens),
+        rows=num_rows,
+        forward_tokens=positions,
+        rows_per_second=rate(num_rows),
+        forward_tokens_per_second=rate(positions),
+        batching=batching,
     )
+
+
+def _top_up(ids: torch.Tensor, labels: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ids`/`labels` padded to [rows, width]: padding ids 0, labels ignored (the model is causal and
+    the rows are independent, so padding changes no score)."""
+    b, t = ids.shape
+    if (b, t) == (rows, width):
+        return ids, labels
+    out_ids = ids.new_zeros((rows, width))
+    out_labels = labels.new_full((rows, width), IGNORE_INDEX)
+    out_ids[:b, :t], out_labels[:b, :t] = ids, labels
+    return out_ids, out_labels
 
 
 def window_batches(tokens: np.ndarray, seq_len: int, batch_size: int) -> list[dict]:

@@ -153,8 +153,9 @@ def markdown(results: dict) -> str:
         head += f", {results['tokens_seen']:,} tokens seen"
     parts.append(head)
     if results["perplexity"]:
-        rows = [[name, r["tokens"], r["ce_loss"], r["perplexity"], r["bits_per_byte"], round(r["tokens_per_second"])] for name, r in results["perplexity"].items()]
-        parts.append(_table(["source", "tokens", "ce_loss", "perplexity", "bits/byte", "tokens/s"], rows))
+        rows = [[name, r["tokens"], r["ce_loss"], r["perplexity"], r["bits_per_byte"], round(r["tokens_per_second"]),
+                 round(r["rows_per_second"]), round(r["forward_tokens_per_second"])] for name, r in results["perplexity"].items()]
+        parts.append(_table(["source", "tokens", "ce_loss", "perplexity", "bits/byte", "tokens/s", "rows/s", "forward tokens/s"], rows))
     alone = {name: r for name, r in results["tasks"].items() if not _in_suite(r)}
     if alone:
         rows = []
@@ -168,8 +169,10 @@ def markdown(results: dict) -> str:
         st = results["stats"].get("tasks", {})
         if st:
             parts.append(
-                f"{st['requests']:,} requests, {st['distinct_contexts']:,} distinct contexts, {st['forward_rows']:,} model rows; "
-                f"{st['scored_tokens_per_second']:,.0f} scored tokens/s ({st['forward_tokens_per_second']:,.0f} forward tokens/s)"
+                f"{st['requests']:,} requests ({st['request_tokens']:,} tokens), {st['distinct_contexts']:,} distinct contexts, "
+                f"{st['forward_rows']:,} model rows ({st['batching']} batching), {st['score_seconds']:.2f} s: "
+                f"{st['requests_per_second']:,.0f} requests/s, {st['request_tokens_per_second']:,.0f} request tokens/s, "
+                f"{st['forward_tokens_per_second']:,.0f} forward tokens/s"
             )
     return "\n\n".join(parts)
 

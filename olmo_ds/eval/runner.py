@@ -25,7 +25,7 @@ from olmo_ds.eval import loading, olmes_suite
 from olmo_ds.eval import results as res
 from olmo_ds.eval.multiple_choice import PreparedTasks, evaluate_tasks, prepare_tasks
 from olmo_ds.eval.perplexity import TextSource, evaluate_perplexity, load_source, token_byte_lengths, window_batches
-from olmo_ds.eval.scoring import DistContext
+from olmo_ds.eval.scoring import DistContext, check_batching
 from olmo_ds.eval.tasks import Task, load_task, resolve_task
 from olmo_ds.ranks import check_host, rendezvous
 
@@ -50,6 +50,7 @@ class EvalOptions:
     backend: str = "olmo"
     text_field: str = "text"
     tensorboard: bool = True
+    batching: str = "packed"  # packed | exact (olmo_ds.eval.loglikelihood)
 
 
 def _init_distributed(device_name: str | None) -> tuple[DistContext, torch.device]:
@@ -151,11 +152,12 @@ def _evaluate(loaded: loading.LoadedModel, inputs: _Inputs, options: EvalOptions
     ppl = {}
     for source in inputs.sources:
         batches = window_batches(source.tokens, seq_len, max(1, batch_tokens // seq_len))
-        r = evaluate_perplexity(loaded.model, batches, inputs.token_bytes, dist_ctx=dist_ctx).to_dict()
+        r = evaluate_perplexity(loaded.model, batches, inputs.token_bytes, dist_ctx=dist_ctx, batching=options.batching).to_dict()
         ppl[source.name] = {**r, "path": str(source.path), "kind": source.kind, "documents": source.documents, "seq_len": seq_len}
     if inputs.tasks is None:
         return ppl, {}, {}
-    mc = evaluate_tasks(loaded.model, loaded.tokenizer, inputs.tasks, dist_ctx.rank, dist_ctx.world, max_len=loaded.max_len, batch_tokens=batch_tokens)
+    mc = evaluate_tasks(loaded.model, loaded.tokenizer, inputs.tasks, dist_ctx.rank, dist_ctx.world, max_len=loaded.max_len,
+                        batch_tokens=batch_tokens, batching=options.batching)
     if dist_ctx.rank == 0 and mc.stats["truncated_contexts"]:
         per_task = ", ".join(f"{name} {r['truncated_contexts']}" for name, r in mc.tasks.items() if r["truncated_contexts"])
         print(f"eval: warning: {mc.stats['truncated_contexts']} contexts longer than the model's window of {loaded.max_len} tokens "
@@ -192,6 +194,7 @@ def _suites(tasks: list[Task], task_metrics: dict[str, dict]) -> dict:
 
 def run(options: EvalOptions) -> list[dict]:
     """Evaluate every target; returns each target's results document (on every rank)."""
+    check_batching(options.batching)
     dist_ctx, device = _init_distributed(options.device)
     dtype = _dtype(options.dtype, device)
     batch_tokens = options.batch_tokens or (32768 if device.type == "cuda" else 4096)

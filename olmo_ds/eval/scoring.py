@@ -24,6 +24,25 @@ import torch.distributed as dist
 # Positions per log-softmax chunk: 1024 x 100,352 float32 = 400 MB at most, whatever the batch.
 LOGSOFTMAX_CHUNK = 1024
 
+# How evaluation batches its forwards (`olmo_ds.eval.loglikelihood`, `olmo_ds.eval.perplexity`):
+# `packed`, rows of one width in batches of one shape through the model's scoring forward, or `exact`,
+# the earlier path (batches of one exact length, full logits, eager), kept as the reference.
+BATCHING = ("packed", "exact")
+
+
+def check_batching(batching: str) -> str:
+    if batching not in BATCHING:
+        raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
+    return batching
+
+
+def olmo_of(model):
+    """Our OLMo behind `model` (itself, or a DeepSpeed engine's module), else None."""
+    from olmo_ds.model import OLMo
+
+    inner = getattr(model, "module", model)
+    return inner if isinstance(inner, OLMo) else None
+
 
 @dataclass(frozen=True)
 class DistContext:

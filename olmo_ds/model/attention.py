@@ -48,8 +48,19 @@ def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def resolve_backend(name: str, device: torch.device, needs_mask: bool) -> str:
-    """The concrete backend for `name` on `device`; `needs_mask` = sliding window or documents."""
+def resolve_backend(name: str, device: torch.device, needs_mask: bool, tree: bool = False) -> str:
+    """The concrete backend for `name` on `device`; `needs_mask` = sliding window or documents; `tree` =
+    the mask has branches (`AttentionMask`), which flash-attn's kernels cannot express: those calls go
+    to flex_attention on CUDA with triton, else to SDPA with a boolean mask, whatever was asked for."""
+    if tree and name in ("flash_attn", "flash_attn3", "sdpa_flash"):
+        name = "auto"
+    resolved = _resolve(name, device, needs_mask or tree)
+    if tree and resolved in ("flash_attn", "flash_attn3"):
+        return "flex" if _has_module("triton") else "sdpa"
+    return resolved
+
+
+def _resolve(name: str, device: torch.device, needs_mask: bool) -> str:
     if name != "auto":
         if name in ("flash_attn", "flash_attn3", "sdpa_cudnn", "sdpa_efficient") and device.type != "cuda":
             raise ValueError(f"attention_backend {name!r} needs a CUDA device, got {device}; use 'auto' or 'sdpa'")
@@ -96,18 +107,38 @@ class AttentionMask:
 
     Built once in the model's forward and passed to every layer; the kernel-specific forms are
     computed on first use and cached (one per window size).
+
+    Branches (scoring, `olmo_ds.eval.loglikelihood`): `branches` [B, T] numbers the pieces of each
+    document: 0 is its shared prefix, k > 0 its k-th branch, which sees the prefix and itself but no
+    other branch, so the continuations of one context are scored in one row after one copy of it.
+    `positions` [B, T] are then the RoPE positions (a branch continues from the end of the prefix),
+    and sliding windows are measured in positions, not row offsets. `static_shapes`: the caller keeps
+    its batches to a few shapes, so compiled blocks may serve a no-grad forward too (`Block`).
     """
 
-    def __init__(self, batch: int, seq_len: int, device: torch.device, doc_lens: torch.Tensor | None = None):
+    def __init__(self, batch: int, seq_len: int, device: torch.device, doc_lens: torch.Tensor | None = None,
+                 branches: torch.Tensor | None = None, positions: torch.Tensor | None = None, static_shapes: bool = False):
         self.batch, self.seq_len, self.device = batch, seq_len, device
         self.doc_lens = None
         if doc_lens is not None:
             self.doc_lens = validate_doc_lens(doc_lens, batch, seq_len).to(device=device)
+        if branches is not None and doc_lens is None:
+            raise ValueError("branches need doc_lens (each branch belongs to a document's prefix)")
+        for name, t in (("branches", branches), ("positions", positions)):
+            if t is not None and tuple(t.shape) != (batch, seq_len):
+                raise ValueError(f"{name} must have shape [batch={batch}, seq_len={seq_len}], got {tuple(t.shape)}")
+        self.branches = None if branches is None else branches.to(device=device)
+        self.positions = None if positions is None else positions.to(device=device)
+        self.static_shapes = static_shapes
         self._cache: dict = {}
 
     @property
     def has_documents(self) -> bool:
         return self.doc_lens is not None
+
+    @property
+    def has_branches(self) -> bool:
+        return self.branches is not None
 
     @functools.cached_property
     def doc_ids(self) -> torch.Tensor:
@@ -125,14 +156,19 @@ class AttentionMask:
         if key not in self._cache:
             q = torch.arange(self.seq_len, device=self.device)[:, None]
             k = torch.arange(self.seq_len, device=self.device)[None, :]
-            allowed = k <= q
+            allowed = (k <= q)[None]
             if window is not None:
-                allowed = allowed & (k > q - window)
-            allowed = allowed[None, None]
+                if self.positions is not None:
+                    allowed = allowed & (self.positions[:, :, None] - self.positions[:, None, :] < window)
+                else:
+                    allowed = allowed & (k > q - window)
             if self.has_documents:
                 ids = self.doc_ids
-                allowed = allowed & (ids[:, None, :, None] == ids[:, None, None, :])
-            self._cache[key] = allowed
+                allowed = allowed & (ids[:, :, None] == ids[:, None, :])
+            if self.has_branches:
+                br = self.branches
+                allowed = allowed & ((br[:, None, :] == 0) | (br[:, None, :] == br[:, :, None]))
+            self._cache[key] = allowed[:, None]
         return self._cache[key]
 
     def block_mask(self, window: int | None):
@@ -140,16 +176,23 @@ class AttentionMask:
         key = ("block", window)
         if key not in self._cache:
             doc_ids = self.doc_ids if self.has_documents else None
+            branches, positions = self.branches, self.positions
 
             def mask_mod(b, h, q_idx, kv_idx):
                 allowed = kv_idx <= q_idx
                 if window is not None:
-                    allowed = allowed & (kv_idx > q_idx - window)
+                    if positions is not None:
+                        allowed = allowed & (positions[b, q_idx] - positions[b, kv_idx] < window)
+                    else:
+                        allowed = allowed & (kv_idx > q_idx - window)
                 if doc_ids is not None:
                     allowed = allowed & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+                if branches is not None:
+                    allowed = allowed & ((branches[b, kv_idx] == 0) | (branches[b, kv_idx] == branches[b, q_idx]))
                 return allowed
 
-            self._cache[key] = flex_block_mask(mask_mod, self.seq_len, self.device, window, doc_ids)
+            self._cache[key] = flex_block_mask(mask_mod, self.seq_len, self.device, window, doc_ids,
+                                               branches=branches, positions=positions)
         return self._cache[key]
 
     def kernel_mask(self, backend: str, window: int | None):

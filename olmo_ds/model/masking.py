@@ -46,8 +46,17 @@ def document_causal_mask(doc_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
+def _tile_range(values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and tile of `block_size` tokens, the min and max of `values` [B, T] (the ragged last tile
+    padded with its own last value): two [B, n] tensors."""
+    b, t = values.shape
+    n = -(-t // block_size)
+    padded = torch.cat([values, values[:, -1:].expand(b, n * block_size - t)], dim=1).view(b, n, block_size)
+    return padded.amin(-1), padded.amax(-1)
+
+
 def flex_block_mask(mask_mod, seq_len: int, device, window: int | None = None, doc_ids: torch.Tensor | None = None,
-                    block_size: int = FLEX_BLOCK):
+                    block_size: int = FLEX_BLOCK, branches: torch.Tensor | None = None, positions: torch.Tensor | None = None):
     """flex_attention `BlockMask` for causal attention with an optional window and document ids.
 
     `mask_mod(b, h, q, kv)` is the token rule (applied inside partial tiles); this computes which
@@ -59,6 +68,11 @@ def flex_block_mask(mask_mod, seq_len: int, device, window: int | None = None, d
     and last token's. A partial tile may in fact hold no allowed pair (band and documents each reach
     it, but not at the same pairs); `mask_mod` masks it all, which is exact, only not skipped.
     `doc_ids` is int [B, T] (`document_ids`); without it the mask is shared by the batch (B = 1).
+
+    With `branches` [B, T] (`attention.AttentionMask`: 0 a document's prefix, k > 0 its k-th branch,
+    which sees the prefix and itself only) a tile is full only if its keys are all prefix, or its
+    queries and keys are all one branch. With `positions` [B, T] the window is measured in positions:
+    from each tile's smallest and largest position, not from its row offsets.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -67,15 +81,27 @@ def flex_block_mask(mask_mod, seq_len: int, device, window: int | None = None, d
     last = torch.clamp(first + block_size, max=seq_len) - 1
     # Over the pairs of query tile i and key tile j, q - k spans [first_i - last_j, last_i - first_j];
     # allowed pairs have 0 <= q - k < limit.
-    limit = seq_len if window is None else window
     low, high = first[:, None] - last[None, :], last[:, None] - first[None, :]
-    reach, full = ((high >= 0) & (low < limit))[None], ((low >= 0) & (high < limit))[None]
+    if positions is None or window is None:
+        limit = seq_len if window is None else window
+        reach, full = ((high >= 0) & (low < limit))[None], ((low >= 0) & (high < limit))[None]
+    else:
+        # Position distance over the pairs of tiles i and j spans [min_i - max_j, max_i - min_j].
+        pos_min, pos_max = _tile_range(positions, block_size)
+        reach = (high >= 0)[None] & (pos_min[:, :, None] - pos_max[:, None, :] < window)
+        full = (low >= 0)[None] & (pos_max[:, :, None] - pos_min[:, None, :] < window)
     if doc_ids is not None:
         doc_first, doc_last = doc_ids[:, first], doc_ids[:, last]  # [B, n] each
         meet = torch.maximum(doc_first[:, :, None], doc_first[:, None, :]) <= torch.minimum(doc_last[:, :, None], doc_last[:, None, :])
         one_doc = (doc_first[:, :, None] == doc_last[:, :, None]) & (doc_first[:, :, None] == doc_first[:, None, :]) & (
             doc_first[:, None, :] == doc_last[:, None, :])
         reach, full = reach & meet, full & one_doc
+    if branches is not None:
+        br_min, br_max = _tile_range(branches, block_size)
+        single = br_min == br_max
+        prefix_keys = (br_max == 0)[:, None, :]
+        one_branch = single[:, :, None] & single[:, None, :] & (br_min[:, :, None] == br_min[:, None, :])
+        full = full & (prefix_keys | one_branch)
     partial = reach & ~full
 
     def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,13 +15,14 @@ fp32, so zero.Init's dtype casting of tensors created at construction cannot tou
 
 Compiled blocks (`ModelConfig.compile`): a block can run as one `torch.compile`d function of its
 weights (`block_math`, the same math as the modules, written over the same helpers). It is taken only
-where it is exactly the eager block, and only in training (gradients enabled): attention through
+where it is exactly the eager block, and only in training (gradients enabled) or in a scoring forward
+(`score=`, evaluation; its callers keep to a few batch shapes, each one static-shape graph): attention through
 flex_attention or an SDPA backend, with sliding windows and document masks passed in as the mask the
 kernel takes (a flex BlockMask built once per forward and window, shared by the layers), no KV cache,
 and every weight of the block already gathered, which under ZeRO-3 the trainer guarantees by making
 each block a leaf module (the block's own hooks gather all its weights; the skipped submodule forwards
-would otherwise be the ones that gather them). Anything else (flash-attn backends, evaluation,
-generation) runs the modules eagerly. `BLOCK_CALLS` counts which way each block call went.
+would otherwise be the ones that gather them). Anything else (flash-attn backends, generation, a
+no-grad forward for logits) runs the modules eagerly. `BLOCK_CALLS` counts which way each block call went.
 
 Activation checkpointing (`ModelConfig.activation_checkpointing`) recomputes a chosen subset of blocks
 in the backward pass: all of them, or every k-th (`ModelConfig.checkpoints_block`).
@@ -50,6 +51,56 @@ class ModelOutput(NamedTuple):
     loss: torch.Tensor
     ce_loss: torch.Tensor
     z_loss: torch.Tensor
+
+
+class Scores(NamedTuple):
+    """What a scoring forward (`OLMo.forward(score=(index, targets))`) returns, one entry per target."""
+
+    logprob: torch.Tensor  # float32 [N]: log p(targets[n] | the tokens position index[n] sees)
+    greedy: torch.Tensor  # bool [N]: targets[n] is the arg-max of that distribution
+
+
+# Positions per chunk of the head's scoring: 4096 x 100,352 float32 logits = 1.6 GB at most.
+SCORE_CHUNK = 4096
+
+
+def _score_chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(targets) and whether each is the arg-max, for one chunk of positions: logits in the
+    weight's dtype, their softmax in float32, as the logits path (`olmo_ds.eval.scoring.target_logprobs`)."""
+    logits = F.linear(hidden, weight).float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1), logits.argmax(-1) == targets
+
+
+@functools.cache
+def _compiled_score_chunk():
+    """`_score_chunk` compiled: the float32 cast, logsumexp, gather and arg-max read the chunk's logits once
+    instead of writing and re-reading float32 copies (an eighth of a 1B model's forward, eagerly)."""
+    return torch.compile(_score_chunk, dynamic=False)
+
+
+def score_targets(hidden: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, targets: torch.Tensor,
+                  compiled: bool = False, chunk_size: int = SCORE_CHUNK) -> Scores:
+    """`Scores` of `targets` [N] at the flat positions `index` [N] of `hidden` [..., d] under the head
+    `weight` [V, d]. Only those positions go through the head (a position may appear more than once),
+    a chunk at a time. `compiled`: through `_compiled_score_chunk`, every chunk padded to one of a few
+    sizes (powers of two from 256 to `chunk_size`), so a handful of graphs serve any N."""
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+    n = h.shape[0]
+    size = min(chunk_size, max(256, 1 << max(0, n - 1).bit_length())) if compiled else chunk_size
+    fn = _compiled_score_chunk() if compiled else _score_chunk
+    logprob, greedy = [], []
+    for start in range(0, n, size):
+        part_h, part_t = h[start:start + size], targets[start:start + size]
+        if compiled and part_h.shape[0] < size:  # padding rows score target 0 and are dropped
+            pad = size - part_h.shape[0]
+            part_h = torch.cat([part_h, part_h.new_zeros(pad, part_h.shape[1])])
+            part_t = torch.cat([part_t, part_t.new_zeros(pad)])
+        lp, top = fn(part_h, weight, part_t)
+        logprob.append(lp[:min(size, n - start)])
+        greedy.append(top[:min(size, n - start)])
+    if not logprob:
+        return Scores(torch.zeros(0, device=hidden.device), torch.zeros(0, dtype=torch.bool, device=hidden.device))
+    return Scores(torch.cat(logprob), torch.cat(greedy))
 
 
 def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
@@ -122,15 +173,17 @@ def rope_inv_freq(head_dim: int, theta: float, yarn: YarnConfig | None, device=N
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos and sin tables [T, head_dim] for integer `positions` [T]."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    """fp32 cos and sin tables [..., head_dim] for integer `positions` [...] (elementwise: a position's
+    entries are the same whatever else is in `positions`)."""
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scale, emb.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, H, D] (rotate-half convention, in fp32) and cast back to x's dtype."""
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    """Rotate x [B, T, H, D] (rotate-half convention, in fp32) and cast back to x's dtype; cos and sin
+    are [T, D] (one table for the batch) or [B, T, D] (each row its own positions)."""
+    cos, sin = (cos[None, :, None, :], sin[None, :, None, :]) if cos.dim() == 2 else (cos[:, :, None, :], sin[:, :, None, :])
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -154,8 +207,8 @@ class KVCache:
 
 
 @functools.cache
-def _resolved_backend(name: str, device: torch.device, needs_mask: bool) -> str:
-    return resolve_backend(name, device, needs_mask)
+def _resolved_backend(name: str, device: torch.device, needs_mask: bool, tree: bool = False) -> str:
+    return resolve_backend(name, device, needs_mask, tree)
 
 
 # Resolved attention backends that `block_math` runs (through `attention.kernel_attention`): flex and
@@ -193,6 +246,17 @@ def _compiled_block_math():
     return torch.compile(block_math, dynamic=False)
 
 
+def _scoring_block_math(*args, **kwargs) -> torch.Tensor:
+    return block_math(*args, **kwargs)
+
+
+@functools.cache
+def _compiled_scoring_block_math():
+    """`block_math` compiled for no-grad scoring forwards, through a function of its own: torch.compile
+    keeps its graphs and its recompile limit per function, so scoring's shapes never crowd out training's."""
+    return torch.compile(_scoring_block_math, dynamic=False)
+
+
 # How each block call ran ("compiled" or "eager"); recomputation under activation checkpointing counts
 # again. Reports read it to show whether the compiled path was taken.
 BLOCK_CALLS: collections.Counter = collections.Counter()
@@ -227,7 +291,7 @@ class Attention(nn.Module):
         scale = self.head_dim ** -0.5
         if cache is None:
             needs_mask = self.window is not None or mask.has_documents
-            backend = _resolved_backend(self.backend, x.device, needs_mask)
+            backend = _resolved_backend(self.backend, x.device, needs_mask, mask.has_branches)
             out = attend(q, k, v, mask, self.window, backend, scale)
         else:
             out = self._attend_cached(q, k, v, cache, scale)
@@ -279,14 +343,15 @@ class Block(nn.Module):
         """(backend, kernel mask) for the compiled path, or None where this call must run eagerly."""
         if cache is not None or mask is None:
             return None
-        if not torch.is_grad_enabled():
-            # Evaluation and inference stay eager: their batch shapes vary (multiple-choice lengths, last
-            # batches) and each new shape would be another static-shape compile.
+        if not torch.is_grad_enabled() and not mask.static_shapes:
+            # Other no-grad forwards (generation, the exact-length scoring path, a transformers-style
+            # call for logits) stay eager: their batch shapes vary, and each new shape would be another
+            # static-shape compile. Scoring (`OLMo.forward(score=...)`) keeps to a few shapes.
             return None
         if not self.cfg.compiles_blocks(x.device.type):
             return None
         window = self.attn.window
-        backend = _resolved_backend(self.attn.backend, x.device, window is not None or mask.has_documents)
+        backend = _resolved_backend(self.attn.backend, x.device, window is not None or mask.has_documents, mask.has_branches)
         if backend not in _COMPILED_BACKENDS or not _gathered(self.weights()):
             return None
         return backend, mask.kernel_mask(backend, window)
@@ -296,8 +361,9 @@ class Block(nn.Module):
         if route is not None:
             BLOCK_CALLS["compiled"] += 1
             backend, kernel_mask = route
-            return _compiled_block_math()(x, cos, sin, *self.weights(), eps=self.attn_norm.eps, n_heads=self.attn.n_heads,
-                                          n_kv_heads=self.attn.n_kv_heads, backend=backend, kernel_mask=kernel_mask)
+            fn = _compiled_block_math() if torch.is_grad_enabled() else _compiled_scoring_block_math()
+            return fn(x, cos, sin, *self.weights(), eps=self.attn_norm.eps, n_heads=self.attn.n_heads,
+                      n_kv_heads=self.attn.n_kv_heads, backend=backend, kernel_mask=kernel_mask)
         BLOCK_CALLS["eager"] += 1
         x = x + self.attn_norm(self.attn(x, cos, sin, mask, cache))
         return x + self.mlp_norm(self.mlp(x))
@@ -315,7 +381,9 @@ class LMHead(nn.Module):
             _trunc_normal_(self.weight, init_std)
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, z_loss_coef: float = 0.0,
-                chunk_size: int = 2048):
+                chunk_size: int = 2048, score: tuple[torch.Tensor, torch.Tensor] | None = None, compiled: bool = False):
+        if score is not None:
+            return score_targets(hidden, self.weight, *score, compiled=compiled)
         if labels is None:
             return F.linear(hidden, self.weight)
         return ModelOutput(*fused_linear_cross_entropy(hidden, self.weight, labels, z_loss_coef, chunk_size))
@@ -327,6 +395,13 @@ class OLMo(nn.Module):
     `forward(input_ids, labels=None, doc_lens=None, z_loss_coef=0.0)` returns logits
     [B, T, padded_vocab] when `labels` is None, else a `ModelOutput`. `doc_lens` ([B, max_docs],
     zero-padded, rows summing to T) restricts attention to each packed document.
+
+    Scoring (evaluation, `olmo_ds.eval`): `score=(index, targets)`, int64 [N] each, returns `Scores`:
+    the log-prob and arg-max test of `targets[n]` at flat position `index[n]` (b * T + t) only, the head
+    run on those positions alone, no [B, T, V] logits. Scoring callers keep to a few batch shapes, so
+    its forwards run compiled blocks where training would (`ModelConfig.compile`), under no_grad too.
+    With it, `branches` and `positions` ([B, T] each; see `attention.AttentionMask`) let the branches of
+    a document (continuations) share its prefix (their context) in one row.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -362,20 +437,32 @@ class OLMo(nn.Module):
         return self._rope_cache[key]
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                doc_lens: torch.Tensor | None = None, z_loss_coef: float = 0.0, cache: KVCache | None = None):
+                doc_lens: torch.Tensor | None = None, z_loss_coef: float = 0.0, cache: KVCache | None = None, *,
+                positions: torch.Tensor | None = None, branches: torch.Tensor | None = None,
+                score: tuple[torch.Tensor, torch.Tensor] | None = None):
         b, t = input_ids.shape
         start = cache.pos if cache is not None else 0
-        if start + t > self.cfg.max_seq_len:
-            # RoPE would extrapolate past what the model was built for; refuse rather than degrade silently.
+        if cache is not None and (doc_lens is not None or positions is not None or branches is not None or score is not None):
+            raise ValueError("doc_lens, positions, branches and score are not supported with a KV cache")
+        if score is not None and labels is not None:
+            raise ValueError("pass labels (training loss) or score (evaluation), not both")
+        # RoPE would extrapolate past what the model was built for; refuse rather than degrade silently.
+        if positions is None and start + t > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start + t} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
-        if cache is not None and doc_lens is not None:
-            raise ValueError("doc_lens is not supported with a KV cache")
+        if positions is not None and int(positions.max()) >= self.cfg.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} is beyond model.max_seq_len {self.cfg.max_seq_len}")
         x = self.embed(input_ids)
-        if cache is None:
-            tables = self._cached_rope_tables(t, input_ids.device)
-        else:
+        if cache is not None:
             tables = self._rope_tables(torch.arange(start, start + t, device=input_ids.device))
-        mask = AttentionMask(b, t, input_ids.device, doc_lens) if cache is None else None
+        elif positions is None:
+            tables = self._cached_rope_tables(t, input_ids.device)
+        else:  # rows of the tables of 0..max_seq_len-1, the same values a whole-sequence forward uses
+            full = self._cached_rope_tables(self.cfg.max_seq_len, input_ids.device)
+            positions = positions.to(input_ids.device)
+            tables = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in full.items()}
+        mask = None
+        if cache is None:
+            mask = AttentionMask(b, t, input_ids.device, doc_lens, branches, positions, static_shapes=score is not None)
         checkpointing = torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.blocks):
             cos, sin = tables[self.cfg.layer_is_sliding(i)]
@@ -386,6 +473,8 @@ class OLMo(nn.Module):
         if cache is not None:
             cache.pos += t
         x = self.norm(x)
+        if score is not None:
+            return self.head(x, score=score, compiled=self.cfg.compiles_blocks(x.device.type))
         return self.head(x, labels, z_loss_coef)
 
 

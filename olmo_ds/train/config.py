@@ -117,6 +117,7 @@ class EvalConfig:
     tasks: list[str] = field(default_factory=list)  # task directories/files, or names under task_dirs
     task_dirs: list[str] = field(default_factory=list)  # where task names are looked up (default: $OLMO_DS_TASK_DIRS)
     task_limit: int = 200  # first N questions of each task (0 = all)
+    batching: str = "packed"  # packed (rows of one shape, compiled blocks) | exact (the earlier eager path, same numbers)
 
 
 # Model fields a run may change against the weights it starts from, when `init_from.allow_changes` names
@@ -234,6 +235,8 @@ class TrainConfig:
             raise ConfigError(f"{where}: checkpoint.every >= 0, checkpoint.keep_last >= 1, checkpoint.keep_every >= 0 required")
         if self.eval.every < 0 or self.eval.max_batches < 1 or self.eval.task_limit < 0:
             raise ConfigError(f"{where}: eval.every >= 0, eval.max_batches >= 1, eval.task_limit >= 0 required")
+        if self.eval.batching not in ("packed", "exact"):
+            raise ConfigError(f"{where}: eval.batching must be packed or exact, got {self.eval.batching!r}")
         if self.logging.every <= 0:
             raise ConfigError(f"{where}: logging.every must be > 0")
         if not self.data.sources:

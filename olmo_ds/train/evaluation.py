@@ -37,6 +37,9 @@ class InLoopEvaluator:
 
         e = cfg.eval
         self.seq_len = cfg.batch.seq_len
+        self.batching = e.batching
+        # Tasks' tokens per forward: a micro-batch's worth (the activations training already holds), 16K at least.
+        self.batch_tokens = max(16384, cfg.batch.micro_batch_size * cfg.batch.seq_len)
         self.tokenizer = tokenizer
         # Without a tokenizer there are no byte lengths: bits-per-byte is then not reported.
         self.token_bytes = token_byte_lengths(tokenizer) if tokenizer is not None else np.zeros(vocab_size, dtype=np.int64)
@@ -67,20 +70,30 @@ class InLoopEvaluator:
             )
 
     def __call__(self, engine) -> dict[str, float]:
+        """Metrics, and how fast they came: `eval/<source>/{tokens_per_s,forward_tokens_per_s}` per
+        validation source, `eval/tasks/{requests_per_s,request_tokens_per_s,forward_tokens_per_s,seconds}`."""
         from olmo_ds.eval.multiple_choice import evaluate_tasks
         from olmo_ds.eval.perplexity import evaluate_perplexity
 
         metrics: dict[str, float] = {}
         for name, batches in self.val:
-            r = evaluate_perplexity(engine, batches, self.token_bytes, split=False)
+            r = evaluate_perplexity(engine, batches, self.token_bytes, split=False, batching=self.batching)
             metrics[f"eval/{name}/loss"] = r.ce_loss
             metrics[f"eval/{name}/ppl"] = r.perplexity
             if math.isfinite(r.bits_per_byte):
                 metrics[f"eval/{name}/bpb"] = r.bits_per_byte
+            metrics[f"eval/{name}/tokens_per_s"] = r.tokens_per_second
+            metrics[f"eval/{name}/forward_tokens_per_s"] = r.forward_tokens_per_second
         if self.tasks is not None:
-            result = evaluate_tasks(engine, self.tokenizer, self.tasks, max_len=self.seq_len)
+            result = evaluate_tasks(engine, self.tokenizer, self.tasks, max_len=self.seq_len, batch_tokens=self.batch_tokens,
+                                    batching=self.batching)
             for task, values in result.tasks.items():
                 for key, value in values.items():
                     if isinstance(value, (int, float)) and not isinstance(value, bool):
                         metrics[f"eval/{task}/{key}"] = float(value)
+            st = result.stats
+            metrics["eval/tasks/requests_per_s"] = st["requests_per_second"]
+            metrics["eval/tasks/request_tokens_per_s"] = st["request_tokens_per_second"]
+            metrics["eval/tasks/forward_tokens_per_s"] = st["forward_tokens_per_second"]
+            metrics["eval/tasks/seconds"] = st["score_seconds"]
         return metrics

@@ -1,7 +1,8 @@
 """Run by test_in_loop.py under torchrun: the in-loop evaluators on a real DeepSpeed ZeRO-3 engine.
 
 Every parameter is partitioned, so each forward is a collective; the task rows are deliberately
-split unevenly across ranks, (7 batches of contexts for 2 ranks), so this hangs unless every rank runs the same number of forwards.
+split unevenly across ranks (an odd number of batches for 2 ranks, with either batching), so this
+hangs unless every rank runs the same number of forwards.
 Rank 0 writes the metrics and the gathered weights for the test to recompute on one process.
 
     python -m torch.distributed.run --nproc_per_node 2 inloop_worker.py OUT_DIR VAL_SHARDS
@@ -40,15 +41,18 @@ engine.train()
 
 table = token_byte_lengths(tok)
 prepared = prepare_tasks(tok, [load_task(ARC_EASY)], limit=7)
-tasks = evaluate_tasks(engine, tok, prepared, rank, world, max_len=64, batch_tokens=128)
-own = list(validation_batches(val, 32, 2, rank, world))  # this rank's share, as the trainer holds it
-ppl_own = evaluate_perplexity(engine, own, table, split=False)
-ppl_split = evaluate_perplexity(engine, window_batches(load_source(val, tok).tokens, 32, 3), table)
-assert engine.training, "evaluation must give the model back in training mode"
+results = {}
+for batching in ("packed", "exact"):
+    tasks = evaluate_tasks(engine, tok, prepared, rank, world, max_len=64, batch_tokens=128, batching=batching)
+    own = list(validation_batches(val, 32, 2, rank, world))  # this rank's share, as the trainer holds it
+    ppl_own = evaluate_perplexity(engine, own, table, split=False, batching=batching)
+    ppl_split = evaluate_perplexity(engine, window_batches(load_source(val, tok).tokens, 32, 3), table, batching=batching)
+    results[batching] = {"tasks": tasks.tasks, "ppl_own": ppl_own.to_dict(), "ppl_split": ppl_split.to_dict()}
+    assert engine.training, "evaluation must give the model back in training mode"
 
 with deepspeed.zero.GatheredParameters(list(model.parameters())):
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
 if rank == 0:
     torch.save(weights, out_dir / "weights.pt")
-    (out_dir / "metrics.json").write_text(json.dumps({"tasks": tasks.tasks, "ppl_own": ppl_own.to_dict(), "ppl_split": ppl_split.to_dict(), "world": world}))
+    (out_dir / "metrics.json").write_text(json.dumps({**results, "world": world}))
 print(f"INLOOP OK rank {rank}")

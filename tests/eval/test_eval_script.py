@@ -45,7 +45,13 @@ def test_eval_sh_one_and_two_ranks_agree(exported, tmp_path):
             assert r1["tasks"][task][m] == r2["tasks"][task][m]
     assert r1["kind"] == "hf" and r1["tokenizer_fingerprint"].startswith("sha256:")
     assert r1["versions"]["torch"] == torch.__version__
-    assert r1["stats"]["tasks"]["scored_tokens_per_second"] > 0 and r1["perplexity"]["c4"]["tokens_per_second"] > 0
+    st = r1["stats"]["tasks"]
+    assert st["batching"] == "packed" and r1["config"]["eval"]["batching"] == "packed"
+    for key in ("requests_per_second", "request_tokens_per_second", "forward_tokens_per_second", "scored_tokens_per_second"):
+        assert st[key] > 0, key
+    for key in ("tokens_per_second", "rows_per_second", "forward_tokens_per_second"):
+        assert r1["perplexity"]["c4"][key] > 0, key
+    assert "request tokens/s" in one.stdout and "forward tokens/s" in one.stdout
 
 
 def test_eval_sh_reports_bad_input_before_loading(exported, tmp_path):

@@ -31,20 +31,23 @@ def test_zero3_in_loop_evaluation_matches_one_process(neox, tmp_path):
     write_shards(tmp_path / "val", tokens, neox, len(texts))
     proc = run(torchrun_cmd(Path(__file__).with_name("inloop_worker.py"), str(tmp_path), str(tmp_path / "val")), timeout=400)
     assert proc.returncode == 0 and proc.stdout.count("INLOOP OK") == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
-    got = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
 
     model = OLMo(tiny_config(neox.vocab_size, max_seq_len=64)).eval()
     model.load_state_dict(torch.load(tmp_path / "weights.pt"))
     table = token_byte_lengths(neox)
-    tasks = evaluate_tasks(model, neox, prepare_tasks(neox, [load_task(ARC_EASY)], limit=7), 0, 1, max_len=64, batch_tokens=128).tasks
-    for m in ("acc", "acc_per_token", "acc_per_char", "num_questions"):
-        assert got["tasks"]["arc_easy"][m] == tasks["arc_easy"][m]
-    assert got["tasks"]["arc_easy"]["bits_per_byte_corr"] == pytest.approx(tasks["arc_easy"]["bits_per_byte_corr"], rel=1e-5)
-
-    split = evaluate_perplexity(model, window_batches(load_source(str(tmp_path / "val"), neox).tokens, 32, 3), table)
-    own = evaluate_perplexity(model, list(validation_batches(tmp_path / "val", 32, 4, 0, 1)), table)
-    for name, ref in (("ppl_split", split), ("ppl_own", own)):
-        assert got[name]["tokens"] == ref.tokens and got[name]["bytes"] == ref.bytes
-        assert got[name]["ce_loss"] == pytest.approx(ref.ce_loss, rel=1e-5)
-        assert got[name]["bits_per_byte"] == pytest.approx(ref.bits_per_byte, rel=1e-5)
-    assert math.isfinite(got["ppl_own"]["perplexity"])
+    tasks = evaluate_tasks(model, neox, prepare_tasks(neox, [load_task(ARC_EASY)], limit=7), 0, 1, max_len=64, batch_tokens=128,
+                           batching="exact").tasks
+    split = evaluate_perplexity(model, window_batches(load_source(str(tmp_path / "val"), neox).tokens, 32, 3), table, batching="exact")
+    own = evaluate_perplexity(model, list(validation_batches(tmp_path / "val", 32, 4, 0, 1)), table, batching="exact")
+    for batching in ("packed", "exact"):  # both under ZeRO-3 on 2 ranks against the exact path in one process
+        got = metrics[batching]
+        for m in ("acc", "acc_per_token", "acc_per_char", "num_questions"):
+            assert got["tasks"]["arc_easy"][m] == tasks["arc_easy"][m], (batching, m)
+        assert got["tasks"]["arc_easy"]["bits_per_byte_corr"] == pytest.approx(tasks["arc_easy"]["bits_per_byte_corr"], rel=1e-5)
+        for name, ref in (("ppl_split", split), ("ppl_own", own)):
+            assert got[name]["tokens"] == ref.tokens and got[name]["bytes"] == ref.bytes
+            assert got[name]["ce_loss"] == pytest.approx(ref.ce_loss, rel=1e-5)
+            assert got[name]["bits_per_byte"] == pytest.approx(ref.bits_per_byte, rel=1e-5)
+            assert got[name]["batching"] == batching
+        assert math.isfinite(got["ppl_own"]["perplexity"])

@@ -28,11 +28,11 @@ class RowCounter(torch.nn.Module):
         super().__init__()
         self.inner, self.rows, self.context_rows = model, 0, 0
 
-    def forward(self, input_ids, cache=None):
+    def forward(self, input_ids, cache=None, **kwargs):
         self.rows += input_ids.shape[0]
         if cache is not None and cache.pos == 0:
             self.context_rows += input_ids.shape[0]
-        return self.inner(input_ids, cache=cache)
+        return self.inner(input_ids, cache=cache, **kwargs)
 
 
 class EngineLike(RowCounter):
@@ -89,12 +89,24 @@ def test_scores_equal_brute_force_and_each_distinct_input_runs_once(model, neox,
     # 24 piqa+arc questions: one context each, plus the unconditional "Answer:" they all share
     assert prepared.distinct_contexts == 24 + 1
 
-    engine = EngineLike(model)
-    shared = score_requests(engine, prepared.requests, max_len=128, batch_tokens=1024)
-    np.testing.assert_allclose(shared.logprob, expected, rtol=0, atol=2e-4)
-    assert (shared.greedy == greedy).all()
-    assert engine.context_rows == len({tuple(c) for c, _ in prepared.requests}) == 25  # each context run once
-    assert shared.forward_tokens < scored.forward_tokens
+    # Our OLMo shares contexts: each distinct context and each distinct continuation (but its last
+    # token) runs once; packed, a context is repeated only where its continuations fill more than a row
+    # (here the unconditional "Answer:", shared by all 24 questions).
+    distinct = {(tuple(c), tuple(k)) for c, k in prepared.requests}
+    needed = sum(len(c) for c in {c for c, _ in distinct}) + sum(len(k) - 1 for _, k in distinct)
+    for batching in ("exact", "packed"):
+        engine = EngineLike(model)
+        shared = score_requests(engine, prepared.requests, max_len=128, batch_tokens=1024, batching=batching)
+        np.testing.assert_allclose(shared.logprob, expected, rtol=0, atol=2e-4)
+        assert (shared.greedy == greedy).all()
+        run = shared.forward_tokens - shared.padding_tokens
+        assert needed <= run < scored.forward_tokens - scored.padding_tokens
+        if batching == "exact":
+            assert run == needed
+            assert engine.context_rows == len({tuple(c) for c, _ in prepared.requests}) == 25  # each context run once
+        else:  # rows of one width in batches of one shape
+            assert run - needed < 10
+            assert engine.rows == shared.forward_rows and shared.forward_tokens % shared.forward_rows == 0
 
 
 def test_metrics_follow_from_the_scores(model, neox, tasks):

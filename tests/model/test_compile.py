@@ -151,9 +151,63 @@ def test_compiled_path_is_skipped_where_it_would_not_be_exact():
     assert "compiled" not in BLOCK_CALLS
 
 
+def scoring_batch(seed: int, b: int = 2, t: int = 32):
+    """A batch as evaluation packs it (`olmo_ds.eval.packing`): per row, a context (branch 0) and two
+    continuations (branches 1, 2) whose positions continue from the context's end, then padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, CFG.vocab_size, (b, t), generator=g)
+    n = int(torch.randint(4, 12, (), generator=g))
+    branches = torch.tensor([0] * n + [1] * 5 + [2] * 6 + [0] * (t - n - 11), dtype=torch.int32).expand(b, t)
+    positions = torch.tensor(list(range(n + 5)) + list(range(n, n + 6)) + [0] * (t - n - 11)).expand(b, t)
+    doc_lens = torch.tensor([[n + 11, t - n - 11]]).expand(b, 2)
+    index = torch.arange(b * t)
+    return dict(doc_lens=doc_lens, positions=positions, branches=branches), ids, (index, ids.roll(-1, 1).reshape(-1))
+
+
+def test_scoring_forwards_run_compiled_blocks_under_no_grad_and_compile_once_per_shape():
+    """A scoring forward (`score=`, evaluation) takes the compiled blocks without gradients too, through a
+    compiled function of its own: packed rows with branches give the eager model's scores, and further
+    batches of the same shape (other layouts, other masks) build no new graph."""
+    from torch._dynamo.utils import counters
+
+    eager, compiled = twin_models(WINDOWED)
+    graphs = []
+    with torch.no_grad():
+        for seed in range(3):
+            kwargs, ids, score = scoring_batch(seed)
+            BLOCK_CALLS.clear()
+            got = compiled(ids, score=score, **kwargs)
+            want = eager(ids, score=score, **kwargs)
+            assert BLOCK_CALLS == {"compiled": 2, "eager": 2}
+            torch.testing.assert_close(got.logprob, want.logprob, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got.greedy, want.greedy)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1] == graphs[2], graphs
+
+
 def test_compile_mode_must_be_known():
     with pytest.raises(ValueError, match=r"model.compile 'yes' is not one of: auto, blocks, eager"):
         dataclasses.replace(CFG, compile="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex_attention needs CUDA")
+def test_gpu_scoring_with_compiled_flex_blocks_in_bf16_matches_eager_fp32():
+    """On CUDA, packed scoring rows through compiled blocks with flex_attention (the path evaluation takes)
+    in bf16 give the fp32 eager model's log-probs within bf16's rounding."""
+    cfg = ModelConfig(d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, mlp_hidden=512, vocab_size=512, max_seq_len=1024,
+                      sliding_window=256, sliding_window_pattern=[True])
+    torch.manual_seed(0)
+    eager = OLMo(dataclasses.replace(cfg, compile="eager", attention_backend="sdpa")).cuda()
+    compiled = OLMo(dataclasses.replace(cfg, compile="blocks", attention_backend="auto")).cuda().bfloat16()
+    compiled.load_state_dict(eager.state_dict())
+    kwargs, ids, score = scoring_batch(0, b=4, t=512)
+    kwargs, ids, score = ({k: v.cuda() for k, v in kwargs.items()}, ids.cuda(), tuple(x.cuda() for x in score))
+    with torch.no_grad():
+        BLOCK_CALLS.clear()
+        got = compiled(ids, score=score, **kwargs)
+        want = eager(ids, score=score, **kwargs)
+    assert BLOCK_CALLS == {"compiled": 2, "eager": 2}
+    assert (got.logprob - want.logprob).abs().max() < 0.1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's backward needs CUDA")

@@ -66,3 +66,34 @@ def test_flex_block_mask_tiles_cover_every_allowed_pair_and_full_tiles_are_all_a
     else:  # tiles whose documents never meet are skipped (the point of block sparsity for packed documents)
         same_doc = doc[:, :, None] == doc[:, None, :]
         assert all(same_doc[b, i * S:(i + 1) * S, j * S:(j + 1) * S].any() for b, i, j in partial)
+
+
+@pytest.mark.parametrize("window", [None, 3, 9])
+def test_flex_block_mask_with_branches_and_positions(window):
+    """Branches (a document's prefix 0, its continuations 1, 2, ... each seeing the prefix and itself) and
+    windows in RoPE positions: the same two properties against the token rule, on 4-token tiles."""
+    T, S = 30, 4
+    doc_lens = torch.tensor([[10, 14, 6], [30, 0, 0]])
+    branches = torch.tensor([[0] * 4 + [1] * 3 + [2] * 3 + [0] * 5 + [1] * 8 + [2] + [0] * 6,
+                             [0] * 9 + [1] * 5 + [2] * 9 + [3] * 7])
+    positions = torch.tensor([list(range(7)) + list(range(4, 7)) + list(range(13)) + [5] + list(range(6)),
+                              list(range(14)) + list(range(9, 18)) + list(range(9, 16))])
+    doc = masking.document_ids(doc_lens, T)
+    q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    allowed = (k <= q)[None] & (doc[:, :, None] == doc[:, None, :])
+    allowed = allowed & ((branches[:, None, :] == 0) | (branches[:, None, :] == branches[:, :, None]))
+    if window:
+        allowed = allowed & (positions[:, :, None] - positions[:, None, :] < window)
+    bm = masking.flex_block_mask(lambda b, h, qi, ki: None, T, "cpu", window, doc, block_size=S, branches=branches,
+                                 positions=positions)
+    partial = tile_sets(bm.kv_num_blocks, bm.kv_indices)
+    full = tile_sets(bm.full_kv_num_blocks, bm.full_kv_indices)
+    assert not partial & full and (full or window == 3)  # a 4-token tile spans at least 3 positions
+    for b in range(2):
+        for i in range(-(-T // S)):
+            for j in range(-(-T // S)):
+                tile = allowed[b, i * S:(i + 1) * S, j * S:(j + 1) * S]
+                if (b, i, j) in full:
+                    assert tile.all(), (b, i, j)
+                elif tile.any():
+                    assert (b, i, j) in partial, (b, i, j)

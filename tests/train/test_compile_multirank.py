@@ -51,3 +51,8 @@ def test_zero3_compiled_leaf_blocks_train_like_eager_blocks(tmp_path):
     # The two runs' weights differ in the last bits (inductor's reduction order follows the CPU's vector width):
     # up to 1e-4 apart after training on the H200 host's CPU, 1e-5 on the development machines.
     assert compiled["eval_logits"] == pytest.approx(eager["eval_logits"], rel=1e-4, abs=5e-4)
+    # Evaluation's packed scoring forwards take the compiled leaf blocks under no_grad too, with the same scores.
+    scoring_calls = eager["block_calls_after_scoring"]["eager"] - eager["block_calls_after_eval"]["eager"]
+    assert scoring_calls >= 2 and compiled["block_calls_after_scoring"] == {
+        "compiled": compiled["block_calls"]["compiled"] + scoring_calls, "eager": 2}
+    assert compiled["scores"] == pytest.approx(eager["scores"], rel=1e-4, abs=5e-4)
