@@ -119,6 +119,24 @@ class _Workers:
     result_conns: list
     closed = False
 
+    def _spawn(self, mp_context, target: Callable, fn: Callable, context, extra, widen: bool = False) -> None:
+        """Start one worker `target(fn, context, task_conn, result_conn, parent_fds, extra)`. Under fork
+        the child closes the parent's ends of every pipe made so far (`parent_fds`), so a parent's
+        death is an EOF it sees."""
+        task_r, task_w = mp_context.Pipe(duplex=False)
+        result_r, result_w = mp_context.Pipe(duplex=False)
+        if widen:
+            _widen(result_r)
+        forked = mp_context.get_start_method() == "fork"
+        parent_fds = [c.fileno() for c in (*self.task_conns, *self.result_conns, task_w, result_r)] if forked else []
+        p = mp_context.Process(target=target, args=(fn, context, task_r, result_w, parent_fds, extra), daemon=True)
+        p.start()
+        task_r.close()
+        result_w.close()
+        self.procs.append(p)
+        self.task_conns.append(task_w)
+        self.result_conns.append(result_r)
+
     def close(self, kill: bool = False) -> None:
         """Stop the workers: when idle, politely; otherwise (an error) at once. Once is enough."""
         if self.closed:
@@ -156,18 +174,7 @@ class OrderedPool(_Workers):
         # Only the pages a result touches become resident, so a generous slot costs nothing unused.
         self.slots = [[mmap.mmap(-1, slot_bytes) for _ in range(depth)] for _ in range(workers)] if forked else None
         for w in range(workers):
-            task_r, task_w = mp_context.Pipe(duplex=False)
-            result_r, result_w = mp_context.Pipe(duplex=False)
-            _widen(result_r)
-            parent_fds = [c.fileno() for c in (*self.task_conns, *self.result_conns, task_w, result_r)] if forked else []
-            slots = self.slots[w] if forked else None
-            p = mp_context.Process(target=_worker, args=(fn, context, task_r, result_w, parent_fds, slots), daemon=True)
-            p.start()
-            task_r.close()
-            result_w.close()
-            self.procs.append(p)
-            self.task_conns.append(task_w)
-            self.result_conns.append(result_r)
+            self._spawn(mp_context, _worker, fn, context, self.slots[w] if forked else None, widen=True)
 
     def imap(self, tasks: Iterable[tuple], work_here: bool = True) -> Iterator[tuple[object, np.ndarray]]:
         """Yield `(header, array)` for each task's args, in the order of `tasks`.
@@ -276,18 +283,8 @@ class TaskPool(_Workers):
     def __init__(self, fn: Callable, context, workers: int, mp_context):
         self.procs, self.task_conns, self.result_conns = [], [], []
         self.running: dict[int, object] = {}  # worker -> key of the task it runs
-        forked = mp_context.get_start_method() == "fork"
         for _ in range(workers):
-            task_r, task_w = mp_context.Pipe(duplex=False)
-            result_r, result_w = mp_context.Pipe(duplex=False)
-            parent_fds = [c.fileno() for c in (*self.task_conns, *self.result_conns, task_w, result_r)] if forked else []
-            p = mp_context.Process(target=_task_worker, args=(fn, context, task_r, result_w, parent_fds, os.getpid()), daemon=True)
-            p.start()
-            task_r.close()
-            result_w.close()
-            self.procs.append(p)
-            self.task_conns.append(task_w)
-            self.result_conns.append(result_r)
+            self._spawn(mp_context, _task_worker, fn, context, os.getpid())
 
     @property
     def idle(self) -> int:

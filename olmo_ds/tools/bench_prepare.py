@@ -81,6 +81,16 @@ def _unique_documents(limit: int, extra_text: Path | None = None) -> list[str]:
     return docs
 
 
+def _fresh(directory: Path, marker: Path, pattern: str) -> bool:
+    """False when `marker` says the corpus in `directory` is complete; else empty it of `pattern` and say True."""
+    if marker.exists():
+        return False
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in directory.glob(pattern):
+        old.unlink()
+    return True
+
+
 def generate_corpus(directory: Path, size_mb: int, files: int = 8, extra_text: Path | None = None) -> Path:
     """JSON-lines files holding about `size_mb` MB of distinct real documents; reused when present.
 
@@ -88,11 +98,8 @@ def generate_corpus(directory: Path, size_mb: int, files: int = 8, extra_text: P
     """
     directory = Path(directory)
     marker = directory / f"corpus-{size_mb}mb.done"
-    if marker.exists():
+    if not _fresh(directory, marker, "part-*.jsonl"):
         return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    for old in directory.glob("part-*.jsonl"):
-        old.unlink()
     lines = [orjson.dumps({"text": d}) + b"\n" for d in _unique_documents(size_mb * 1_000_000, extra_text)]
     per_file = -(-len(lines) // files)
     for i in range(files):
@@ -140,17 +147,23 @@ def measure_ceiling(tokenizer: Path, corpus: Path, backend: str) -> dict:
     return r
 
 
-def measure_ceiling_together(tokenizer: Path, corpus: Path, backend: str, n: int) -> dict:
-    """`n` ceiling runs started at once, each in its own process on the whole corpus: how much `n`
-    independent tokenizers get out of this machine together, the upper bound for `n` workers over one
-    (cores that share a physical core, memory bandwidth or a noisy neighbour all show up here)."""
-    procs = [subprocess.Popen(_ceiling_cmd(tokenizer, corpus, backend), stdout=subprocess.PIPE, text=True, env=package_env()) for _ in range(n)]
+def _run_together(cmds: list[list[str]]) -> list[dict]:
+    """Start every command at once; the JSON each prints, in order."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=package_env()) for cmd in cmds]
     runs = []
     for p in procs:
         out, _ = p.communicate()
         if p.returncode != 0:
             raise RuntimeError(f"ceiling run failed (exit {p.returncode})")
         runs.append(json.loads(out))
+    return runs
+
+
+def measure_ceiling_together(tokenizer: Path, corpus: Path, backend: str, n: int) -> dict:
+    """`n` ceiling runs started at once, each in its own process on the whole corpus: how much `n`
+    independent tokenizers get out of this machine together, the upper bound for `n` workers over one
+    (cores that share a physical core, memory bandwidth or a noisy neighbour all show up here)."""
+    runs = _run_together([_ceiling_cmd(tokenizer, corpus, backend)] * n)
     return {"processes": n, "tokens_per_s": sum(r["tokens"] / r["seconds"] for r in runs)}
 
 
@@ -449,11 +462,8 @@ def generate_gz_corpus(directory: Path, gz_mb: int, files: int, pool_mb: int, ex
     tokenizer sees real text and no file repeats another. Reused when present."""
     directory = Path(directory)
     marker = directory / f"corpus-{gz_mb}mb-{files}files.done"
-    if marker.exists():
+    if not _fresh(directory, marker, "*"):
         return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    for old in directory.glob("*"):
-        old.unlink()
     global _POOL
     _POOL = _unique_documents(pool_mb * 1_000_000, extra_text)
     with mp.get_context("fork").Pool(os.cpu_count()) as pool:
@@ -488,14 +498,7 @@ def measure_files_ceiling(tokenizer: Path, groups: list[list[Path]]) -> dict:
     (decompressing and parsing) and then encodes the texts, timed apart. Throughput is the sum over
     the processes of tokens over encode seconds (fastokens alone), and of tokens over read + encode
     seconds (a whole job without coordination or output)."""
-    procs = [subprocess.Popen([sys.executable, "-c", _CEILING_FILES, str(tokenizer), *map(str, g)], stdout=subprocess.PIPE, text=True, env=package_env())
-             for g in groups]
-    runs = []
-    for p in procs:
-        out, _ = p.communicate()
-        if p.returncode != 0:
-            raise RuntimeError(f"ceiling run failed (exit {p.returncode})")
-        runs.append(json.loads(out))
+    runs = _run_together([[sys.executable, "-c", _CEILING_FILES, str(tokenizer), *map(str, g)] for g in groups])
     return {
         "processes": len(groups), "tokens": sum(r["tokens"] for r in runs), "docs": sum(r["docs"] for r in runs),
         "tokens_per_s": sum(r["tokens"] / r["seconds"] for r in runs),
