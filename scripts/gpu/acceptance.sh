@@ -4,7 +4,7 @@
 #   bash scripts/gpu/acceptance.sh chain    # the OLMo-3-style 1B stage chain, a few steps per stage
 #   bash scripts/gpu/acceptance.sh tiers    # the GPU tier and the CPU tier of the test suite, with wall times
 #                                           # (gpu-tier or cpu-tier: one of them)
-#   bash scripts/gpu/acceptance.sh bench-checkpoint|bench-prepare   # the benchmarks of issues 25 and 28
+#   bash scripts/gpu/acceptance.sh bench-checkpoint|bench-prepare|bench-eval   # the benchmarks of issues 25, 28, 26
 # Needs deepspeed importable and `python` on PATH; the test data at $OLMO_DS_SHARED (default ./shared).
 # The host has no network, so the Dolma 2 tokenizer goes into the HF cache as `hf download` would put it.
 # Logs go to $OUT (default out/gpu); the last lines printed are a table of step, exit code and seconds.
@@ -65,8 +65,12 @@ bench-prepare)  # 2 GB of .json.gz in 128 files, 1 and 16 workers end to end, 16
       --tokenizer "$OLMO_DS_SHARED/tokenizers/dolma2-tokenizer.json" --dir /tmp/bpm --json "$OUT/bench-prepare.json"
   tail -n 12 "$OUT/bench-prepare.log"
   ;;
+bench-eval)  # issue 26's targets at the 1B: exact vs packed scoring, perplexity, in-loop under ZeRO-3 (~5 min)
+  t bench-eval python scripts/bench_eval.py --work-dir /tmp/bench-eval --json "$OUT/bench-eval.json"
+  tail -n 30 "$OUT/bench-eval.log"
+  ;;
 *)
-  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers|gpu-tier|cpu-tier|bench-checkpoint|bench-prepare" >&2; exit 2;;
+  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers|gpu-tier|cpu-tier|bench-checkpoint|bench-prepare|bench-eval" >&2; exit 2;;
 esac
 echo "--- step, exit code, seconds"
 cat "$OUT/table"
