@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from olmo_ds.ranks import LaunchError, check_devices, check_host, local_world_size, rendezvous  # noqa: F401 (re-exported)
+from olmo_ds.ranks import check_host
 from olmo_ds.train.config import TrainConfig
 from olmo_ds.train.ds_config import check_batch_divisible
 

@@ -33,13 +33,14 @@ from olmo_ds import checkpoint as ckpt
 from olmo_ds.checkpoint.async_save import AsyncSaveError, AsyncSaver, host_copy_fits, snapshot_bytes_estimate
 from olmo_ds.data.loader import DataLoader
 from olmo_ds.model.config import EXECUTION_FIELDS, ModelConfig
+from olmo_ds.ranks import local_world_size
 from olmo_ds.train.config import INIT_CHANGEABLE, ConfigError, TrainConfig
 from olmo_ds.train.ds_config import device_type, resolve_ds_config
 from olmo_ds.train.evaluation import InLoopEvaluator
 from olmo_ds.train.launch import detect_environment, init_distributed, normalize_cuda_arch_list
 from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops, setup_console_logging
 from olmo_ds.train.optim import param_groups, set_lr
-from olmo_ds.train.preflight import check_launch, local_world_size
+from olmo_ds.train.preflight import check_launch
 from olmo_ds.train.schedule import lr_at
 
 log = logging.getLogger("olmo_ds")

@@ -9,7 +9,8 @@ import sys
 
 from olmo_ds.train.config import ConfigError, config_from_dict
 from olmo_ds.train.launch import detect_environment
-from olmo_ds.train.preflight import LaunchError, check_launch
+from olmo_ds.ranks import LaunchError
+from olmo_ds.train.preflight import check_launch
 
 gpus = int(sys.argv[-1])  # after the launcher's --local_rank=N
 env = detect_environment()

@@ -8,9 +8,9 @@ import re
 import subprocess
 import sys
 
+from olmo_ds.ranks import local_world_size
 from olmo_ds.train.hostfile import hostfile_text, write_hostfile
 from olmo_ds.train.launch import detect_environment
-from olmo_ds.train.preflight import local_world_size
 
 from train_testlib import ROOT, launch_env
 

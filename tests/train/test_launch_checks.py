@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from olmo_ds.train.config import config_from_dict
-from olmo_ds.train.preflight import LaunchError, check_devices, check_launch, local_world_size, rendezvous
+from olmo_ds.ranks import LaunchError, check_devices, local_world_size, rendezvous
+from olmo_ds.train.preflight import check_launch
 
 from train_testlib import ROOT, deepspeed_cmd, free_port, launch_env, run, tiny_config, write_config, write_markov_shards
 
