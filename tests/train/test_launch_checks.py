@@ -85,8 +85,12 @@ def test_two_ranks_on_a_one_gpu_host_both_stop_with_the_error(tmp_path):
     result = run(deepspeed_cmd(WORKER, "1"), timeout=120)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: rank")]
-    assert sorted(line.split(":")[1] for line in errors) == [" rank 0", " rank 1"], result.stderr[-3000:]
+    # Every rank makes the check, but the launcher stops the others as soon as one rank exits: on a busy
+    # host the second rank may be stopped before it prints. What must hold: at least one rank says it,
+    # whatever is said is the clear error, and no rank got as far as a raw CUDA error.
+    assert errors and {line.split(":")[1] for line in errors} <= {" rank 0", " rank 1"}, result.stderr[-3000:]
     assert all("2 ranks were started on" in line and "1 GPU visible" in line for line in errors)
+    assert "invalid device ordinal" not in result.stderr and "CUDA error" not in result.stderr
     assert time.monotonic() - t0 < 60
     fits = run(deepspeed_cmd(WORKER, "2"), timeout=120)
     assert fits.returncode == 0 and fits.stdout.count("passed (LOCAL_SIZE=2)") == 2, fits.stderr[-3000:]
