@@ -36,10 +36,10 @@ from olmo_ds.checkpoint.layout import (
 )
 from olmo_ds.checkpoint.load import load_model_state, load_rng, universal_checkpoint
 from olmo_ds.checkpoint.async_save import AsyncSaver, AsyncSaveError
-from olmo_ds.checkpoint.save import finalize_checkpoint, prune_checkpoints, rng_state, save_checkpoint, set_rng_state, versions
+from olmo_ds.checkpoint.save import BackgroundRemover, finalize_checkpoint, prune_checkpoints, rng_state, save_checkpoint, set_rng_state, versions
 
 __all__ = [
-    "AsyncSaveError", "AsyncSaver", "CHECKPOINTS", "LATEST", "METRICS", "TOKENIZER_COPY", "TRAIN_STATE", "UNIVERSAL", "WANDB_ID", "checkpoints_dir",
+    "AsyncSaveError", "AsyncSaver", "BackgroundRemover", "CHECKPOINTS", "LATEST", "METRICS", "TOKENIZER_COPY", "TRAIN_STATE", "UNIVERSAL", "WANDB_ID", "checkpoints_dir",
     "finalize_checkpoint", "is_complete", "latest_checkpoint", "list_checkpoints", "load_model_state", "load_rng", "move_run_aside",
     "prune_checkpoints", "read_train_state", "resolve_resume", "rng_file", "rng_state", "run_dir_of", "run_markers",
     "save_checkpoint", "set_rng_state", "step_of", "step_tag", "universal_checkpoint", "versions",

@@ -45,7 +45,7 @@ from olmo_ds.checkpoint.save import barrier, finalize_checkpoint, prepare_checkp
 log = logging.getLogger("olmo_ds")
 
 WRITTEN = "rank-{:05d}.written"
-POLL_S = 1.0  # rank 0 looks for the markers at most this often (a stat per rank on a shared filesystem)
+POLL_S = 1.0  # rank 0 looks for the markers at most this often once its own part is written (a stat per rank on a shared filesystem)
 PAGE = 4096  # every tensor of an arena starts on a page boundary
 
 
@@ -338,6 +338,8 @@ class AsyncSaver:
         Returns the save's summary when it completed now."""
         if self.rank != 0 or self._in_flight is None:
             return None
+        if self._thread is not None and self._thread.is_alive():
+            return None  # this rank's own part is still being written: no marker to look for yet
         now = time.monotonic()
         if now - self._last_poll < POLL_S:
             return None

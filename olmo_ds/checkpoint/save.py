@@ -13,8 +13,9 @@ import io
 import platform
 import random
 import shutil
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -109,9 +110,18 @@ def _torch_bytes(obj) -> bytes:
     return buf.getvalue()
 
 
-def prune_checkpoints(root: Path, keep_last: int, keep_every: int = 0, *, protect: Path | None = None) -> list[Path]:
+def _remove(d: Path) -> None:
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def prune_checkpoints(root: Path, keep_last: int, keep_every: int = 0, *, protect: Path | None = None,
+                      remove: Callable[[Path], None] = _remove) -> list[Path]:
     """Delete complete checkpoints beyond the newest `keep_last` (sparing multiples of `keep_every`) and
-    interrupted saves older than the newest complete one. Rank 0 only. Returns what was deleted."""
+    interrupted saves older than the newest complete one. Rank 0 only. Returns what was deleted.
+
+    Every doomed directory loses its completion marker here, before this returns, so nothing reads it as
+    a checkpoint from then on; `remove` then deletes its files (`BackgroundRemover` does that off the
+    caller's thread)."""
     complete = list_checkpoints(root)
     if not complete:
         return []
@@ -126,5 +136,26 @@ def prune_checkpoints(root: Path, keep_last: int, keep_every: int = 0, *, protec
     for d in doomed:
         # Drop the completion marker first so a crash mid-delete leaves an incomplete dir, not a broken "complete" one.
         (d / TRAIN_STATE).unlink(missing_ok=True)
-        shutil.rmtree(d, ignore_errors=True)
+    for d in doomed:
+        remove(d)
     return doomed
+
+
+class BackgroundRemover:
+    """Deletes pruned checkpoint directories on threads of their own, so training does not wait while the
+    filesystem frees a checkpoint's gigabytes. `wait` before the space is needed again (the next save) and
+    before exiting. A process killed mid-delete leaves an incomplete directory older than the newest
+    complete checkpoint, which resume skips and the next prune removes."""
+
+    def __init__(self):
+        self._threads: list[threading.Thread] = []
+
+    def __call__(self, d: Path) -> None:
+        thread = threading.Thread(target=_remove, args=(d,), name=f"olmo_ds-remove-{d.name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def wait(self) -> None:
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()

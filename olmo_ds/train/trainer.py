@@ -276,6 +276,7 @@ class Trainer:
         self.engine = self._build_engine()
         self.device = self.engine.device
         self.saver = AsyncSaver(self.engine, self.run_dir, self.rank, self.world_size)
+        self.remover = ckpt.BackgroundRemover()  # pruned checkpoints are deleted off the training thread
         self._async_fits_logged: bool | None = None
 
         self.step = 0
@@ -506,6 +507,7 @@ class Trainer:
         if not self.weights_finite():
             raise NonFiniteLossError(f"step {self.step}: the weights hold non-finite values; refusing to save them over good checkpoints")
         tokenizer_path = self.tokenizer.path if self.tokenizer else None
+        self.remover.wait()  # the space of checkpoints pruned earlier is free before this one is written
         try:
             if self._save_async():
                 t0 = time.perf_counter()
@@ -553,7 +555,8 @@ class Trainer:
         if summary is None or self.rank != 0:
             return
         c, path = self.cfg.checkpoint, summary["ckpt_dir"]
-        pruned = ckpt.prune_checkpoints(ckpt.checkpoints_dir(self.run_dir), c.keep_last, c.keep_every, protect=path)
+        pruned = ckpt.prune_checkpoints(ckpt.checkpoints_dir(self.run_dir), c.keep_last, c.keep_every, protect=path,
+                                        remove=self.remover)
         alloc = summary.get("alloc_s", 0.0)
         log.info("saved %s: training blocked %.1fs%s, written in %.1fs%s", path, summary["blocked_s"],
                  f" ({alloc:.1f}s of it allocating host memory for background saves, once)" if alloc >= 0.05 else "",
@@ -631,6 +634,7 @@ class Trainer:
         finally:
             self.loader.close()
             logger.close()
+            self.remover.wait()
         return status
 
     def evaluate(self, logger: MetricsLogger) -> dict[str, float]:

@@ -37,3 +37,21 @@ def test_retention_keeps_last_n_and_every_mth_and_clears_old_partials(tmp_path):
     assert [s for s, _ in list_checkpoints(root)] == [200, 400, 500]
     assert not stale.exists() and in_flight.exists()
     assert sorted(p.name for p in removed) == ["step-0000100", "step-0000250", "step-0000300"]
+
+
+def test_pruned_checkpoints_stop_counting_at_once_and_are_deleted_off_the_callers_thread(tmp_path, monkeypatch):
+    import threading
+
+    from olmo_ds.checkpoint import BackgroundRemover, save
+
+    root = tmp_path / "checkpoints"
+    old, new = make(tmp_path, 100), make(tmp_path, 200)
+    release = threading.Event()
+    real_remove = save._remove
+    monkeypatch.setattr(save, "_remove", lambda d: (release.wait(10), real_remove(d)))
+    remover = BackgroundRemover()
+    assert prune_checkpoints(root, keep_last=1, remove=remover) == [old]  # returns while the delete is held
+    assert old.is_dir() and list_checkpoints(root) == [(200, new)] and resolve_resume("auto", tmp_path) == new
+    release.set()
+    remover.wait()
+    assert not old.exists() and new.is_dir()
