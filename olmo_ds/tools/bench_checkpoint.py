@@ -90,6 +90,7 @@ def run(opts: BenchOptions, saves: int = 3, blocking_saves: int = 1, steps_cap: 
         rows.append({"mode": "background" if mode == "always" else "blocking", "blocked_s": blocked, "snapshot_s": snapshot, "alloc_s": alloc,
                      "complete_s": complete, "steps_meanwhile": trained, "bytes": _dir_bytes(path)})
     trainer.loader.close()
+    trainer.remover.wait()  # the pruned checkpoints' deletes, still running in the background, end first
     nbytes = rows[-1]["bytes"]
     root = ckpt.checkpoints_dir(cfg.run_dir)
     shutil.rmtree(root)  # room for the raw write on a disk that holds two checkpoints at most

@@ -62,7 +62,9 @@ def last_step(run_dir: Path, skip: int) -> int:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return 0
-    lines = path.read_text().splitlines()[skip:]
+    text = path.read_text()
+    # The trainer may be in the middle of writing a line: only newline-terminated lines are whole.
+    lines = text[: text.rfind("\n") + 1].splitlines()[skip:]
     return json.loads(lines[-1])["step"] if lines else 0
 
 
