@@ -48,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 from olmo_ds.model import float8 as fp8
 from olmo_ds.model.attention import _SDPA_KERNELS, AttentionMask, attend, kernel_attention, resolve_backend
 from olmo_ds.model.config import ModelConfig, YarnConfig
-from olmo_ds.model.loss import fused_linear_cross_entropy
+from olmo_ds.model.loss import CHUNK_SIZE, fused_linear_cross_entropy
 
 
 class ModelOutput(NamedTuple):
@@ -403,7 +403,7 @@ class LMHead(nn.Module):
             _trunc_normal_(self.weight, init_std)
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, z_loss_coef: float = 0.0,
-                chunk_size: int = 2048, score: tuple[torch.Tensor, torch.Tensor] | None = None, compiled: bool = False):
+                chunk_size: int = CHUNK_SIZE, score: tuple[torch.Tensor, torch.Tensor] | None = None, compiled: bool = False):
         if score is not None:
             return score_targets(hidden, self.weight, *score, compiled=compiled)
         if labels is None:
