@@ -43,27 +43,33 @@ MATMULS_PER_BLOCK = 7  # q, k, v, o; gate, up, down
 INSTALL = "pip install 'torchao>=0.18' (or pip install -e '.[float8]')"
 
 
-class _QuietFailedLoads(logging.Filter):
-    """torchao's import tries to load its prebuilt CUDA extensions and logs a warning per file that does not
-    load (every one on a CPU build of torch). Float8 training uses none of them (it runs `torch._scaled_mm`)."""
+class _QuietImport(logging.Filter):
+    """Two warnings torchao's import prints that concern nothing FP8 training uses: one per prebuilt CUDA
+    extension that does not load (every one on a CPU build of torch; float8 training runs `torch._scaled_mm`),
+    and torch 2.13's deprecation of how torchao registers an enum with torch.compile."""
+
+    NOISE = {"torchao": "Failed to load", "torch.utils._pytree": "<enum"}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Failed to load")
+        prefix = self.NOISE.get(record.name)
+        return prefix is None or not record.getMessage().startswith(prefix)
 
 
 @functools.cache
 def _torchao():
     """torchao's float8 pieces this module uses, imported once; ImportError with what to install otherwise."""
-    quiet = _QuietFailedLoads()
-    logger = logging.getLogger("torchao")
-    logger.addFilter(quiet)
+    quiet = _QuietImport()
+    loggers = [logging.getLogger(name) for name in _QuietImport.NOISE]
+    for logger in loggers:
+        logger.addFilter(quiet)
     try:
         import torchao
         from torchao.float8 import Float8LinearConfig
         from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
         from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, ScaledMMConfig
     finally:
-        logger.removeFilter(quiet)
+        for logger in loggers:
+            logger.removeFilter(quiet)
     version = tuple(int(p) for p in torchao.__version__.split("+")[0].split(".")[:2] if p.isdigit())
     if version < MIN_TORCHAO:
         raise ImportError(f"torchao {torchao.__version__} is older than {'.'.join(map(str, MIN_TORCHAO))}: {INSTALL}")
