@@ -32,8 +32,9 @@ def check_float8(cfg: TrainConfig, device: str, capability: tuple[int, int] | No
 def check_launch(cfg: TrainConfig, rank: int, local_rank: int, world_size: int, *, env: dict | None = None,
                  visible_gpus: int | None = None, host_gpus: int | None = None, device: str | None = None,
                  gpu_capability: tuple[int, int] | None = None, gpu_name: str | None = None) -> None:
-    """The checks of a launch that need no other rank. GPU counts, the device type and this rank's GPU's
-    compute capability default to this host's (asked without creating a CUDA context); none on CPU."""
+    """The checks of a launch that need no other rank. GPU counts, the device type and (with `model.float8`)
+    this rank's GPU's compute capability default to this host's, read through torch.cuda's device queries
+    before any kernel or collective; none on CPU."""
     env = os.environ if env is None else env
     if device is None:
         from olmo_ds.train.ds_config import device_type
