@@ -195,8 +195,11 @@ class TrainConfig:
         for name in ("global_batch_size", "seq_len"):
             if getattr(b, name) <= 0:
                 raise ConfigError(f"{where}: batch.{name} must be > 0, got {getattr(b, name)}")
-        if b.micro_batch_size != "auto" and (not isinstance(b.micro_batch_size, int) or b.micro_batch_size <= 0):
-            raise ConfigError(f"{where}: batch.micro_batch_size must be a positive integer or auto, got {b.micro_batch_size!r}")
+        if b.micro_batch_size != "auto":
+            if not isinstance(b.micro_batch_size, int):
+                raise ConfigError(f"{where}: batch.micro_batch_size must be a positive integer or auto, got {b.micro_batch_size!r}")
+            if b.micro_batch_size <= 0:
+                raise ConfigError(f"{where}: batch.micro_batch_size must be > 0, got {b.micro_batch_size} (or auto: chosen from memory)")
         try:
             b.size_schedule()
         except ValueError as e:

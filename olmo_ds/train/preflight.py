@@ -36,7 +36,8 @@ def check_launch(cfg: TrainConfig, rank: int, local_rank: int, world_size: int, 
     this rank's GPU's compute capability default to this host's, read through torch.cuda's device queries
     before any kernel or collective; none on CPU."""
     env = os.environ if env is None else env
-    if device is None:
+    float8 = cfg.model.build().float8 != "off"
+    if device is None and (visible_gpus is None or float8):
         from olmo_ds.train.ds_config import device_type
 
         device = device_type()
@@ -47,9 +48,10 @@ def check_launch(cfg: TrainConfig, rank: int, local_rank: int, world_size: int, 
     if visible_gpus is not None:
         check_host(rank, local_rank, world_size, visible_gpus, env=env, host_gpus=host_gpus)
     check_batch_divisible(cfg, world_size)
-    if device == "cuda" and gpu_capability is None and cfg.model.build().float8 != "off":
-        import torch
+    if float8:
+        if device == "cuda" and gpu_capability is None:
+            import torch
 
-        index = local_rank % max(visible_gpus or 1, 1)
-        gpu_capability, gpu_name = torch.cuda.get_device_capability(index), torch.cuda.get_device_name(index)
-    check_float8(cfg, device, gpu_capability, gpu_name)
+            index = local_rank % max(visible_gpus or 1, 1)
+            gpu_capability, gpu_name = torch.cuda.get_device_capability(index), torch.cuda.get_device_name(index)
+        check_float8(cfg, device, gpu_capability, gpu_name)

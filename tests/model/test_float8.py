@@ -123,7 +123,12 @@ def test_no_grad_forwards_and_the_head_stay_in_the_model_dtype(weights):
 
 def test_float8_values_and_shapes_are_checked():
     assert dataclasses.replace(CFG, float8=False).float8 == "off"  # YAML's unquoted `off`
-    assert "float8" in EXECUTION_FIELDS  # no scale state: a run resumes under another value
+    # No scale state: the same parameters and no buffers whatever the recipe, so a run resumes under another value.
+    assert "float8" in EXECUTION_FIELDS
+    shapes = {n: p.shape for n, p in OLMo(CFG).state_dict().items()}
+    for recipe in ("tensorwise", "rowwise"):
+        model = OLMo(dataclasses.replace(CFG, float8=recipe))
+        assert {n: p.shape for n, p in model.state_dict().items()} == shapes and not list(model.buffers())
     for bad in ("e4m3", True, "rowwise_with_gw_hp"):
         with pytest.raises(ValueError, match=r"model.float8 .* is not one of: off, tensorwise, rowwise"):
             dataclasses.replace(CFG, float8=bad)

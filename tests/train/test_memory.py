@@ -108,7 +108,7 @@ def test_a_resumed_run_keeps_its_checkpoints_micro_batch_while_it_divides():
 def test_auto_in_the_train_config_and_where_it_must_be_a_number():
     with pytest.raises(ConfigError, match=r"batch.micro_batch_size must be a positive integer or auto, got 'max'"):
         run_config({"preset": "tiny"}, 8, 64, micro="max")
-    with pytest.raises(ConfigError, match=r"batch.micro_batch_size must be a positive integer or auto, got 0"):
+    with pytest.raises(ConfigError, match=r"batch.micro_batch_size must be > 0, got 0 \(or auto: chosen from memory\)"):
         run_config({"preset": "tiny"}, 8, 64, micro=0)
     cfg = run_config({"preset": "tiny"}, 8, 64)
     check_batch_divisible(cfg, 2)
