@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from olmo_ds.model.config import FLOAT8_RECIPES as RECIPES
+
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89), Hopper (sm_90), Blackwell
 MIN_TORCHAO = (0, 18)  # the version whose float8 casts this module was written against
 MATMULS_PER_BLOCK = 7  # q, k, v, o; gate, up, down
@@ -83,8 +85,9 @@ def unavailable() -> str | None:
     try:
         _torchao()
     except ImportError as e:
-        missing = getattr(e, "name", None) and str(e.name).startswith("torchao")
-        return f"torchao is not installed: {INSTALL}" if missing else str(e)
+        if getattr(e, "name", None) == "torchao":
+            return f"torchao is not installed: {INSTALL}"
+        return f"torchao {getattr(sys.modules.get('torchao'), '__version__', '')} cannot be used: {e} ({INSTALL})"
     return None
 
 
