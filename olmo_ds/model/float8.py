@@ -74,7 +74,7 @@ def _torchao():
             logger.removeFilter(quiet)
     version = tuple(int(p) for p in torchao.__version__.split("+")[0].split(".")[:2] if p.isdigit())
     if version < MIN_TORCHAO:
-        raise ImportError(f"torchao {torchao.__version__} is older than {'.'.join(map(str, MIN_TORCHAO))}: {INSTALL}")
+        raise ImportError(f"it is older than {'.'.join(map(str, MIN_TORCHAO))}")
     return dict(Float8LinearConfig=Float8LinearConfig, get_maybe_axiswise_dim=get_maybe_axiswise_dim,
                 hp_tensor_to_float8_dynamic=hp_tensor_to_float8_dynamic, GemmInputRole=GemmInputRole,
                 LinearMMConfig=LinearMMConfig, ScaledMMConfig=ScaledMMConfig)
