@@ -16,9 +16,10 @@ ATTENTION_BACKENDS = (
     "auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flex", "flash_attn", "flash_attn3",
 )
 COMPILE_MODES = ("auto", "blocks", "eager")
-# Fields that choose how the model computes (kernels, recomputation, compilation), not its weights or
-# its function: a checkpoint resumes under other values of these.
-EXECUTION_FIELDS = frozenset({"attention_backend", "activation_checkpointing", "compile"})
+FLOAT8_RECIPES = ("off", "tensorwise", "rowwise")  # olmo_ds/model/float8.py
+# Fields that choose how the model computes (kernels, recomputation, compilation, FP8 matmuls with dynamic
+# scaling, which keep no state), not its weights: a checkpoint resumes under other values of these.
+EXECUTION_FIELDS = frozenset({"attention_backend", "activation_checkpointing", "compile", "float8"})
 
 
 @dataclass
@@ -70,6 +71,10 @@ class ModelConfig:
     # torch.compile each block as one function of its weights (olmo_ds/model/model.py `block_math`):
     # auto = compiled on CUDA, eager on CPU | blocks = always compiled | eager = never. Changes speed, not the math.
     compile: str = "auto"
+    # FP8 matmuls in the blocks while training (olmo_ds/model/float8.py; needs torchao: pip install -e '.[float8]'):
+    # off | tensorwise | rowwise (torchao's recipes, dynamic scaling). LM head, embedding and evaluation stay in the
+    # training dtype. CUDA needs sm_89+ (Ada, Hopper); CPU runs it slowly (tests).
+    float8: bool | str = "off"
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -105,6 +110,24 @@ class ModelConfig:
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"model.compile {self.compile!r} is not one of: {', '.join(COMPILE_MODES)} "
                              f"(auto = compiled blocks on CUDA, eager on CPU)")
+        self._check_float8()
+
+    def _check_float8(self) -> None:
+        """`float8` is a known recipe (YAML's unquoted `off` arrives as false) and the blocks' matmuls have the
+        shapes FP8 kernels take: every dimension a multiple of 16."""
+        if self.float8 is False:
+            self.float8 = "off"
+        if self.float8 not in FLOAT8_RECIPES:
+            raise ValueError(f"model.float8 {self.float8!r} is not one of: {', '.join(FLOAT8_RECIPES)} "
+                             f"(torchao's float8 training recipes; off = the training dtype)")
+        if self.float8 == "off":
+            return
+        dims = {"d_model": self.d_model, "n_heads x head_dim": self.n_heads * self.head_dim,
+                "n_kv_heads x head_dim": self.n_kv_heads * self.head_dim, "mlp_hidden": self.mlp_hidden}
+        odd = [f"{name} {value}" for name, value in dims.items() if value % 16]
+        if odd:
+            raise ValueError(f"model.float8 {self.float8!r} needs the blocks' matmul dimensions to be multiples of 16 "
+                             f"(FP8 kernels' requirement); not: {', '.join(odd)}")
 
     @property
     def head_dim(self) -> int:

@@ -24,6 +24,11 @@ each block a leaf module (the block's own hooks gather all its weights; the skip
 would otherwise be the ones that gather them). Anything else (flash-attn backends, generation, a
 no-grad forward for logits) runs the modules eagerly. `BLOCK_CALLS` counts which way each block call went.
 
+FP8 (`ModelConfig.float8`): the block's seven matmuls go through `olmo_ds.model.float8.linear` on both
+paths (`block_math` and the eager `Linear` modules) in forwards with gradients enabled; `BLOCK_CALLS`
+counts them as `float8_matmuls` (forward matmuls; each has two FP8 matmuls in backward). The LM head,
+the embedding and every no-grad forward keep the training dtype.
+
 Activation checkpointing (`ModelConfig.activation_checkpointing`) recomputes a chosen subset of blocks
 in the backward pass: all of them, or every k-th (`ModelConfig.checkpoints_block`).
 """
@@ -40,9 +45,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from olmo_ds.model import float8 as fp8
 from olmo_ds.model.attention import _SDPA_KERNELS, AttentionMask, attend, kernel_attention, resolve_backend
 from olmo_ds.model.config import ModelConfig, YarnConfig
-from olmo_ds.model.loss import fused_linear_cross_entropy
+from olmo_ds.model.loss import CHUNK_SIZE, fused_linear_cross_entropy
 
 
 class ModelOutput(NamedTuple):
@@ -112,14 +118,24 @@ def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
 
 
 class Linear(nn.Linear):
-    """Bias-free linear layer initialised with OLMo's truncated normal."""
+    """Bias-free linear layer initialised with OLMo's truncated normal; a block's matmuls in FP8 while
+    training when `float8` names a recipe (see `olmo_ds.model.float8`)."""
 
-    def __init__(self, in_features: int, out_features: int, init_std: float):
+    def __init__(self, in_features: int, out_features: int, init_std: float, float8: str = "off"):
         self.init_std = init_std
         super().__init__(in_features, out_features, bias=False)
+        self.float8 = float8
 
     def reset_parameters(self) -> None:
         _trunc_normal_(self.weight, self.init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recipe = self.float8 if torch.is_grad_enabled() else "off"
+        if recipe == "off":
+            return super().forward(x)
+        fp8.prepare(recipe)
+        BLOCK_CALLS["float8_matmuls"] += 1
+        return fp8.linear(x, self.weight, recipe)
 
 
 class Embedding(nn.Embedding):
@@ -218,7 +234,7 @@ _COMPILED_BACKENDS = frozenset({"sdpa", "sdpa_cudnn_first", *_SDPA_KERNELS, "fle
 
 
 def block_math(x, cos, sin, wq, wk, wv, wo, gq, gk, g_attn, w_gate, w_up, w_down, g_mlp, *,
-               eps: float, n_heads: int, n_kv_heads: int, backend: str, kernel_mask=None) -> torch.Tensor:
+               eps: float, n_heads: int, n_kv_heads: int, backend: str, kernel_mask=None, float8: str = "off") -> torch.Tensor:
     """One block as a function of its weights (the compiled path).
 
     The same operations as `Block`'s modules in the same order: q/k/v projections, QK-norm over the
@@ -227,16 +243,18 @@ def block_math(x, cos, sin, wq, wk, wv, wo, gq, gk, g_attn, w_gate, w_up, w_down
     ZeRO-3 stays in charge of gathering them (the block's hooks run around this call). `kernel_mask`
     is `AttentionMask.kernel_mask`: None (plain causal), a flex BlockMask or SDPA's boolean mask,
     built once per forward and passed in, so one graph per mask kind serves every batch and layer.
+    `float8` is the FP8 recipe of the seven matmuls (`olmo_ds.model.float8.linear`; "off": the weights' dtype),
+    a constant of the graph: each recipe gets its own.
     """
     b, t, _ = x.shape
     head_dim = wq.shape[0] // n_heads
-    q = rms_norm(F.linear(x, wq), gq, eps).view(b, t, n_heads, head_dim)
-    k = rms_norm(F.linear(x, wk), gk, eps).view(b, t, n_kv_heads, head_dim)
-    v = F.linear(x, wv).view(b, t, n_kv_heads, head_dim)
+    q = rms_norm(fp8.linear(x, wq, float8), gq, eps).view(b, t, n_heads, head_dim)
+    k = rms_norm(fp8.linear(x, wk, float8), gk, eps).view(b, t, n_kv_heads, head_dim)
+    v = fp8.linear(x, wv, float8).view(b, t, n_kv_heads, head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out = kernel_attention(q, k, v, head_dim ** -0.5, backend, kernel_mask)
-    x = x + rms_norm(F.linear(out.reshape(b, t, -1), wo), g_attn, eps)
-    return x + rms_norm(F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down), g_mlp, eps)
+    x = x + rms_norm(fp8.linear(out.reshape(b, t, -1), wo, float8), g_attn, eps)
+    return x + rms_norm(fp8.linear(F.silu(fp8.linear(x, w_gate, float8)) * fp8.linear(x, w_up, float8), w_down, float8), g_mlp, eps)
 
 
 @functools.cache
@@ -275,10 +293,10 @@ class Attention(nn.Module):
         self.backend = cfg.attention_backend
         self.window = cfg.sliding_window if cfg.layer_is_sliding(layer) else None
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        self.q_proj = Linear(cfg.d_model, q_dim, cfg.init_std)
-        self.k_proj = Linear(cfg.d_model, kv_dim, cfg.init_std)
-        self.v_proj = Linear(cfg.d_model, kv_dim, cfg.init_std)
-        self.o_proj = Linear(q_dim, cfg.d_model, cfg.init_std)
+        self.q_proj = Linear(cfg.d_model, q_dim, cfg.init_std, cfg.float8)
+        self.k_proj = Linear(cfg.d_model, kv_dim, cfg.init_std, cfg.float8)
+        self.v_proj = Linear(cfg.d_model, kv_dim, cfg.init_std, cfg.float8)
+        self.o_proj = Linear(q_dim, cfg.d_model, cfg.init_std, cfg.float8)
         self.q_norm = RMSNorm(q_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(kv_dim, cfg.norm_eps)
 
@@ -316,9 +334,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.d_model, cfg.mlp_hidden, cfg.init_std)
-        self.up_proj = Linear(cfg.d_model, cfg.mlp_hidden, cfg.init_std)
-        self.down_proj = Linear(cfg.mlp_hidden, cfg.d_model, cfg.init_std)
+        self.gate_proj = Linear(cfg.d_model, cfg.mlp_hidden, cfg.init_std, cfg.float8)
+        self.up_proj = Linear(cfg.d_model, cfg.mlp_hidden, cfg.init_std, cfg.float8)
+        self.down_proj = Linear(cfg.mlp_hidden, cfg.d_model, cfg.init_std, cfg.float8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -361,9 +379,13 @@ class Block(nn.Module):
         if route is not None:
             BLOCK_CALLS["compiled"] += 1
             backend, kernel_mask = route
+            recipe = self.cfg.float8 if torch.is_grad_enabled() else "off"
+            if recipe != "off":
+                fp8.prepare(recipe)  # outside the compiled function: imports, configs, torchao's inductor guard
+                BLOCK_CALLS["float8_matmuls"] += fp8.MATMULS_PER_BLOCK
             fn = _compiled_block_math() if torch.is_grad_enabled() else _compiled_scoring_block_math()
             return fn(x, cos, sin, *self.weights(), eps=self.attn_norm.eps, n_heads=self.attn.n_heads,
-                      n_kv_heads=self.attn.n_kv_heads, backend=backend, kernel_mask=kernel_mask)
+                      n_kv_heads=self.attn.n_kv_heads, backend=backend, kernel_mask=kernel_mask, float8=recipe)
         BLOCK_CALLS["eager"] += 1
         x = x + self.attn_norm(self.attn(x, cos, sin, mask, cache))
         return x + self.mlp_norm(self.mlp(x))
@@ -381,7 +403,7 @@ class LMHead(nn.Module):
             _trunc_normal_(self.weight, init_std)
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, z_loss_coef: float = 0.0,
-                chunk_size: int = 2048, score: tuple[torch.Tensor, torch.Tensor] | None = None, compiled: bool = False):
+                chunk_size: int = CHUNK_SIZE, score: tuple[torch.Tensor, torch.Tensor] | None = None, compiled: bool = False):
         if score is not None:
             return score_targets(hidden, self.weight, *score, compiled=compiled)
         if labels is None:

@@ -5,6 +5,7 @@ against a plain-PyTorch step of the same model and batches (see olmo_ds/tools/be
     python scripts/bench_train.py --preset tiny --seq-len 64 --micro-batch-size 2 --steps 3   # CPU smoke run
     python scripts/bench_train.py --ds-set zero_optimization.reduce_bucket_size=500000000
     python scripts/bench_train.py --sweep baseline,eager,baseline+accum8   # one process per variant, table last
+    python scripts/bench_train.py --float8 tensorwise,rowwise --grad-accum 8   # bf16 and FP8 side by side (a sweep)
 
 Runs as a single rank without a launcher (or under `deepspeed --num_gpus 1`). On a machine without a
 GPU it defaults to the tiny preset in fp32 so that it finishes in seconds.
@@ -55,6 +56,8 @@ from olmo_ds.ranks import LaunchError
 from olmo_ds.tools import package_env
 from olmo_ds.train.config import ConfigError, apply_override, config_from_dict
 from olmo_ds.train.ds_config import find_ds_config, load_ds_json, resolve_ds_config
+from olmo_ds.train.memory import estimate_peak_memory
+from olmo_ds.train.preflight import check_float8
 
 log = logging.getLogger("olmo_ds")
 
@@ -112,11 +115,15 @@ def _swiglu(gate, up):
 
 
 def block_counts() -> dict:
-    """How many block calls ran compiled and eagerly in this process so far (see `BLOCK_CALLS`), and how
-    many graphs torch.compile has built (a count that grows during the timed steps means recompiles)."""
+    """How many block calls ran compiled and eagerly in this process so far (see `BLOCK_CALLS`), how many of
+    their matmuls ran in FP8 (`model.float8`; each block has 7, each with 2 more in backward), and how many
+    graphs torch.compile has built (a count that grows during the timed steps means recompiles)."""
+    from olmo_ds.model.float8 import MATMULS_PER_BLOCK
     from olmo_ds.model.model import BLOCK_CALLS
 
-    return {"blocks_compiled": BLOCK_CALLS["compiled"], "blocks_eager": BLOCK_CALLS["eager"], "dynamo_graphs": dynamo_graphs()}
+    return {"blocks_compiled": BLOCK_CALLS["compiled"], "blocks_eager": BLOCK_CALLS["eager"],
+            "block_matmuls": MATMULS_PER_BLOCK * (BLOCK_CALLS["compiled"] + BLOCK_CALLS["eager"]),
+            "float8_matmuls": BLOCK_CALLS["float8_matmuls"], "dynamo_graphs": dynamo_graphs()}
 
 
 def dynamo_graphs() -> int:
@@ -159,6 +166,10 @@ def apply_experiments(exp: Experiments) -> list[str]:
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _gpu_identity() -> tuple[tuple[int, int], str]:
+    return torch.cuda.get_device_capability(), torch.cuda.get_device_name()
 
 
 def _sync() -> None:
@@ -415,6 +426,15 @@ def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> d
         trainer.loader.close()
     result["init_s"] = init_s
     result["counters"] = block_counts()
+    zero = trainer.ds_config["zero_optimization"]
+    offload = zero.get("offload_optimizer", {})
+    estimate = estimate_peak_memory(
+        trainer.model_cfg, micro_batch=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len, precision=cfg.precision,
+        zero_stage=zero["stage"], dp_world_size=1, compiled=trainer.model_cfg.compiles_blocks(trainer.device.type),
+        reduce_bucket_size=int(zero["reduce_bucket_size"]),
+        optimizer_on_host=float(offload.get("ratio", 1.0)) if offload.get("device", "none") in ("cpu", "nvme") else 0.0,
+        params_on_host=zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme"))
+    result["estimated_peak_gib"] = estimate.total / 2**30  # olmo_ds/train/memory.py, what `micro_batch_size: auto` uses
     result["blocks_compiled"] = trainer.model_cfg.compiles_blocks(trainer.device.type)
     result["zero_stage"] = trainer.ds_config["zero_optimization"]["stage"]
     result["ds_zero_config"] = trainer.ds_config["zero_optimization"]
@@ -458,6 +478,7 @@ def run_bench(opts: BenchOptions) -> dict:
     data_dir = write_bench_shards(opts, work / f"shards-v{vocab}-t{opts.seq_len}", vocab)
     cfg = build_train_config(opts, data_dir, work)
     model_cfg = cfg.model.build(vocab_size=vocab)
+    check_float8(cfg, "cuda" if torch.cuda.is_available() else "cpu", *(_gpu_identity() if torch.cuda.is_available() else ()))
     if opts.deepspeed:
         resolve_ds_config(cfg, model_cfg, 1)  # a bad DeepSpeed JSON fails here, before the reference run
     flops = flops_report(model_cfg, opts.seq_len)
@@ -471,7 +492,7 @@ def run_bench(opts: BenchOptions) -> dict:
                   "sliding_window": model_cfg.sliding_window,
                   "sliding_layers": sum(model_cfg.layer_is_sliding(i) for i in range(model_cfg.n_layers)),
                   "activation_checkpointing": model_cfg.activation_checkpointing,
-                  "document_masking": cfg.data.document_masking},
+                  "document_masking": cfg.data.document_masking, "float8": model_cfg.float8},
         "precision": cfg.precision,
         "tokens_per_step": cfg.batch.global_batch_size * opts.seq_len,
         "peak_tflops": peak,
@@ -512,6 +533,15 @@ def _attention_text(m: dict) -> str:
     return text + (", document-masked" if m["document_masking"] else "") + f", backend {m['attention_backend']}"
 
 
+def _float8_text(counters: dict, recipe: str, precision: str) -> str:
+    """How many block matmuls ran in FP8, from the counters (`block_counts`): the report's proof that FP8 ran."""
+    done, total = counters.get("float8_matmuls", 0), counters.get("block_matmuls", 0)
+    if recipe == "off":
+        return f"FP8 off: {done} of {total:,} block matmuls in FP8, all in {precision}"
+    return (f"FP8 {recipe}: {done:,} of {total:,} block matmuls in FP8 (forward, recomputation included; each with its 2 "
+            f"backward matmuls); LM head and embedding in {precision}")
+
+
 def format_report(r: dict) -> str:
     o = r["options"]
     lines = [
@@ -522,7 +552,8 @@ def format_report(r: dict) -> str:
         f"MFU vs {r['peak_tflops']} TFLOP/s peak" if r["peak_tflops"] else
         "MFU: no known peak for this device" + ("; CPU timings show only that the path runs" if r["environment"]["device"] == "cpu" else ""),
         f"attention: {_attention_text(r['model'])}; activation checkpointing {r['model']['activation_checkpointing']}",
-        f"model.compile {r['model']['compile']}; experiments: {', '.join(r['experiments_applied']) or 'none'}; "
+        f"model.compile {r['model']['compile']}; model.float8 {r['model'].get('float8', 'off')}; "
+        f"experiments: {', '.join(r['experiments_applied']) or 'none'}; "
         f"ds overrides: {', '.join(o['ds_set']) or 'none'}; "
         f"model overrides: {', '.join(o['model_set']) or 'none'}",
         f"{'run':<28} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'step ms':>8} {'data wait':>9} {'peak GiB':>8} {'loss':>14}",
@@ -544,7 +575,11 @@ def format_report(r: dict) -> str:
                          f"(op table and trace in {o['profile_dir']})")
         if r.get(key, {}).get("counters"):
             lines.append(f"{key} block calls: {r[key]['counters']}; graphs built while timed: {r[key]['dynamo_graphs_while_timed']}")
+            lines.append(f"{key}: {_float8_text(r[key]['counters'], r['model'].get('float8', 'off'), r['precision'])}")
     ds = r.get("deepspeed", {})
+    if ds.get("estimated_peak_gib") is not None:
+        lines.append(f"DeepSpeed peak memory: {ds['peak_alloc_gib']:.1f} GiB measured, {ds['estimated_peak_gib']:.1f} GiB estimated "
+                     f"(olmo_ds/train/memory.py, what batch.micro_batch_size auto plans with)")
     if ds.get("host_peak_gib") is not None:
         lines.append(f"host memory: peak RSS {ds['host_peak_gib']:.1f} GiB"
                      + (" (optimizer state of {} of {} sub-groups on the host)".format(*ds["offload_subgroups_on_host"])
@@ -605,6 +640,9 @@ VARIANTS: dict[str, list[str]] = {
     "ds_bf16_state": ["--ds-set", "bf16.bf16_master_weights_and_grads=true", "--ds-set", "bf16.bf16_optimizer_states=true"],
     "deepcompile": ["--deepcompile"],
     "engine_compile": ["--engine-compile"],
+    # FP8 matmuls in the blocks (model.float8; torchao), beside the bf16 row of the same sweep (`--float8`).
+    "fp8_tensorwise": ["--model-set", "float8=tensorwise"],
+    "fp8_rowwise": ["--model-set", "float8=rowwise"],
 }
 
 
@@ -640,7 +678,7 @@ def run_sweep(names: list[str], base_args: list[str], out_dir: Path, timeout_s: 
 
 
 def format_sweep(rows: list[dict]) -> str:
-    lines = [f"{'variant':<34} {'DS tok/s':>9} {'MFU':>6} {'ref tok/s':>9} {'ratio':>6} {'vs fp32m':>8} {'DS GiB':>7} {'ref GiB':>7} {'host':>6} {'wait':>6} {'wall s':>6} {'blocks c/e':>11} {'recomp':>6}"]
+    lines = [f"{'variant':<34} {'DS tok/s':>9} {'MFU':>6} {'ref tok/s':>9} {'ratio':>6} {'vs fp32m':>8} {'DS GiB':>7} {'est GiB':>7} {'ref GiB':>7} {'host':>6} {'wait':>6} {'wall s':>6} {'blocks c/e':>11} {'fp8 matmuls':>13} {'recomp':>6}"]
     for row in rows:
         r = row.get("result")
         if r is None or "deepspeed" not in r:
@@ -651,11 +689,33 @@ def format_sweep(rows: list[dict]) -> str:
             f"{row['variant']:<34} {ds['tokens_per_s']:>9,.0f} {_fmt(ds['mfu'], 6, '.1f', 100, '%')} "
             f"{_fmt(ref and ref['tokens_per_s'], 9, ',.0f')} {_fmt(r.get('ratio_deepspeed_to_reference'), 6, '.3f')} "
             f"{_fmt(r.get('ratio_deepspeed_to_reference_fp32_master'), 8, '.3f')} "
-            f"{ds['peak_alloc_gib']:>7.1f} {_fmt(ref and ref['peak_alloc_gib'], 7, '.1f')} {_fmt(ds.get('host_peak_gib'), 6, '.1f')} "
-            f"{100 * ds['data_wait_fraction']:>5.2f}% {row['wall_s']:>6.0f} "
-            f"{ds['counters']['blocks_compiled']:>5}/{ds['counters']['blocks_eager']:<5} {ds['dynamo_graphs_while_timed']:>6}"
+            f"{ds['peak_alloc_gib']:>7.1f} {_fmt(ds.get('estimated_peak_gib'), 7, '.1f')} {_fmt(ref and ref['peak_alloc_gib'], 7, '.1f')} "
+            f"{_fmt(ds.get('host_peak_gib'), 6, '.1f')} {100 * ds['data_wait_fraction']:>5.2f}% {row['wall_s']:>6.0f} "
+            f"{ds['counters']['blocks_compiled']:>5}/{ds['counters']['blocks_eager']:<5} "
+            f"{ds['counters'].get('float8_matmuls', 0):>6}/{ds['counters'].get('block_matmuls', 0):<6} {ds['dynamo_graphs_while_timed']:>6}"
         )
+    lines += _float8_ratios(rows)
     return "\n".join(lines)
+
+
+def _float8_ratios(rows: list[dict]) -> list[str]:
+    """For each FP8 row of a sweep whose twin in the training dtype (the same variant without `+fp8_*`) ran too: tokens/s and
+    peak memory against it, DeepSpeed's and, where both ran one, plain PyTorch's."""
+    results = {row["variant"]: row.get("result") for row in rows}
+    out = []
+    for name, r in results.items():
+        parts = name.split("+")
+        recipes = [p for p in parts if p.startswith("fp8_")]
+        twin_name = "+".join(p for p in parts if not p.startswith("fp8_")) or "baseline"
+        twin = results.get(twin_name)
+        if not recipes or not r or not twin or "deepspeed" not in r or "deepspeed" not in twin:
+            continue
+        text = (f"{name} / {twin_name}: DeepSpeed tokens/s {r['deepspeed']['tokens_per_s'] / twin['deepspeed']['tokens_per_s']:.3f}, "
+                f"peak {r['deepspeed']['peak_alloc_gib']:.1f} vs {twin['deepspeed']['peak_alloc_gib']:.1f} GiB")
+        if r.get("reference") and twin.get("reference"):
+            text += f"; plain PyTorch tokens/s {r['reference']['tokens_per_s'] / twin['reference']['tokens_per_s']:.3f}"
+        out.append(text)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -693,23 +753,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", default=None, metavar="V1,V2,...",
                    help=f"run named variants, one process each, and print a table; known: {', '.join(VARIANTS)}")
     p.add_argument("--sweep-timeout", type=float, default=None, help="seconds per variant before it is killed")
+    p.add_argument("--float8", default=None, metavar="RECIPE[,RECIPE]",
+                   help="bf16 and FP8 side by side: each variant (or `baseline`) again with model.float8 = each recipe "
+                        "(tensorwise, rowwise), one process per row, ratios to the bf16 rows at the end")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
 
     try:
-        if args.sweep:
-            # Everything after the script name except --sweep/--json is passed on to each variant.
+        if args.sweep or args.float8:
+            # Everything after the script name except the sweep's own options is passed on to each variant.
+            own = ("--sweep", "--json", "--sweep-timeout", "--float8")
             base, skip = [], False
             for a in argv:
                 if skip:
                     skip = False
-                elif a in ("--sweep", "--json", "--sweep-timeout"):
+                elif a in own:
                     skip = True
-                elif not a.startswith(("--sweep=", "--json=", "--sweep-timeout=")):
+                elif not a.startswith(tuple(f"{o}=" for o in own)):
                     base.append(a)
+            names = args.sweep.split(",") if args.sweep else ["baseline"]
+            if args.float8:
+                recipes = args.float8.split(",")
+                bad = [r for r in recipes if f"fp8_{r}" not in VARIANTS]
+                if bad:
+                    raise ConfigError(f"--float8 {args.float8}: unknown recipe(s) {bad}; choose from tensorwise, rowwise")
+                names += [f"{n}+fp8_{r}" for r in recipes for n in names]
             out_dir = Path(args.work_dir) / "sweep"
-            rows = run_sweep(args.sweep.split(","), base, out_dir, args.sweep_timeout)
+            rows = run_sweep(names, base, out_dir, args.sweep_timeout)
             if args.json:
                 args.json.write_text(json.dumps(rows, indent=2))
             print(format_sweep(rows))

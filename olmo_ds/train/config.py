@@ -55,7 +55,9 @@ class BatchRamp:
 @dataclass
 class BatchConfig:
     global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
-    micro_batch_size: int = 1  # sequences per rank per forward/backward
+    # Sequences per rank per forward/backward, or auto: the largest power of two that divides the rows per rank and
+    # whose estimated peak memory fits 80% of the GPU (olmo_ds/train/memory.py); chosen at start, logged, kept on resume.
+    micro_batch_size: int | str = 1
     seq_len: int = 256
     # Optional batch-size warm-up, e.g. [{step: 0, global_batch_size: 4}, {step: 100, global_batch_size: 8}];
     # the last entry's size must equal global_batch_size (the size the run ends with).
@@ -159,6 +161,10 @@ class TrainConfig:
     source: str = field(default="<defaults>", metadata={"internal": True})  # where it was read from, for messages
     path: str | None = field(default=None, metadata={"internal": True})  # the YAML file, when read from one
 
+    def with_micro_batch_size(self, size: int) -> "TrainConfig":
+        """This config with `batch.micro_batch_size` set (what `auto` resolved to)."""
+        return dataclasses.replace(self, batch=dataclasses.replace(self.batch, micro_batch_size=size))
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("source")
@@ -186,9 +192,14 @@ class TrainConfig:
         if self.max_steps <= 0:
             raise ConfigError(f"{where}: max_steps must be > 0, got {self.max_steps}")
         b = self.batch
-        for name in ("global_batch_size", "micro_batch_size", "seq_len"):
+        for name in ("global_batch_size", "seq_len"):
             if getattr(b, name) <= 0:
                 raise ConfigError(f"{where}: batch.{name} must be > 0, got {getattr(b, name)}")
+        if b.micro_batch_size != "auto":
+            if not isinstance(b.micro_batch_size, int):
+                raise ConfigError(f"{where}: batch.micro_batch_size must be a positive integer or auto, got {b.micro_batch_size!r}")
+            if b.micro_batch_size <= 0:
+                raise ConfigError(f"{where}: batch.micro_batch_size must be > 0, got {b.micro_batch_size} (or auto: chosen from memory)")
         try:
             b.size_schedule()
         except ValueError as e:
@@ -242,9 +253,17 @@ class TrainConfig:
         if not self.data.sources:
             raise ConfigError(f"{where}: data.sources is empty; list at least one shard directory (data.sources: [{{path: ...}}])")
         try:
-            self.model.build()
+            model = self.model.build()
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{where}: model: {e}") from None
+        if model.float8 != "off":
+            if self.precision == "fp16":
+                raise ConfigError(f"{where}: model.float8 {model.float8!r} with precision fp16: torchao's float8 recipes are made "
+                                  f"for bf16 training, and fp16 adds DeepSpeed's loss scaling, which olmo-ds has not verified "
+                                  f"with FP8; use precision bf16 (or model.float8: \"off\")")
+            if b.seq_len % 16:
+                raise ConfigError(f"{where}: model.float8 {model.float8!r} needs batch.seq_len to be a multiple of 16 (a "
+                                  f"micro-batch's tokens are the inner dimension of the FP8 weight-gradient matmul), got {b.seq_len}")
 
 
 # --- parsing -------------------------------------------------------------------------------------

@@ -111,9 +111,15 @@ def device_type() -> str:
 
 
 def check_batch_divisible(cfg: TrainConfig, dp_world_size: int) -> None:
-    """Every global batch size of the run splits into whole micro-batches on every rank."""
+    """Every global batch size of the run splits into whole micro-batches on every rank (with
+    `micro_batch_size: auto`, into whole rows per rank: the micro-batch chosen later divides those)."""
     b = cfg.batch
     for size in sorted({size for _, size in b.size_schedule().points}):
+        if b.micro_batch_size == AUTO:
+            if size % dp_world_size:
+                raise ConfigError(f"{cfg.source}: global batch size {size} is not divisible by the data-parallel size "
+                                  f"{dp_world_size} (batch.micro_batch_size auto needs whole sequences on every rank)")
+            continue
         if size % (b.micro_batch_size * dp_world_size):
             raise ConfigError(
                 f"{cfg.source}: global batch size {size} is not divisible by batch.micro_batch_size "
@@ -164,9 +170,10 @@ def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, 
             f"{ds_path}: has a \"scheduler\" section; the learning-rate schedule lives in the train config "
             f"(schedule: kind, warmup_steps, ...). Remove it from the JSON."
         )
-    zero = ds.get("zero_optimization")
-    if not isinstance(zero, dict) or zero.get("stage") not in (1, 2, 3):
-        raise ConfigError(f"{ds_path}: zero_optimization.stage must be 1, 2 or 3 (olmo-ds trains with ZeRO)")
+    if b.micro_batch_size == AUTO:
+        raise ConfigError(f"{cfg.source}: batch.micro_batch_size auto must be chosen (olmo_ds.train.memory.choose_micro_batch, "
+                          f"as the trainer does) before the DeepSpeed config is resolved")
+    resolve_zero(ds, cfg, model, dp_world_size, device=device, offload_env=offload_env, resumed=resumed)
 
     check_batch_divisible(cfg, dp_world_size)
     first = b.size_schedule().at(0)
@@ -197,19 +204,6 @@ def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, 
     if optimizer["type"].lower() == "adam":
         params.setdefault("adam_w_mode", True)  # DeepSpeed's "Adam" + adam_w_mode is decoupled AdamW
 
-    compiled = model.compiles_blocks(device or device_type())
-    for key, value in zero3_knobs(model.d_model, zero["stage"], compiled, dp_world_size).items():
-        if key in _STAGE3_ONLY and zero["stage"] != 3:
-            if zero.get(key) == AUTO:
-                del zero[key]
-        elif zero.get(key, AUTO) == AUTO:
-            zero[key] = value
-
-    plan = resolve_offload(ds, ds_path, cfg, model, dp_world_size, device=device or device_type(),
-                           resumed=resumed, **(offload_env or {}))
-    if plan is not None:
-        log.info("%s: %s", ds_path, plan.describe())
-
     ds.setdefault("steps_per_print", 10**9)  # olmo-ds prints its own progress line
     # DeepSpeed's throughput timer synchronizes the device at the start of every forward and the end of
     # every engine.step(), i.e. twice per micro-batch, to time what olmo-ds already reports (BENCHMARKS.md).
@@ -220,6 +214,30 @@ def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, 
     if leftover:
         raise ConfigError(f"{ds_path}: no train-config value fills {', '.join(leftover)} = \"auto\"; set a concrete value")
     return ds
+
+
+def resolve_zero(ds: dict, cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *, device: str | None = None,
+                 offload_env: dict | None = None, resumed: dict | None = None, quiet: bool = False) -> dict:
+    """Fill the `zero_optimization` section's "auto" knobs and offload fields of `ds` in place (see
+    `resolve_ds_config`); returns the section. Needs no batch size, so the micro-batch choice
+    (`olmo_ds.train.memory`) reads the same ZeRO layout the run will have. `quiet`: do not log the offload plan."""
+    ds_path = cfg.deepspeed_config
+    zero = ds.get("zero_optimization")
+    if not isinstance(zero, dict) or zero.get("stage") not in (1, 2, 3):
+        raise ConfigError(f"{ds_path}: zero_optimization.stage must be 1, 2 or 3 (olmo-ds trains with ZeRO)")
+    compiled = model.compiles_blocks(device or device_type())
+    for key, value in zero3_knobs(model.d_model, zero["stage"], compiled, dp_world_size).items():
+        if key in _STAGE3_ONLY and zero["stage"] != 3:
+            if zero.get(key) == AUTO:
+                del zero[key]
+        elif zero.get(key, AUTO) == AUTO:
+            zero[key] = value
+
+    plan = resolve_offload(ds, ds_path, cfg, model, dp_world_size, device=device or device_type(),
+                           resumed=resumed, **(offload_env or {}))
+    if plan is not None and not quiet:
+        log.info("%s: %s", ds_path, plan.describe())
+    return zero
 
 
 def _find_auto(node: Any, prefix: str = "") -> list[str]:

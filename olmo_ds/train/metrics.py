@@ -169,6 +169,8 @@ def console_line(step: int, max_steps: int, m: dict[str, float], eta_s: float) -
     if m.get("perf/mfu") is not None:
         parts.append(f"MFU {100 * m['perf/mfu']:.1f}%")
     parts.append(f"data {100 * m['perf/data_wait_fraction']:.1f}%")
+    if m.get("perf/float8_matmul_fraction") is not None:
+        parts.append(f"fp8 {100 * m['perf/float8_matmul_fraction']:.0f}%")
     parts.append(f"mem {m['perf/memory_gib']:.1f}G")
     parts.append(f"ETA {format_duration(eta_s)}")
     return " | ".join(parts)

@@ -13,6 +13,7 @@ the accumulation boundary; a step whose loss or gradients are not finite is skip
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import logging
@@ -33,11 +34,14 @@ from olmo_ds import checkpoint as ckpt
 from olmo_ds.checkpoint.async_save import AsyncSaveError, AsyncSaver, host_copy_fits, snapshot_bytes_estimate
 from olmo_ds.data.loader import DataLoader
 from olmo_ds.model.config import EXECUTION_FIELDS, ModelConfig
+from olmo_ds.model.float8 import MATMULS_PER_BLOCK
+from olmo_ds.model.model import BLOCK_CALLS
 from olmo_ds.ranks import local_world_size
 from olmo_ds.train.config import INIT_CHANGEABLE, ConfigError, TrainConfig
 from olmo_ds.train.ds_config import device_type, resolve_ds_config
 from olmo_ds.train.evaluation import InLoopEvaluator
 from olmo_ds.train.launch import detect_environment, init_distributed, normalize_cuda_arch_list
+from olmo_ds.train.memory import choose_micro_batch
 from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops, setup_console_logging
 from olmo_ds.train.optim import param_groups, set_lr
 from olmo_ds.train.preflight import check_launch
@@ -262,6 +266,11 @@ class Trainer:
             run_fingerprint = self.tokenizer.fingerprint if self.tokenizer is not None else self.loader.tokenizer_fingerprint
             self.init_info = check_init_from(cfg, self.model_cfg, run_fingerprint)
         saved_ds = self.resume_state.get("ds_config") if self.resume_state else None
+        # `batch.micro_batch_size: auto` becomes a number here, before anything reads it (olmo_ds/train/memory.py).
+        self.micro_batch = choose_micro_batch(cfg, self.model_cfg, self.world_size, resumed=saved_ds)
+        if self.micro_batch.chosen_by != "config":
+            log.info("%s", self.micro_batch.describe())
+            self.cfg = cfg = cfg.with_micro_batch_size(self.micro_batch.size)
         self.ds_config = exact_resume_optimizer(resolve_ds_config(cfg, self.model_cfg, self.world_size, resumed=saved_ds))
         if self.resume_state is not None:
             check_resume(self.resume_state, self.model_cfg, self.world_size, self.resume_dir, self.ds_config)
@@ -320,12 +329,21 @@ class Trainer:
                      sum(d == "cpu" for d in placement.values()), len(placement),
                      self.ds_config["zero_optimization"]["offload_optimizer"].get("ratio", 1.0))
         log.info(
-            "model: %s (%s parameters, %s non-embedding), ZeRO stage %d, %s, %d ranks, %s, blocks %s",
+            "model: %s (%s parameters, %s non-embedding), ZeRO stage %d, %s, %d ranks, %s, blocks %s%s",
             self.cfg.model.preset, f"{self.model_cfg.num_params():,}", f"{self.model_cfg.num_params(False):,}",
             stage, self.cfg.precision, self.world_size, self.cfg.deepspeed_config,
             f"compiled (model.compile {self.model_cfg.compile})" if compiled else f"eager (model.compile {self.model_cfg.compile})",
+            self._float8_text(),
         )
         return engine
+
+    def _float8_text(self) -> str:
+        recipe = self.model_cfg.float8
+        if recipe == "off":
+            return ""
+        cpu = " (on CPU through torch._scaled_mm's CPU kernel: real FP8 numerics, slowly)" if device_type() == "cpu" else ""
+        return (f"; model.float8 {recipe}: the {MATMULS_PER_BLOCK} matmuls of every block in FP8 in training forwards and "
+                f"backwards{cpu}, LM head, embedding and evaluation in {self.cfg.precision}")
 
     def _restore(self) -> None:
         state = self.resume_state
@@ -498,6 +516,7 @@ class Trainer:
             "tokenizer_fingerprint": self.loader.tokenizer_fingerprint,
             "world_size": self.world_size,
             "zero_stage": self.ds_config["zero_optimization"]["stage"],
+            "micro_batch": self.micro_batch.record(),
         }
 
     def save(self, *, final: bool = False) -> Path:
@@ -599,7 +618,7 @@ class Trainer:
                  f"MFU against {peak:g} TFLOP/s per device" if peak else "MFU not reported (unknown device peak; set logging.peak_tflops)")
         last_saved = self.step if self.resume_dir else None
         first_step = self.step + 1  # logged whatever logging.every says: the starting loss is worth seeing
-        window = {"t": time.perf_counter(), "wait": self.loader.wait_seconds, "tokens": 0, "steps": 0, "loss": 0.0}
+        window = self._new_window()
         status = "done"
         try:
             while self.step < cfg.max_steps:
@@ -615,8 +634,8 @@ class Trainer:
                 window["loss"] += m["loss"]
                 if self.step % cfg.logging.every == 0 or self.step in (first_step, cfg.max_steps):
                     self._log(logger, m, window, peak)
-                    window = {"t": time.perf_counter(), "wait": self.loader.wait_seconds, "tokens": 0, "steps": 0, "loss": 0.0}
-                paused = time.perf_counter()
+                    window = self._new_window()
+                paused, calls_before = time.perf_counter(), collections.Counter(BLOCK_CALLS)
                 if self.evaluator is not None and (self.step % cfg.eval.every == 0 or self.step == cfg.max_steps):
                     self.evaluate(logger)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
@@ -624,6 +643,7 @@ class Trainer:
                     last_saved = self.step
                 self._saved(self.saver.poll())
                 window["t"] += time.perf_counter() - paused  # throughput and ETA count training time only
+                window["calls"] += collections.Counter(BLOCK_CALLS) - calls_before  # and block counts training's blocks
             if (status == "preempted" or cfg.checkpoint.save_final) and last_saved != self.step:
                 self.save(final=True)
             else:  # preemption too: a save in flight completes before the process exits
@@ -660,6 +680,24 @@ class Trainer:
             torch.distributed.destroy_process_group()
         gc.freeze()
 
+    def _new_window(self) -> dict:
+        """What the next progress line is measured from: its start, the data wait and block calls so far."""
+        return {"t": time.perf_counter(), "wait": self.loader.wait_seconds, "tokens": 0, "steps": 0, "loss": 0.0,
+                "calls": collections.Counter(BLOCK_CALLS)}
+
+    def _block_metrics(self, window: dict) -> dict:
+        """How this window's training block calls ran (`BLOCK_CALLS`: compiled or eager) and, with
+        `model.float8`, how many of their matmuls ran in FP8, as a count and as a share of all block matmuls
+        (1.0 = every one; recomputation under activation checkpointing counts on both sides)."""
+        calls = collections.Counter(BLOCK_CALLS)
+        calls.subtract(window["calls"])
+        out = {"perf/block_calls_compiled": calls["compiled"], "perf/block_calls_eager": calls["eager"]}
+        if self.model_cfg.float8 != "off":
+            matmuls = MATMULS_PER_BLOCK * (calls["compiled"] + calls["eager"])
+            out["perf/float8_matmuls"] = calls["float8_matmuls"]
+            out["perf/float8_matmul_fraction"] = calls["float8_matmuls"] / matmuls if matmuls else None
+        return out
+
     def _log(self, logger: MetricsLogger, m: dict, window: dict, peak: float | None) -> None:
         elapsed = max(time.perf_counter() - window["t"], 1e-9)
         tokens_per_s = window["tokens"] / elapsed
@@ -679,6 +717,7 @@ class Trainer:
             "perf/mfu": tflops / peak if peak else None,
             "perf/memory_gib": memory_gib(),
             "perf/data_wait_fraction": (self.loader.wait_seconds - window["wait"]) / elapsed,
+            **self._block_metrics(window),
         }
         logger.log(self.step, metrics)
         if self.rank == 0:

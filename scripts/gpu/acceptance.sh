@@ -5,6 +5,8 @@
 #   bash scripts/gpu/acceptance.sh tiers    # the GPU tier and the CPU tier of the test suite, with wall times
 #                                           # (gpu-tier or cpu-tier: one of them)
 #   bash scripts/gpu/acceptance.sh bench-checkpoint|bench-prepare|bench-eval   # the benchmarks of issues 25, 28, 26
+#   bash scripts/gpu/acceptance.sh bench-fp8|bench-fp8-mb8   # issue 24: bf16 and FP8 side by side through the trainer
+#   bash scripts/gpu/acceptance.sh parity-bf16, then parity-fp8, then parity-compare   # issue 24: FP8's loss against bf16's
 # Needs deepspeed importable and `python` on PATH; the test data at $OLMO_DS_SHARED (default ./shared).
 # The host has no network, so the Dolma 2 tokenizer goes into the HF cache as `hf download` would put it.
 # Logs go to $OUT (default out/gpu); the last lines printed are a table of step, exit code and seconds.
@@ -65,12 +67,51 @@ bench-prepare)  # 2 GB of .json.gz in 128 files, 1 and 16 workers end to end, 16
       --tokenizer "$OLMO_DS_SHARED/tokenizers/dolma2-tokenizer.json" --dir /tmp/bpm --json "$OUT/bench-prepare.json"
   tail -n 12 "$OUT/bench-prepare.log"
   ;;
+bench-fp8)  # issue 24: the 1B at micro-batch 4 x 8, bf16 and FP8 tensorwise, each beside its plain-PyTorch step (~6 min)
+  t bench-fp8 python scripts/bench_train.py --grad-accum 8 --warmup 3 --steps 8 --work-dir /tmp/bench --sweep-timeout 280 \
+      --float8 tensorwise --json "$OUT/bench-fp8.json"
+  tail -n 5 "$OUT/bench-fp8.log"
+  ;;
+bench-fp8-mb8)  # issue 24: micro-batch 8 x 4 (what auto picks on an H200), bf16, FP8 tensorwise and rowwise, trainer only (~6 min)
+  t bench-fp8-mb8 python scripts/bench_train.py --grad-accum 8 --warmup 3 --steps 8 --work-dir /tmp/bench --sweep-timeout 180 \
+      --sweep mb8+accum4+noref --float8 tensorwise,rowwise --json "$OUT/bench-fp8-mb8.json"
+  tail -n 6 "$OUT/bench-fp8-mb8.log"
+  ;;
+parity-bf16|parity-fp8)  # issue 24: the 1B config on the generated corpus, 120 steps of 32 x 4096 tokens (~6 min each)
+  [ -f data/dolma/shards/manifest.json ] || {
+    t corpus python scripts/make_sample_corpus.py --output data/gpu-corpus --max-bytes 20000000
+    t prepare python scripts/prepare_data.py --input data/gpu-corpus --tokenizer allenai/dolma2-tokenizer \
+        --output data/dolma/shards --workers 12 --val-fraction 0.02 --no-progress
+  }
+  [ -f hostfile ] || make hostfile OFFLINE=1
+  recipe=off; [ "$1" = parity-fp8 ] && recipe=tensorwise
+  rm -rf "runs/$1"
+  t "$1" launch --config configs/olmo2-1b.yaml --set run_dir="runs/$1" --set max_steps=120 --set batch.global_batch_size=32 \
+      --set schedule.warmup_steps=20 --set eval.every=40 --set checkpoint.every=0 --set checkpoint.save_final=false \
+      --set logging.every=10 --set model.float8=$recipe
+  grep -h "micro_batch_size auto\|model.float8\|step 120/120" "$OUT/$1.log" | cut -c1-400
+  ;;
+parity-compare)  # after parity-bf16 and parity-fp8: the train loss per 10 steps and the validation loss, side by side
+  python - <<'PY' | tee "$OUT/parity.txt"
+from olmo_ds.tools.check_resume import read_metrics
+runs = {name: read_metrics(f"runs/parity-{name}") for name in ("bf16", "fp8")}
+train = {name: {m["step"]: m["train/loss"] for m in rows if "train/loss" in m} for name, rows in runs.items()}
+evals = {name: {m["step"]: v for m in rows for k, v in m.items() if k.startswith("eval/") and k.endswith("/loss")} for name, rows in runs.items()}
+print(f"{'step':>5} {'bf16 train':>11} {'fp8 train':>10} {'diff':>8} {'bf16 val':>9} {'fp8 val':>8} {'fp8 share':>9} {'fp8 tok/s':>9} {'bf16 tok/s':>10}")
+for step in sorted(set(train["bf16"]) & set(train["fp8"])):
+    f8 = next(m for m in runs["fp8"] if m["step"] == step and "train/loss" in m)
+    b16 = next(m for m in runs["bf16"] if m["step"] == step and "train/loss" in m)
+    print(f"{step:>5} {train['bf16'][step]:>11.4f} {train['fp8'][step]:>10.4f} {train['fp8'][step] - train['bf16'][step]:>+8.4f} "
+          f"{evals['bf16'].get(step, float('nan')):>9.4f} {evals['fp8'].get(step, float('nan')):>8.4f} "
+          f"{f8.get('perf/float8_matmul_fraction') or 0:>9.3f} {f8['perf/tokens_per_s']:>9,.0f} {b16['perf/tokens_per_s']:>10,.0f}")
+PY
+  ;;
 bench-eval)  # issue 26's targets at the 1B: exact vs packed scoring, perplexity, in-loop under ZeRO-3 (~5 min)
   t bench-eval python scripts/bench_eval.py --work-dir /tmp/bench-eval --json "$OUT/bench-eval.json"
   tail -n 30 "$OUT/bench-eval.log"
   ;;
 *)
-  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers|gpu-tier|cpu-tier|bench-checkpoint|bench-prepare|bench-eval" >&2; exit 2;;
+  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers|gpu-tier|cpu-tier|bench-checkpoint|bench-prepare|bench-eval|bench-fp8|bench-fp8-mb8|parity-bf16|parity-fp8|parity-compare" >&2; exit 2;;
 esac
 echo "--- step, exit code, seconds"
 cat "$OUT/table"

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from olmo_ds.model import float8 as fp8
 from tests.train.train_testlib import ROOT, run
 
 SCRIPT = ROOT / "scripts" / "bench_train.py"
@@ -21,18 +22,22 @@ TINY = ["--preset", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--gra
         "--model-set", "d_model=32", "--model-set", "n_heads=2", "--model-set", "n_kv_heads=1", "--model-set", "mlp_hidden=64"]
 
 
+# With torchao, the sweep also runs the baseline with FP8 block matmuls (`--float8`), a second process.
+FLOAT8 = ["--float8", "tensorwise"] if fp8.unavailable() is None else []
+
+
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     work = tmp_path_factory.mktemp("bench")
     out = work / "rows.json"
-    proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(work), "--sweep", "baseline", "--json", str(out)], timeout=300)
+    proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(work), "--sweep", "baseline", *FLOAT8, "--json", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text()), work
 
 
 def test_cpu_sweep_reports_both_paths(sweep):
     proc, rows, _ = sweep
-    (row,) = rows
+    row = rows[0]
     assert row["variant"] == "baseline" and row["rc"] == 0
     r = row["result"]
     assert r["tokens_per_step"] == 2 * 2 * 32
@@ -52,8 +57,32 @@ def test_cpu_sweep_reports_both_paths(sweep):
     assert r["deepspeed"]["loss_first"] == pytest.approx(r["reference"]["loss_first"], rel=1e-5)
     assert r["ratio_deepspeed_to_reference"] == pytest.approx(r["deepspeed"]["tokens_per_s"] / r["reference"]["tokens_per_s"])
     assert "ratio DeepSpeed / plain PyTorch" in proc.stdout
+    assert r["deepspeed"]["counters"]["float8_matmuls"] == 0 and r["deepspeed"]["counters"]["block_matmuls"] > 0
+    assert r["deepspeed"]["estimated_peak_gib"] > 0 and "GiB estimated (olmo_ds/train/memory.py" in proc.stdout
     table = proc.stdout.strip().splitlines()
-    assert table[-2].startswith("variant") and table[-1].startswith("baseline")
+    table = table[:-1] if FLOAT8 else table  # the FP8 row's ratio line closes the table
+    assert table[-2 - len(rows) + 1].startswith("variant") and table[-len(rows)].startswith("baseline")
+
+
+@pytest.mark.skipif(not FLOAT8, reason=f"model.float8: {fp8.unavailable()}")
+def test_float8_rows_beside_the_baseline_count_their_fp8_matmuls(sweep):
+    """`--float8 tensorwise`: the same bench with FP8 block matmuls in its own process; its report counts the
+    block matmuls that ran in FP8 (all of them, in plain PyTorch and under DeepSpeed), the table shows them
+    beside the baseline's none, and the last line compares the two."""
+    proc, rows, _ = sweep
+    assert [row["variant"] for row in rows] == ["baseline", "baseline+fp8_tensorwise"]
+    r = rows[1]["result"]
+    assert r["model"]["float8"] == "tensorwise"
+    for key in ("reference", "deepspeed"):
+        counters = r[key]["counters"]
+        assert counters["float8_matmuls"] == counters["block_matmuls"] == 7 * counters["blocks_eager"] > 0, counters
+    # FP8 rounds differently: the first loss moves a little from the baseline's (same weights, same batch).
+    base = rows[0]["result"]["deepspeed"]["loss_first"]
+    assert r["deepspeed"]["loss_first"] != base and r["deepspeed"]["loss_first"] == pytest.approx(base, rel=0.01)
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("baseline+fp8_tensorwise / baseline: DeepSpeed tokens/s ")
+    assert lines[-2].startswith("baseline+fp8_tensorwise") and f"{r['deepspeed']['counters']['block_matmuls']}/" in lines[-2]
+    assert "deepspeed: FP8 tensorwise: 84 of 84 block matmuls in FP8" in proc.stdout
 
 
 def test_compiled_blocks_and_experiment_switches_keep_the_loss(sweep):
@@ -143,7 +172,8 @@ def test_window_and_document_masking_switches_run_compiled_under_zero3(tmp_path)
     assert r["model"]["activation_checkpointing"] == "every_k:2"
     ds = r["deepspeed"]
     # 2 layers, block 0 recomputed in backward: 3 calls per micro-batch, 2 micro-batches, 1 + 2 steps.
-    assert ds["counters"] == {"blocks_compiled": 3 * 2 * 3, "blocks_eager": 0, "dynamo_graphs": ds["counters"]["dynamo_graphs"]}
+    assert ds["counters"] == {"blocks_compiled": 3 * 2 * 3, "blocks_eager": 0, "block_matmuls": 7 * 3 * 2 * 3, "float8_matmuls": 0,
+                              "dynamo_graphs": ds["counters"]["dynamo_graphs"]}
     assert ds["dynamo_graphs_while_timed"] == 0
     eager = results["eager"]["deepspeed"]
     assert eager["counters"]["blocks_compiled"] == 0

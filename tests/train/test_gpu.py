@@ -1,7 +1,8 @@
 """The GPU tier (`make test-gpu`): what the CPU suite cannot show, on one CUDA GPU (two for the last test).
 
 bf16 training on CUDA through DeepSpeed's FusedAdam, ZeRO-3 with compiled blocks (leaf modules, the
-path that failed before), and ZeRO-3 resume after a SIGKILL. GPU kernels are not bitwise
+path that failed before), FP8 block matmuls in them (`model.float8`) and `batch.micro_batch_size: auto`
+against the GPU's memory, and ZeRO-3 resume after a SIGKILL. GPU kernels are not bitwise
 deterministic, so resume is held to RESUME_TOLERANCE in loss against the straight run, with the
 run-to-run noise of two straight runs measured alongside (OLMo-2-1B on one H200: ~1e-4).
 The attention kernels' tier is tests/model/test_attention.py::test_gpu_backends_match_float64_reference.
@@ -16,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from olmo_ds.model import float8 as fp8
 from olmo_ds.tools.check_resume import ResumeCheck, run_check, verdict
 
-from train_testlib import ROOT, losses_by_step, run, tiny_config, torchrun_cmd, write_config, write_markov_shards
+from train_testlib import ROOT, losses_by_step, read_metrics, run, tiny_config, torchrun_cmd, write_config, write_markov_shards
 
 PRETRAIN = ROOT / "scripts" / "pretrain.py"
 RESUME_TOLERANCE = 2e-3  # |dloss| of the tiny bf16 model after resume; 20x the noise measured on the 1B
@@ -71,6 +73,29 @@ def test_zero3_resume_on_gpu_within_tolerance(tmp_path):
     code, line = verdict(report, RESUME_TOLERANCE)
     print(line)
     assert code == 0, line
+
+
+@pytest.mark.skipif(fp8.unavailable() is not None, reason=f"model.float8: {fp8.unavailable()}")
+def test_fp8_compiled_zero3_follows_bf16_and_auto_micro_batch_reads_the_gpu(tmp_path):
+    """FP8 block matmuls inside compiled ZeRO-3 leaf blocks on CUDA (torch._scaled_mm's GPU kernels), both
+    recipes: every block matmul in FP8 by the metrics, losses within FP8's rounding of the bf16 run's; the
+    bf16 run's micro-batch comes from `auto` against this GPU's memory."""
+    runs, metrics = {}, {}
+    for recipe in ("off", "tensorwise", "rowwise"):
+        (tmp_path / recipe).mkdir()
+        batch = {**GPU_RUN["batch"], "micro_batch_size": "auto"} if recipe == "off" else GPU_RUN["batch"]
+        log = train(gpu_config(tmp_path / recipe, max_steps=6, batch=batch,
+                               model={**GPU_RUN["model"], "compile": "blocks", "float8": recipe}))
+        runs[recipe] = losses_by_step(tmp_path / recipe / "run")
+        metrics[recipe] = [m for m in read_metrics(tmp_path / recipe / "run") if "train/loss" in m]
+        if recipe == "off":
+            assert "batch.micro_batch_size auto: 16 per rank" in log and f"80% of {torch.cuda.get_device_name()}'s" in log, log[-3000:]
+        else:
+            assert f"model.float8 {recipe}: the 7 matmuls of every block in FP8" in log and "| fp8 100% |" in log
+            assert all(m["perf/float8_matmul_fraction"] == 1.0 and m["perf/block_calls_eager"] == 0 for m in metrics[recipe])
+    for recipe in ("tensorwise", "rowwise"):
+        diffs = [abs(runs[recipe][s] - runs["off"][s]) for s in range(1, 7)]
+        assert runs[recipe] != runs["off"] and max(diffs) < 0.1, f"{recipe} diverges from bf16: {runs}"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

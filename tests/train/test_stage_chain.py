@@ -27,8 +27,9 @@ def shrink(stage: int, data_dirs: dict[str, str]) -> list[str]:
     sets = ["max_steps=2", "precision=fp32", "eval.every=0", "logging.every=1", "logging.tensorboard=false", "checkpoint.every=0",
             "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=4", "model.mlp_hidden=128",
             f"model.max_seq_len={built.max_seq_len // SCALE}", f"model.sliding_window={built.sliding_window // SCALE}",
-            f"batch.seq_len={cfg.batch.seq_len // SCALE}", "batch.global_batch_size=4",
-            f"batch.micro_batch_size={min(cfg.batch.micro_batch_size, 4)}"]
+            f"batch.seq_len={cfg.batch.seq_len // SCALE}", "batch.global_batch_size=4"]
+    if cfg.batch.micro_batch_size != "auto":  # the shipped configs choose it from memory: on CPU, all 4 rows at once
+        sets.append(f"batch.micro_batch_size={min(cfg.batch.micro_batch_size, 4)}")
     if built.yarn is not None:
         sets.append("model.yarn.original_max_position_embeddings=" + str(built.yarn.original_max_position_embeddings // SCALE))
     sources = [{"path": data_dirs[s.name or "main"], "weight": s.weight, "name": s.name} for s in cfg.data.sources]
@@ -68,3 +69,5 @@ def test_three_stage_chain(tmp_path, data_dirs, hf_cache):
     assert three["init_from"]["load_optimizer"] is True
     assert three["model"]["max_seq_len"] == 512 and three["model"]["yarn"]["factor"] == 8.0 and two["model"]["yarn"] is None
     assert three["config"]["data"]["document_masking"] is True and three["model"]["sliding_window"] == 32
+    # The shipped configs' `micro_batch_size: auto`: each stage, not a resume, chose its own (4 rows fit a CPU).
+    assert [(s["micro_batch"]["size"], s["micro_batch"]["chosen_by"]) for s in states] == [(4, "auto")] * 3
