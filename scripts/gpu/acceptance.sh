@@ -6,7 +6,7 @@
 #                                           # (gpu-tier or cpu-tier: one of them)
 #   bash scripts/gpu/acceptance.sh bench-checkpoint|bench-prepare|bench-eval   # the benchmarks of issues 25, 28, 26
 #   bash scripts/gpu/acceptance.sh bench-fp8|bench-fp8-mb8   # issue 24: bf16 and FP8 side by side through the trainer
-#   bash scripts/gpu/acceptance.sh parity-bf16, then parity-fp8, then parity-compare   # issue 24: FP8's loss against bf16's
+#   bash scripts/gpu/acceptance.sh parity   # issue 24: FP8's loss against bf16's, 300 steps each
 # Needs deepspeed importable and `python` on PATH; the test data at $OLMO_DS_SHARED (default ./shared).
 # The host has no network, so the Dolma 2 tokenizer goes into the HF cache as `hf download` would put it.
 # Logs go to $OUT (default out/gpu); the last lines printed are a table of step, exit code and seconds.
@@ -77,33 +77,31 @@ bench-fp8-mb8)  # issue 24: micro-batch 8 x 4 (what auto picks on an H200), bf16
       --sweep mb8+accum4+noref --float8 tensorwise,rowwise --json "$OUT/bench-fp8-mb8.json"
   tail -n 6 "$OUT/bench-fp8-mb8.log"
   ;;
-parity-bf16|parity-fp8)  # issue 24: the 1B config on the generated corpus, 120 steps of 32 x 4096 tokens (~6 min each)
+parity)  # issue 24: the 1B config on text prepared here, 300 steps of micro-batch 4 x 1, bf16 then FP8 tensorwise (~6 min)
   [ -f data/dolma/shards/manifest.json ] || {
     t corpus python scripts/make_sample_corpus.py --output data/gpu-corpus --max-bytes 20000000
     t prepare python scripts/prepare_data.py --input data/gpu-corpus --tokenizer allenai/dolma2-tokenizer \
         --output data/dolma/shards --workers 12 --val-fraction 0.02 --no-progress
   }
   [ -f hostfile ] || make hostfile OFFLINE=1
-  recipe=off; [ "$1" = parity-fp8 ] && recipe=tensorwise
-  rm -rf "runs/$1"
-  t "$1" launch --config configs/olmo2-1b.yaml --set run_dir="runs/$1" --set max_steps=120 --set batch.global_batch_size=32 \
-      --set schedule.warmup_steps=20 --set eval.every=40 --set checkpoint.every=0 --set checkpoint.save_final=false \
-      --set logging.every=10 --set model.float8=$recipe
-  grep -h "micro_batch_size auto\|model.float8\|step 120/120" "$OUT/$1.log" | cut -c1-400
-  ;;
-parity-compare)  # after parity-bf16 and parity-fp8: the train loss per 10 steps and the validation loss, side by side
+  for recipe in off tensorwise; do
+    rm -rf "runs/parity-$recipe"
+    t "parity-$recipe" launch --config configs/olmo2-1b.yaml --set run_dir="runs/parity-$recipe" --set max_steps=300 \
+        --set batch.global_batch_size=4 --set batch.micro_batch_size=4 --set schedule.warmup_steps=30 --set eval.every=0 \
+        --set checkpoint.every=0 --set checkpoint.save_final=false --set logging.every=1 --set model.float8=$recipe
+  done
   python - <<'PY' | tee "$OUT/parity.txt"
 from olmo_ds.tools.check_resume import read_metrics
-runs = {name: read_metrics(f"runs/parity-{name}") for name in ("bf16", "fp8")}
-train = {name: {m["step"]: m["train/loss"] for m in rows if "train/loss" in m} for name, rows in runs.items()}
-evals = {name: {m["step"]: v for m in rows for k, v in m.items() if k.startswith("eval/") and k.endswith("/loss")} for name, rows in runs.items()}
-print(f"{'step':>5} {'bf16 train':>11} {'fp8 train':>10} {'diff':>8} {'bf16 val':>9} {'fp8 val':>8} {'fp8 share':>9} {'fp8 tok/s':>9} {'bf16 tok/s':>10}")
-for step in sorted(set(train["bf16"]) & set(train["fp8"])):
-    f8 = next(m for m in runs["fp8"] if m["step"] == step and "train/loss" in m)
-    b16 = next(m for m in runs["bf16"] if m["step"] == step and "train/loss" in m)
-    print(f"{step:>5} {train['bf16'][step]:>11.4f} {train['fp8'][step]:>10.4f} {train['fp8'][step] - train['bf16'][step]:>+8.4f} "
-          f"{evals['bf16'].get(step, float('nan')):>9.4f} {evals['fp8'].get(step, float('nan')):>8.4f} "
-          f"{f8.get('perf/float8_matmul_fraction') or 0:>9.3f} {f8['perf/tokens_per_s']:>9,.0f} {b16['perf/tokens_per_s']:>10,.0f}")
+runs = {name: [m for m in read_metrics(f"runs/parity-{name}") if "train/loss" in m] for name in ("off", "tensorwise")}
+for name, rows in runs.items():
+    last = [m["train/loss"] for m in rows if m["step"] > 280]
+    tps = sorted(m["perf/tokens_per_s"] for m in rows if m["step"] > 20)
+    share = rows[-1].get("perf/float8_matmul_fraction") or 0.0
+    print(f"{name:>10}: steps {len(rows)}, mean loss of steps 281-300 {sum(last) / len(last):.4f}, "
+          f"median tokens/s {tps[len(tps) // 2]:,.0f}, FP8 share of block matmuls {share:.3f}")
+mean = {name: sum(m["train/loss"] for m in rows if m["step"] > 280) / 20 for name, rows in runs.items()}
+rel = mean["tensorwise"] / mean["off"] - 1
+print(f"FP8 / bf16 mean loss of the last 20 steps: {rel:+.2%} (target within 1 %): {'met' if abs(rel) <= 0.01 else 'NOT met'}")
 PY
   ;;
 bench-eval)  # issue 26's targets at the 1B: exact vs packed scoring, perplexity, in-loop under ZeRO-3 (~5 min)
@@ -111,7 +109,7 @@ bench-eval)  # issue 26's targets at the 1B: exact vs packed scoring, perplexity
   tail -n 30 "$OUT/bench-eval.log"
   ;;
 *)
-  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers|gpu-tier|cpu-tier|bench-checkpoint|bench-prepare|bench-eval|bench-fp8|bench-fp8-mb8|parity-bf16|parity-fp8|parity-compare" >&2; exit 2;;
+  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers|gpu-tier|cpu-tier|bench-checkpoint|bench-prepare|bench-eval|bench-fp8|bench-fp8-mb8|parity" >&2; exit 2;;
 esac
 echo "--- step, exit code, seconds"
 cat "$OUT/table"
