@@ -482,6 +482,43 @@ def test_fast_backend_falls_back_to_hf_with_a_warning(tmp_path):
     assert not (tmp_path / "fast").exists()
 
 
+@pytest.mark.parametrize("workers, unit", [(1, "blocks"), (3, "blocks"), (3, "files")])
+def test_a_fast_backend_that_differs_on_the_input_falls_back_to_hf(tmp_path, monkeypatch, workers, unit):
+    """fastokens loads but would encode two of the sampled documents otherwise than HF. The check
+    (run by the workers) names the first of them, as one process would, and the run falls back to
+    HF with workers started anew: the shards are HF's. --tokenizer-backend fast stops instead."""
+    from olmo_ds.tokenizer import FastHFTokenizer
+
+    raw = tmp_path / "raw"
+    write_many_files(raw)
+    first = json.loads(gzip.decompress((raw / "f00.jsonl.gz").read_bytes()).splitlines()[1])["text"]
+    wrong = {first, (raw / "f11.txt").read_text()}  # in the first and in a late sampled file
+    encode = FastHFTokenizer.encode_batch_flat
+
+    def differs(self, texts):
+        ids, offsets = encode(self, texts)
+        ids = ids.copy()
+        for i, t in enumerate(texts):
+            if t in wrong:
+                ids[offsets[i]] += 1
+        return ids, offsets
+
+    monkeypatch.setattr(FastHFTokenizer, "encode_batch_flat", differs)
+    messages = []
+    kw = dict(shard_tokens=2500, workers=workers, work_unit=unit)
+    result = prepare(PrepareConfig(inputs=[str(raw)], output=tmp_path / "out", tokenizer=str(DOLMA2), progress=False, **kw), log=messages.append)
+    where = f"{(raw / 'f00.jsonl.gz').resolve()}:2: ids differ from token 0"
+    assert result.backend == "tokenizers" and [m for m in messages if m.startswith("warning: ")] == [
+        m for m in messages if m.startswith(f"warning: fastokens does not match HF tokenizers ({where}")]
+    assert shards.Manifest.load(tmp_path / "out").extra["tokenizer_backend"]["fallback_reason"].startswith(where)
+    hf = run([raw], tmp_path / "hf", DOLMA2, tokenizer_backend="hf", **kw)
+    assert {k: v for k, v in dir_bytes(result.output).items() if k != "manifest.json"} == {
+        k: v for k, v in dir_bytes(hf.output).items() if k != "manifest.json"}
+    with pytest.raises(PrepareError, match=f"--tokenizer-backend fast: fastokens does not match HF tokenizers: {re.escape(where)}"):
+        run([raw], tmp_path / "fast", DOLMA2, tokenizer_backend="fast", **kw)
+    assert not (tmp_path / "fast").exists()
+
+
 def test_a_truncated_compressed_input_stops_the_run_naming_it_and_keeps_complete_shards(tmp_path):
     raw, out = tmp_path / "raw", tmp_path / "out"
     raw.mkdir()
