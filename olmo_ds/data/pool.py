@@ -290,9 +290,14 @@ class TaskPool(_Workers):
     def idle(self) -> int:
         return len(self.procs) - len(self.running)
 
-    def submit(self, key, task) -> None:
-        """Give `task` to an idle worker; `key` comes back with its result."""
-        worker = next(w for w in range(len(self.procs)) if w not in self.running)
+    def idle_workers(self) -> list[int]:
+        return [w for w in range(len(self.procs)) if w not in self.running]
+
+    def submit(self, key, task, worker: int | None = None) -> None:
+        """Give `task` to `worker` (idle), or to any idle worker; `key` comes back with its result."""
+        if worker is None:
+            worker = self.idle_workers()[0]
+        assert worker not in self.running, f"worker {worker} is busy"
         self.task_conns[worker].send(task)
         self.running[worker] = key
 

@@ -625,7 +625,8 @@ class _Run:
 
     def whole_files(self, pool: TaskPool, tok, resume: dict, start: int) -> None:
         """Whole files to the workers, which write pieces; this process cuts the pieces' documents
-        into shards in input order and hands each shard to a worker to write (`prepare_pieces`)."""
+        into shards in input order and hands each piece's share of a shard to the worker that
+        writes that shard (`prepare_pieces`)."""
         lo, hi = self.part
         workers = len(pool.procs)
         pieces = None if self.cfg.dry_run else Pieces(Path(self.cfg.output) / PIECES_DIR)
@@ -633,22 +634,35 @@ class _Run:
         tasks = deque(plan_tasks(self.files, start, hi, workers, self.cfg.chunk_bytes, pieces.directory if pieces else None))
         by_index = {t.index: t for t in tasks}
         done: dict[int, PieceResult] = {}  # tokenized, waiting for the tasks before them
-        jobs: deque[ShardJob] = deque()
+        # A shard's parts go, in order, to the one worker that holds its writer (it keeps the
+        # shard's sha256 going between parts): each worker's queue of parts, and who writes what.
+        parts: list[deque[ShardJob]] = [deque() for _ in range(workers)]
+        writer_of: dict[tuple[str, int], int] = {}
+
+        def queue(jobs: list[ShardJob]) -> None:
+            for job in jobs:
+                # A new shard goes to an idle worker if there is one, else to the least loaded.
+                w = writer_of.pop(job.shard, None)
+                if w is None:
+                    w = min(range(workers), key=lambda i: (i in pool.running, len(parts[i])))
+                if job.extra is None:
+                    writer_of[job.shard] = w
+                parts[w].append(job)
+
         next_cut = 0
         # Tokenize at most this many tasks ahead of the first one not yet cut, so the pieces waiting
         # for a slow early file stay few.
         window = 4 * workers
         try:
             if not tasks:
-                jobs.extend(job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted)))
-            while tasks or jobs or pool.running:
-                while pool.idle and (jobs or (tasks and tasks[0].index < next_cut + window)):
-                    if jobs:  # first: a written shard frees pieces
-                        job = jobs.popleft()
-                        pool.submit("shard", job)
-                    else:
+                queue([job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted))])
+            while tasks or any(parts) or pool.running:
+                for w in pool.idle_workers():
+                    if parts[w]:  # first: a written part frees pieces, and the last parts end the run
+                        pool.submit("shard", parts[w].popleft(), w)
+                    elif tasks and tasks[0].index < next_cut + window:
                         task = tasks.popleft()
-                        pool.submit(task.index, task)
+                        pool.submit(task.index, task, w)
                 for key, value in pool.wait():
                     if key == "shard":
                         if pieces:
@@ -662,8 +676,8 @@ class _Run:
                         if not by_index:  # the last task is cut: the last shards can close
                             made += [job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted))]
                         if pieces:
-                            pieces.planned(task, made, list(splits.values()))
-                        jobs.extend(made)
+                            pieces.planned(task, made)
+                        queue(made)
         except BaseException:
             pool.close(kill=True)  # before its scratch goes: a worker may be writing there
             raise
