@@ -331,6 +331,14 @@ class ShardedWriter:
             self.writer = None
 
 
+def remove_temporaries(directory: Path) -> None:
+    """Delete what shard writers stopped mid-shard left behind (their temporary names); a complete
+    file is never under one."""
+    for p in Path(directory).glob(f"{SHARD_PREFIX}*"):
+        if p.name.endswith((".tmp", ".tmp.npy")):
+            p.unlink(missing_ok=True)
+
+
 def list_shards(directory: Path) -> list[Path]:
     """The `.bin` files of a shard directory, in name order (= data order)."""
     return sorted(Path(directory).glob(f"{SHARD_PREFIX}[0-9]*.bin"))
