@@ -680,8 +680,8 @@ class _Run:
                         queue(made)
         except BaseException:
             pool.close(kill=True)  # before its scratch goes: a worker may be writing there
-            for s in splits.values():  # the shards the workers held open stay incomplete: no trace of them
-                shards.remove_temporaries(s.directory)
+            for s in splits.values():  # the shards the workers were writing stay incomplete: no trace of them
+                shards.remove_incomplete(s.directory)
             raise
         finally:
             if pieces:

@@ -331,11 +331,11 @@ class ShardedWriter:
             self.writer = None
 
 
-def remove_temporaries(directory: Path) -> None:
-    """Delete what shard writers stopped mid-shard left behind (their temporary names); a complete
-    file is never under one."""
+def remove_incomplete(directory: Path) -> None:
+    """Delete what shard writers stopped mid-shard left behind: files under temporary names, and the
+    files of a shard whose metadata (written last) is missing."""
     for p in Path(directory).glob(f"{SHARD_PREFIX}*"):
-        if p.name.endswith((".tmp", ".tmp.npy")):
+        if p.name.endswith((".tmp", ".tmp.npy")) or not (p.parent / (p.name.split(".")[0] + ".json")).exists():
             p.unlink(missing_ok=True)
 
 

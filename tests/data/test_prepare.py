@@ -521,7 +521,7 @@ def test_a_fast_backend_that_differs_on_the_input_falls_back_to_hf(tmp_path, mon
 
 @pytest.mark.parametrize("unit", ["blocks", "files"])
 def test_a_truncated_compressed_input_stops_the_run_naming_it_and_keeps_complete_shards(tmp_path, unit):
-    """Whole files: the shards the workers held open leave no trace either, nor do the pieces."""
+    """Whole files: the shards the workers were writing leave no trace either, nor do the pieces."""
     raw, out = tmp_path / "raw", tmp_path / "out"
     raw.mkdir()
     texts = c4_texts()
