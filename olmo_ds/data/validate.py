@@ -14,8 +14,10 @@ How the reading is spread over `workers` processes: a shard's sha256 must read i
 so it is one task; the id checks (largest id, EOS count) are cut into ranges of `SCAN_BYTES` and
 the document checks (offsets, EOS at each end) are one more task. All shards of both splits go to
 one pool at once, the hashes first: 20 shards on 16 workers then cost about 20/16 of a shard's work
-instead of two rounds of whole shards. The tokenizer (for the fingerprint) loads meanwhile. Memory
-stays small: a task holds one block of `BLOCK_BYTES`.
+instead of two rounds of whole shards, for a second read of each shard (from the page cache, a
+tenth of what hashing it costs). The tokenizer (for the fingerprint) loads meanwhile. With one
+process, one pass per shard hashes it and checks its ids. Memory stays small: a task holds one
+block of `BLOCK_BYTES`.
 """
 
 from __future__ import annotations
@@ -275,6 +277,9 @@ class _Split:
     @classmethod
     def read(cls, directory: Path, prefix: str) -> "_Split":
         split = cls(directory, prefix)
+        if not directory.is_dir():
+            split.errors.append(f"{directory}: not a directory")
+            return split
         on_disk = [p.name for p in shards.list_shards(directory)]
         try:
             split.manifest = shards.Manifest.load(directory)
