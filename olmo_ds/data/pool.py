@@ -290,11 +290,25 @@ class TaskPool(_Workers):
     def idle(self) -> int:
         return len(self.procs) - len(self.running)
 
-    def submit(self, key, task) -> None:
-        """Give `task` to an idle worker; `key` comes back with its result."""
-        worker = next(w for w in range(len(self.procs)) if w not in self.running)
+    def idle_workers(self) -> list[int]:
+        return [w for w in range(len(self.procs)) if w not in self.running]
+
+    def submit(self, key, task, worker: int | None = None) -> None:
+        """Give `task` to `worker` (idle), or to any idle worker; `key` comes back with its result."""
+        if worker is None:
+            worker = self.idle_workers()[0]
+        assert worker not in self.running, f"worker {worker} is busy"
         self.task_conns[worker].send(task)
         self.running[worker] = key
+
+    def map(self, tasks: list) -> list:
+        """Every task's result, in the order of `tasks` (when no other task is running)."""
+        results, todo = {}, list(enumerate(tasks))[::-1]
+        while todo or self.running:
+            while todo and self.idle:
+                self.submit(*todo.pop())
+            results.update(self.wait())
+        return [results[i] for i in range(len(tasks))]
 
     def wait(self) -> list[tuple[object, object]]:
         """Block until at least one running task is done: `[(key, result), ...]`; re-raises a task's error."""

@@ -30,8 +30,8 @@ each followed by EOS, whatever the number of workers. Hence the design:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -42,12 +42,13 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
+import orjson
 
 import olmo_ds
 from olmo_ds.atomic import atomic_write_json
 from olmo_ds.data import partition, readers, shards
 from olmo_ds.data.pool import OrderedPool, TaskPool
-from olmo_ds.data.prepare_backend import select_backend
+from olmo_ds.data.prepare_backend import check_texts, choose, fast_candidate
 from olmo_ds.data.prepare_output import (
     STATE_FILE,
     VAL_DIR,
@@ -77,7 +78,7 @@ from olmo_ds.data.prepare_report import (
     SkipLog,
     log_file,
 )
-from olmo_ds.tokenizer import load_tokenizer
+from olmo_ds.tokenizer import first_difference, load_tokenizer
 
 
 @dataclass
@@ -94,7 +95,7 @@ class PrepareConfig:
     verbose: bool = False
     strict: bool = False
     overwrite: bool = False
-    tokenizer_backend: str = "auto"  # "auto" | "fast" | "hf"; see prepare_backend.select_backend
+    tokenizer_backend: str = "auto"  # "auto" | "fast" | "hf"; see prepare_backend
     chunk_bytes: int = readers.CHUNK_BYTES
     progress: bool | None = None  # None: a bar when stderr is a terminal, else plain lines (prepare_report.Progress)
     progress_every: float = 60.0  # seconds between plain progress lines
@@ -185,7 +186,7 @@ def special_token_texts(tok) -> tuple[str, ...]:
     sentencepiece model has none that text can produce: its control symbols never match input."""
     if tok.kind != "hf":
         return ()
-    added = json.loads(Path(tok.path).read_text()).get("added_tokens") or []
+    added = orjson.loads(Path(tok.path).read_bytes()).get("added_tokens") or []  # orjson: a 7 MB tokenizer.json in 20 ms, not 80
     return tuple(sorted({t["content"] for t in added if t.get("special") and t.get("content")}))
 
 
@@ -307,8 +308,42 @@ def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
 
 
-def _files_worker(spec: _Spec, task: Task | ShardJob):
-    """`TaskPool`'s function in whole-file mode: tokenize a task into pieces, or write a shard from them."""
+@dataclass(frozen=True)
+class CheckSlice:
+    """Some of the texts on which fastokens must give HF's ids (`prepare_backend`), checked in a worker."""
+
+    texts: tuple[str, ...]
+    labels: tuple[str, ...]
+
+
+def _check_slice(spec: _Spec, part: CheckSlice) -> str | None:
+    """The first of the slice's texts that `spec`'s fast encoder encodes otherwise than HF, or None."""
+    reference = _tokenizer_for(dataclasses.replace(spec, backend="hf"))
+    return first_difference(_tokenizer_for(spec), reference, list(part.texts), list(part.labels))
+
+
+def _first_difference(pool, work_here: bool, spec: _Spec, texts: list[str], labels: list[str]) -> str | None:
+    """The backend check spread over the workers: HF encodes ~1 MB in it, half a second on one core.
+    The texts are cut into one contiguous slice per process, of about equal length, so the first
+    difference in slice order is the one a single process would report."""
+    n = len(pool.procs) if pool else 1
+    ends = np.cumsum([len(t) for t in texts])
+    cuts = [0, *np.searchsorted(ends, ends[-1] * np.arange(1, n) / n).tolist(), len(texts)]
+    parts = [CheckSlice(tuple(texts[a:b]), tuple(labels[a:b])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+    if pool is None:
+        found = [_check_slice(spec, part) for part in parts]
+    elif isinstance(pool, TaskPool):
+        found = pool.map(parts)
+    else:
+        found = [header for header, _ in pool.imap([(part,) for part in parts], work_here=work_here)]
+    return next((d for d in found if d is not None), None)
+
+
+def _files_worker(spec: _Spec, task: Task | ShardJob | CheckSlice):
+    """`TaskPool`'s function in whole-file mode: tokenize a task into pieces, write a shard from
+    them, or check the fast backend on a slice of texts."""
+    if isinstance(task, CheckSlice):
+        return _check_slice(spec, task)
     return _tokenize_task(spec, task) if isinstance(task, Task) else write_shard_job(task)
 
 
@@ -316,8 +351,11 @@ def _files_worker(spec: _Spec, task: Task | ShardJob):
 # Main side: ordered pool, shard writers, manifests.
 
 
-def _chunk_in_worker(spec: _Spec, *args) -> tuple[ChunkResult, np.ndarray]:
-    """`_process_chunk` for `OrderedPool`: the tokens travel as raw bytes, the rest as the header."""
+def _chunk_in_worker(spec: _Spec, *args) -> tuple[ChunkResult | str | None, np.ndarray]:
+    """`_process_chunk` for `OrderedPool`: the tokens travel as raw bytes, the rest as the header.
+    (Or the fast backend's check on a slice of texts: its finding is the header.)"""
+    if isinstance(args[0], CheckSlice):
+        return _check_slice(spec, args[0]), np.zeros(0, np.uint8)
     res = _process_chunk(spec, *args)
     tokens, res.tokens = res.tokens, None
     return res, tokens
@@ -396,19 +434,34 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
 
     _single_threaded()
     threads_before = _thread_count()
-    encoder, backend = select_backend(cfg.tokenizer_backend, files, cfg.text_field, tok, log)
-    spec = _Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if backend["name"] == "fastokens" else "hf", cfg.text_field, cfg.val_fraction,
+    fast, difference = fast_candidate(cfg.tokenizer_backend, tok)
+    spec = _Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if fast else "hf", cfg.text_field, cfg.val_fraction,
                  not cfg.match_special_tokens, special_token_texts(tok))
-    _loaded[spec] = encoder
+    _loaded[spec] = fast or tok
+    _loaded[dataclasses.replace(spec, backend="hf")] = tok  # the check's reference; forked workers inherit both
     unit = work_unit(cfg.work_unit, cfg.workers, hi - lo)
     context = mp.get_context(_start_method(threads_before))
-    with contextlib.ExitStack() as stack:
+
+    def start(stack: contextlib.ExitStack, spec: _Spec) -> tuple[TaskPool | OrderedPool | None, int, bool]:
         if unit == "files":
-            processes, work_here = cfg.workers, False
-            pool = stack.enter_context(TaskPool(_files_worker, spec, processes, context))
-        else:
-            processes, work_here = pool_layout(cfg.workers)
-            pool = stack.enter_context(OrderedPool(_chunk_in_worker, spec, processes, context)) if processes else None
+            return stack.enter_context(TaskPool(_files_worker, spec, cfg.workers, context)), cfg.workers, False
+        processes, work_here = pool_layout(cfg.workers)
+        return (stack.enter_context(OrderedPool(_chunk_in_worker, spec, processes, context)) if processes else None), processes, work_here
+
+    with contextlib.ExitStack() as stack:
+        # The workers start before fastokens is trusted, so that they can check it: a fallback to HF
+        # starts workers anew.
+        pool, processes, work_here = start(stack, spec)
+        texts = []
+        if fast is not None:
+            texts, labels = check_texts(files, cfg.text_field)
+            difference = _first_difference(pool, work_here, spec, texts, labels)
+        encoder, backend = choose(cfg.tokenizer_backend, tok, fast, difference, len(texts), log)
+        if fast is not None and encoder is not fast:
+            if pool:
+                pool.close()
+            spec = dataclasses.replace(spec, backend="hf")
+            pool, processes, work_here = start(stack, spec)
         if mode == "overwrite":
             for p in our_files(out):
                 p.unlink()
@@ -572,7 +625,8 @@ class _Run:
 
     def whole_files(self, pool: TaskPool, tok, resume: dict, start: int) -> None:
         """Whole files to the workers, which write pieces; this process cuts the pieces' documents
-        into shards in input order and hands each shard to a worker to write (`prepare_pieces`)."""
+        into shards in input order and hands each piece's share of a shard to the worker that
+        writes that shard (`prepare_pieces`)."""
         lo, hi = self.part
         workers = len(pool.procs)
         pieces = None if self.cfg.dry_run else Pieces(Path(self.cfg.output) / PIECES_DIR)
@@ -580,22 +634,35 @@ class _Run:
         tasks = deque(plan_tasks(self.files, start, hi, workers, self.cfg.chunk_bytes, pieces.directory if pieces else None))
         by_index = {t.index: t for t in tasks}
         done: dict[int, PieceResult] = {}  # tokenized, waiting for the tasks before them
-        jobs: deque[ShardJob] = deque()
+        # A shard's parts go, in order, to the one worker that holds its writer (it keeps the
+        # shard's sha256 going between parts): each worker's queue of parts, and who writes what.
+        parts: list[deque[ShardJob]] = [deque() for _ in range(workers)]
+        writer_of: dict[tuple[str, int], int] = {}
+
+        def queue(jobs: list[ShardJob]) -> None:
+            for job in jobs:
+                # A new shard goes to an idle worker if there is one, else to the least loaded.
+                w = writer_of.pop(job.shard, None)
+                if w is None:
+                    w = min(range(workers), key=lambda i: (i in pool.running, len(parts[i])))
+                if job.extra is None:
+                    writer_of[job.shard] = w
+                parts[w].append(job)
+
         next_cut = 0
         # Tokenize at most this many tasks ahead of the first one not yet cut, so the pieces waiting
         # for a slow early file stay few.
         window = 4 * workers
         try:
             if not tasks:
-                jobs.extend(job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted)))
-            while tasks or jobs or pool.running:
-                while pool.idle and (jobs or (tasks and tasks[0].index < next_cut + window)):
-                    if jobs:  # first: a written shard frees pieces
-                        job = jobs.popleft()
-                        pool.submit("shard", job)
-                    else:
+                queue([job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted))])
+            while tasks or any(parts) or pool.running:
+                for w in pool.idle_workers():
+                    if parts[w]:  # first: a written part frees pieces, and the last parts end the run
+                        pool.submit("shard", parts[w].popleft(), w)
+                    elif tasks and tasks[0].index < next_cut + window:
                         task = tasks.popleft()
-                        pool.submit(task.index, task)
+                        pool.submit(task.index, task, w)
                 for key, value in pool.wait():
                     if key == "shard":
                         if pieces:
@@ -609,10 +676,12 @@ class _Run:
                         if not by_index:  # the last task is cut: the last shards can close
                             made += [job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted))]
                         if pieces:
-                            pieces.planned(task, made, list(splits.values()))
-                        jobs.extend(made)
+                            pieces.planned(task, made)
+                        queue(made)
         except BaseException:
             pool.close(kill=True)  # before its scratch goes: a worker may be writing there
+            for s in splits.values():  # the shards the workers were writing stay incomplete: no trace of them
+                shards.remove_incomplete(s.directory)
             raise
         finally:
             if pieces:

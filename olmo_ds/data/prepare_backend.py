@@ -4,7 +4,11 @@ Tokenizing with HF `tokenizers` is most of preparation's cost, so an HF tokenize
 with `fastokens` (10-30x faster on one core) once it has given HF's exact ids on a sample of this
 input and on `tokenizer.ADVERSARIAL_TEXTS`; otherwise HF encodes, with a warning naming the first
 difference. The sample is drawn from the whole input list, so every part of a partitioned run
-(`--partition`) decides the same way. The manifest records what ran (`select_backend`'s record).
+(`--partition`) decides the same way. The manifest records what ran (`choose`'s record).
+
+The check is three steps, so that the comparison itself (HF encoding ~1 MB, half a second) can run
+on the workers (`prepare._first_difference`): `fast_candidate` loads fastokens, `check_texts` says
+what to compare on, `choose` decides from the first difference.
 """
 
 from __future__ import annotations
@@ -14,12 +18,7 @@ from typing import Callable
 
 from olmo_ds.data import readers
 from olmo_ds.data.prepare_output import PrepareError
-from olmo_ds.tokenizer import (
-    ADVERSARIAL_TEXTS,
-    FastBackendError,
-    fast_beside,
-    first_difference,
-)
+from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastBackendError, fast_beside
 
 
 def guard_sample(files: list[Path], text_field: str, budget: int = 1 << 20) -> tuple[list[str], list[str]]:
@@ -38,27 +37,38 @@ def guard_sample(files: list[Path], text_field: str, budget: int = 1 << 20) -> t
     return texts, labels
 
 
-def select_backend(requested: str, files: list[Path], text_field: str, reference, log: Callable[[str], None]) -> tuple[object, dict]:
-    """The encoder to use and what the manifest records about it.
+def fast_candidate(requested: str, reference) -> tuple[object | None, str | None]:
+    """fastokens over `reference`'s tokenizer.json, to be checked: `(encoder, None)`; or `(None,
+    why not)` when it cannot load it; `(None, None)` when there is nothing to check (HF asked for,
+    or a sentencepiece model, which has its own encoder)."""
+    if reference.kind == "sentencepiece" or requested == "hf":
+        return None, None
+    try:
+        return fast_beside(reference), None
+    except (FastBackendError, ImportError) as e:
+        return None, str(e)
 
-    `fast` is used only when it gives HF's ids on a sample of this input and `ADVERSARIAL_TEXTS`;
-    otherwise `auto` falls back to HF with a warning naming the first difference and `fast` stops.
+
+def check_texts(files: list[Path], text_field: str) -> tuple[list[str], list[str]]:
+    """What fastokens must encode as HF does, with a label for each: `ADVERSARIAL_TEXTS`, then the sample."""
+    sample, labels = guard_sample(files, text_field)
+    return ADVERSARIAL_TEXTS + sample, [f"adversarial text {i} {t[:24]!r}" for i, t in enumerate(ADVERSARIAL_TEXTS)] + labels
+
+
+def choose(requested: str, reference, fast, difference: str | None, checked: int, log: Callable[[str], None]) -> tuple[object, dict]:
+    """The encoder to use and what the manifest records about it. `fast`: `fast_candidate`'s encoder;
+    `difference`: the first text it encoded otherwise than HF (or why it could not load), None if none.
+
+    `fast` is used only when there is no difference; otherwise `auto` falls back to HF with a warning
+    naming the difference and `fast` stops.
     """
     if reference.kind == "sentencepiece":
         return reference, {"name": "sentencepiece", "version": version("sentencepiece"), "requested": requested}
     hf = {"name": "tokenizers", "version": version("tokenizers"), "requested": requested}
     if requested == "hf":
         return reference, hf
-    try:
-        fast = fast_beside(reference)
-        sample, labels = guard_sample(files, text_field)
-        texts = ADVERSARIAL_TEXTS + sample
-        labels = [f"adversarial text {i} {t[:24]!r}" for i, t in enumerate(ADVERSARIAL_TEXTS)] + labels
-        difference = first_difference(fast, reference, texts, labels)
-    except (FastBackendError, ImportError) as e:
-        difference = str(e)
-    if difference is None:
-        return fast, {"name": "fastokens", "version": version("fastokens"), "requested": requested, "checked_against_hf": len(texts)}
+    if fast is not None and difference is None:
+        return fast, {"name": "fastokens", "version": version("fastokens"), "requested": requested, "checked_against_hf": checked}
     if requested == "fast":
         raise PrepareError(f"--tokenizer-backend fast: fastokens does not match HF tokenizers: {difference}; use --tokenizer-backend hf (or auto)")
     log(f"warning: fastokens does not match HF tokenizers ({difference}); falling back to HF tokenizers (exact, slower)")

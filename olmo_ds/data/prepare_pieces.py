@@ -10,12 +10,16 @@ workers. With many input files there is a unit of work that needs none of that: 
   (`OUTPUT/.prepare-pieces/piece-NNNNNN.{train,val}.bin`, no header). It sends back only the
   documents' lengths, their input positions, the skips and the special-token notes (`PieceResult`).
 - The main process takes the results in input order and cuts each split's documents into shards
-  with `shards.ShardCutter`, the rule `ShardedWriter` writes by (`PieceSplit`). A shard is known
-  once the document after it is: it becomes a `ShardJob` (the ranges of pieces it is made of, its
-  documents' lengths, its resume point), which the next idle worker writes through
-  `shards.ShardWriter` (temporary names, sha256, fsync, rename, metadata last); then the pieces no
-  shard needs any more are deleted. So the main process orders and deletes; workers read, tokenize
-  and write. A shard's ids are written twice (piece, then shard), spread over the workers.
+  with `shards.ShardCutter`, the rule `ShardedWriter` writes by (`PieceSplit`). Each piece's share
+  of a shard becomes a `ShardJob` at once (the ranges of the piece, its documents' lengths; the
+  shard's resume point on the part that closes it, once the document after the shard is known).
+  All parts of a shard go, in order, to the one worker that holds its `shards.ShardWriter`
+  (temporary names, sha256 kept going between parts, the data handed to the disk as it is written,
+  fsync, rename, metadata last); a worker writes its queued parts before it tokenizes again, and a
+  new shard goes to an idle worker. Then the pieces no part needs any more are deleted. So the main
+  process orders and deletes; workers read, tokenize and write. A shard is written while it fills:
+  when the last file is tokenized, what is left is that file's share and the closing, not whole
+  shards. A shard's ids are written twice (piece, then shard), spread over the workers.
 
 What makes the output byte-identical to a one-worker run (every shard's `.bin`, `.offsets.npy` and
 `.json`, the manifests, the validation split, `.prepare.json`): the documents and their order are
@@ -95,23 +99,32 @@ class PieceResult:
 
 @dataclass
 class ShardJob:
-    """One shard to write from ranges of piece files (run by a worker: `write_shard_job`)."""
+    """The next part of one shard, written from ranges of piece files by the worker that holds the
+    shard's writer (`write_shard_job`): the first part opens the shard, the last (`extra` given) closes it."""
 
     directory: str
     index: int
     vocab_size: int
     eos_id: int
     segments: list[tuple[str, int, int, np.ndarray]]  # (piece file, first id, end id, its documents' lengths)
-    extra: dict  # the resume point, stored in the shard's metadata
+    extra: dict | None  # the resume point, stored in the shard's metadata, on the part that closes it; None: more parts follow
+
+    @property
+    def shard(self) -> tuple[str, int]:
+        return self.directory, self.index
 
     @property
     def pieces(self) -> list[str]:
         return [s[0] for s in self.segments]
 
 
+_writers: dict[tuple[str, int], shards.ShardWriter] = {}  # in a worker: the shards it has open, between their parts
+
+
 def write_shard_job(job: ShardJob) -> ShardJob:
-    """Copy the job's piece ranges into shard `index` through `ShardWriter`, in blocks of whole documents."""
-    writer = shards.ShardWriter(Path(job.directory), job.index, vocab_size=job.vocab_size, eos_id=job.eos_id)
+    """Append the part's piece ranges to its shard through `ShardWriter` (opened by the first part,
+    kept open in this worker for the next), in blocks of whole documents; close it on the last part."""
+    writer = _writers.pop(job.shard, None) or shards.ShardWriter(Path(job.directory), job.index, vocab_size=job.vocab_size, eos_id=job.eos_id)
     try:
         for path, first, end, lens in job.segments:
             ids = np.memmap(path, dtype=writer.dtype, mode="r", offset=first * writer.dtype.itemsize, shape=(end - first,))
@@ -122,7 +135,10 @@ def write_shard_job(job: ShardJob) -> ShardJob:
                 writer.append(ids[(ends[d - 1] if d else 0) : ends[e - 1]], lens[d:e])
                 d = e
             del ids
-        writer.close(job.extra)
+        if job.extra is None:
+            _writers[job.shard] = writer
+        else:
+            writer.close(job.extra)
     except BaseException:
         writer.abort()
         raise
@@ -132,7 +148,9 @@ def write_shard_job(job: ShardJob) -> ShardJob:
 
 class PieceSplit:
     """One split's shards in whole-file mode: the documents of each piece, in input order, cut into
-    `ShardJob`s by the rule `ShardedWriter` writes by, skipping documents already in complete shards."""
+    shards by the rule `ShardedWriter` writes by, skipping documents already in complete shards.
+    Each piece's share of a shard is a `ShardJob` at once, so a shard is written while it fills,
+    and what is left when the last file is tokenized is that file's share and the closing."""
 
     def __init__(self, directory: Path, shard_tokens: int, vocab_size: int, eos_id: int, next_index: int, resume_pos: int):
         self.directory = directory
@@ -140,10 +158,12 @@ class PieceSplit:
         self.vocab_size, self.eos_id = vocab_size, eos_id
         self.next_index = next_index
         self.resume_pos = resume_pos  # documents before this input position are already in complete shards
-        self.open: list[tuple[str, int, int, np.ndarray]] = []  # segments of the shard being filled
+        self.open: list[tuple[str, int, int, np.ndarray]] = []  # segments of the shard being filled, not yet in a job
+        self.opened = False  # the shard `next_index` has had a part
 
     def add(self, piece: str, lens: np.ndarray, positions: np.ndarray, state_at: Callable[[int], dict]) -> list[ShardJob]:
-        """The piece's documents (all of this split in the task, in order) → the shards they complete."""
+        """The piece's documents (all of this split in the task, in order) → the parts of the shards
+        they go to, in order: those they complete, then their share of the shard left open."""
         first = int(np.searchsorted(positions, self.resume_pos, side="left"))  # positions increase
         ends = np.cumsum(lens, dtype=np.int64)
         base = int(ends[first - 1]) if first else 0
@@ -153,18 +173,20 @@ class PieceSplit:
             if k > start:
                 self.open.append((piece, int(ends[start - 1]) if start else base, int(ends[k - 1]), lens[start:k]))
             if k < len(lens):
-                jobs.append(self._close(resume_point(int(positions[k]), state_at(int(positions[k])))))
+                jobs.append(self._part(resume_point(int(positions[k]), state_at(int(positions[k])))))
             start = k
-        return jobs
+        return jobs + ([self._part(None)] if self.open else [])
 
     def finish(self, end: int, state: dict) -> list[ShardJob]:
-        """The last, partly filled shard (as `ShardedWriter.finish`)."""
-        return [self._close(resume_point(end, state))] if self.open else []
+        """The last, partly filled shard's closing (as `ShardedWriter.finish`)."""
+        return [self._part(resume_point(end, state))] if self.opened or self.open else []
 
-    def _close(self, extra: dict) -> ShardJob:
+    def _part(self, extra: dict | None) -> ShardJob:
+        """The open segments as the next part of shard `next_index`; `extra`: it closes with them."""
         job = ShardJob(str(self.directory), self.next_index, self.vocab_size, self.eos_id, self.open, extra)
         self.open = []
-        self.next_index += 1
+        self.opened = extra is None
+        self.next_index += extra is not None
         return job
 
 
@@ -178,12 +200,11 @@ class Pieces:
         directory.mkdir(parents=True)
         self.readers: Counter = Counter()
 
-    def planned(self, task: Task, jobs: list[ShardJob], splits: list[PieceSplit]) -> None:
+    def planned(self, task: Task, jobs: list[ShardJob]) -> None:
         """After a task's documents were cut: count the segments made of its pieces (in the jobs
-        made now and in the shards still open; each is one reader), and delete a piece nobody reads."""
+        made now; each is one reader), and delete a piece nobody reads."""
         mine = {task.piece("train"), task.piece("val")}
-        segments = [seg for job in jobs for seg in job.segments] + [seg for s in splits for seg in s.open]
-        self.readers.update(seg[0] for seg in segments if seg[0] in mine)
+        self.readers.update(seg[0] for job in jobs for seg in job.segments if seg[0] in mine)
         for piece in mine:
             if self.readers[piece] == 0:
                 Path(piece).unlink(missing_ok=True)

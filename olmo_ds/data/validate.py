@@ -8,23 +8,34 @@ offsets record; allowed only where the manifest says `--match-special-tokens` ma
 counted), and the sha256 matches. Per
 directory: the manifest lists exactly the shards on disk, its totals are the sums over them, and
 (given a tokenizer) its fingerprint, vocabulary size and EOS match the tokenizer's. A validation
-split in `val/` is checked the same way. Each shard is read once, in blocks, so memory stays small
-and shards can be checked in parallel.
+split in `val/` is checked the same way.
+
+How the reading is spread over `workers` processes: a shard's sha256 must read it whole, in order,
+so it is one task; the id checks (largest id, EOS count) are cut into ranges of `SCAN_BYTES` and
+the document checks (offsets, EOS at each end) are one more task. All shards of both splits go to
+one pool at once, the hashes first: 20 shards on 16 workers then cost about 20/16 of a shard's work
+instead of two rounds of whole shards, for a second read of each shard (from the page cache, a
+tenth of what hashing it costs). The tokenizer (for the fingerprint) loads meanwhile. With one
+process, one pass per shard hashes it and checks its ids. Memory stays small: a task holds one
+block of `BLOCK_BYTES`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from olmo_ds.data import shards
 
 BLOCK_BYTES = 1 << 24
+SCAN_BYTES = 1 << 26  # bytes of ids one id-check task reads
 
 
 @dataclass
@@ -61,145 +72,268 @@ class Report:
         return d
 
 
-def check_shard(directory: Path, bin_name: str, prefix: str = "", inner_eos_allowed: bool = False) -> ShardReport:
-    """Every per-shard check; never raises for a bad shard, it reports. `inner_eos_allowed`: EOS ids
-    inside documents are counted, not an error (shards made with --match-special-tokens)."""
-    directory = Path(directory)
+@dataclass
+class _Shard:
+    """A shard whose metadata and size are right, and what its reading tasks found."""
+
+    report: ShardReport
+    meta: shards.ShardMeta
+    bin_file: Path
+    offsets_file: Path
+    inner_eos_allowed: bool  # EOS ids inside documents are counted, not an error (--match-special-tokens)
+    checksum: str = ""
+    eos_count: int = 0
+    document_errors: list[str] = field(default_factory=list)
+    ends_in_eos: bool = False  # the offsets are sound and every document ends in EOS
+
+    @property
+    def nbytes(self) -> int:
+        return self.meta.num_tokens * np.dtype(self.meta.dtype).itemsize
+
+
+def _open_shard(directory: Path, bin_name: str, prefix: str, inner_eos_allowed: bool) -> tuple[ShardReport, _Shard | None]:
+    """The checks that read no ids: metadata, dtype, the `.bin` size. None when one fails."""
     report = ShardReport(prefix + bin_name)
     meta_file = (directory / bin_name).with_suffix(".json")
     if not meta_file.is_file():
         report.errors.append(f"missing metadata {meta_file.name}")
         if not (directory / bin_name).is_file():
             report.errors.append("missing .bin file")
-        return report
+        return report, None
     try:
         meta = shards.ShardMeta.load(meta_file)
     except (ValueError, TypeError) as e:
         report.errors.append(f"unreadable metadata: {e}")
-        return report
+        return report, None
     bin_file = directory / meta.bin  # beside it, or (in-place token files) an absolute path elsewhere
     if not bin_file.is_file():
         report.errors.append("missing .bin file" if bin_file.parent == directory else f"missing token file {bin_file}")
-        return report
+        return report, None
     report.num_tokens, report.num_docs = meta.num_tokens, meta.num_docs
     expected_dtype = shards.dtype_for_vocab(meta.vocab_size)
     if meta.dtype != expected_dtype.name:
         report.errors.append(f"dtype {meta.dtype} but vocab_size {meta.vocab_size} needs {expected_dtype.name}")
-        return report
-    dtype = np.dtype(meta.dtype).newbyteorder("<")
+        return report, None
+    itemsize = expected_dtype.itemsize
     size = bin_file.stat().st_size
-    if size != meta.num_tokens * dtype.itemsize:
-        report.errors.append(f"size {size} bytes != num_tokens {meta.num_tokens} x {dtype.itemsize} (truncated or corrupt)")
-        return report
+    if size != meta.num_tokens * itemsize:
+        report.errors.append(f"size {size} bytes != num_tokens {meta.num_tokens} x {itemsize} (truncated or corrupt)")
+        return report, None
+    return report, _Shard(report, meta, bin_file, directory / meta.offsets, inner_eos_allowed)
 
-    digest = hashlib.sha256()
-    vocab_max = -1
-    eos_count = 0
-    with open(bin_file, "rb") as f:
-        while block := f.read(BLOCK_BYTES - BLOCK_BYTES % dtype.itemsize):
+
+# ---------------------------------------------------------------------------------------------
+# Tasks, run in the workers: each reads one thing and returns a small result.
+
+
+def _blocks(path: str, start: int, end: int, itemsize: int):
+    """Memoryviews of the file's bytes [start, end), in blocks of whole ids, through one reused buffer."""
+    buf = bytearray(BLOCK_BYTES - BLOCK_BYTES % itemsize)
+    with open(path, "rb") as f:
+        f.seek(start)
+        while start < end:
+            n = f.readinto(memoryview(buf)[: min(len(buf), end - start)])
+            if n == 0:  # shorter than its size said a moment ago: the caller's checks report it
+                return
+            start += n
+            yield memoryview(buf)[:n]
+
+
+def _scan(path: str, start: int, end: int, dtype: str, eos_id: int, sha256: bool, ids: bool) -> tuple[str, int, int]:
+    """Bytes [start, end) of a shard: their sha256 (when asked; the whole file's, when it is the
+    whole file), and (when asked) their largest id and number of EOS ids."""
+    dt = np.dtype(dtype)
+    digest, top, eos = hashlib.sha256(), -1, 0
+    for block in _blocks(path, start, end, dt.itemsize):
+        if sha256:
             digest.update(block)
-            ids = np.frombuffer(block, dtype=dtype)
-            if len(ids):
-                vocab_max = max(vocab_max, int(ids.max()))
-                eos_count += int(np.count_nonzero(ids == meta.eos_id))
-    report.vocab_max = vocab_max
-    if vocab_max >= meta.vocab_size:
-        report.errors.append(f"token id {vocab_max} >= vocab_size {meta.vocab_size}")
-    if vocab_max != meta.max_token_id:
-        report.errors.append(f"max token id {vocab_max} != metadata max_token_id {meta.max_token_id}")
-    if "sha256:" + digest.hexdigest() != meta.checksum:
-        report.errors.append(f"checksum mismatch: sha256:{digest.hexdigest()} != metadata {meta.checksum}")
+        if ids and len(block):
+            block_ids = np.frombuffer(block, dtype=dt)
+            top = max(top, int(block_ids.max()))
+            eos += int(np.count_nonzero(block_ids == eos_id))
+    return "sha256:" + digest.hexdigest() if sha256 else "", top, eos
 
-    offsets_file = directory / meta.offsets
-    if not offsets_file.is_file():
-        report.errors.append(f"missing offsets {meta.offsets}")
-        return report
+
+def _documents(bin_file: str, offsets_file: str, meta: shards.ShardMeta) -> tuple[list[str], bool]:
+    """Offsets from 0 to num_tokens, increasing, one per document plus one, each document's last id EOS.
+    Returns the problems, and whether the offsets are sound and every document ends in EOS."""
+    if not Path(offsets_file).is_file():
+        return [f"missing offsets {meta.offsets}"], False
     try:
-        offsets = shards.load_offsets(offsets_file)
+        offsets = shards.load_offsets(Path(offsets_file))
     except ValueError as e:
-        report.errors.append(f"unreadable offsets {meta.offsets}: {e}")
-        return report
+        return [f"unreadable offsets {meta.offsets}: {e}"], False
     if len(offsets) != meta.num_docs + 1:
-        report.errors.append(f"{len(offsets)} offsets for {meta.num_docs} documents (expected num_docs + 1)")
-    elif len(offsets) and (offsets[0] != 0 or offsets[-1] != meta.num_tokens):
-        report.errors.append(f"offsets run {offsets[0]}..{offsets[-1]}, not 0..{meta.num_tokens}")
-    elif np.any(np.diff(offsets) <= 0):
-        report.errors.append(f"offsets not strictly increasing (first at document {int(np.argmax(np.diff(offsets) <= 0))})")
-    elif meta.num_docs:
-        tokens = shards.open_tokens(bin_file, meta)
-        ends = tokens[np.asarray(offsets[1:]) - 1]
-        bad = np.flatnonzero(ends != meta.eos_id)
-        if len(bad):
-            report.errors.append(f"{len(bad)} documents do not end in EOS {meta.eos_id} (first: document {int(bad[0])})")
-        elif eos_count != meta.num_docs:
-            _count_inner_eos(report, tokens, np.asarray(offsets), meta.eos_id, inner_eos_allowed)
-    return report
+        return [f"{len(offsets)} offsets for {meta.num_docs} documents (expected num_docs + 1)"], False
+    if len(offsets) and (offsets[0] != 0 or offsets[-1] != meta.num_tokens):
+        return [f"offsets run {offsets[0]}..{offsets[-1]}, not 0..{meta.num_tokens}"], False
+    if np.any(np.diff(offsets) <= 0):
+        return [f"offsets not strictly increasing (first at document {int(np.argmax(np.diff(offsets) <= 0))})"], False
+    if not meta.num_docs:
+        return [], False
+    ends = shards.open_tokens(Path(bin_file), meta)[np.asarray(offsets[1:]) - 1]
+    bad = np.flatnonzero(ends != meta.eos_id)
+    if len(bad):
+        return [f"{len(bad)} documents do not end in EOS {meta.eos_id} (first: document {int(bad[0])})"], False
+    return [], True
 
 
-def _count_inner_eos(report: ShardReport, tokens: np.ndarray, offsets: np.ndarray, eos_id: int, allowed: bool) -> None:
-    """More EOS ids than documents: find which documents hold them (only run when that is so)."""
+def _inner_eos(bin_file: str, offsets_file: str, meta: shards.ShardMeta) -> tuple[int, int, int]:
+    """More EOS ids than documents: how many documents hold one before their end, and the first
+    such document and token (only run when that is so)."""
+    tokens = shards.open_tokens(Path(bin_file), meta)
+    offsets = np.asarray(shards.load_offsets(Path(offsets_file)))
     is_end = np.zeros(len(tokens), dtype=bool)
     is_end[offsets[1:] - 1] = True
-    inner = np.flatnonzero((np.asarray(tokens) == eos_id) & ~is_end)
+    inner = np.flatnonzero((np.asarray(tokens) == meta.eos_id) & ~is_end)
     docs = np.unique(np.searchsorted(offsets, inner, side="right") - 1)
-    report.docs_with_inner_eos = len(docs)
-    if not allowed:
-        report.errors.append(
-            f"{len(docs)} documents hold EOS {eos_id} before their end (first: document {int(docs[0])}, token {int(inner[0])}): "
-            "readers that split documents at EOS would disagree with the offsets; prepare again without --match-special-tokens"
-        )
+    return len(docs), int(docs[0]), int(inner[0])
 
 
-def _check(args) -> ShardReport:
-    return check_shard(*args)
+_TASKS = {"scan": _scan, "documents": _documents, "inner_eos": _inner_eos}
 
 
-def validate_directory(directory: Path, tokenizer=None, workers: int = 1, prefix: str = "") -> Report:
-    """Validate a shard directory (and its `val/` split); `tokenizer` is a loaded `Tokenizer` or None."""
+def _run(task: tuple) -> tuple:
+    kind, k, args = task
+    return kind, k, _TASKS[kind](*args)
+
+
+def _first_round(k: int, s: _Shard, split: bool) -> tuple[tuple, list[tuple]]:
+    """Shard k's reading tasks: the one that hashes it (reading it whole), and the others: its
+    documents, and (`split`) its id checks cut into ranges for other workers; without `split` the
+    hashing pass checks the ids too."""
+    m = s.meta
+    path, dtype = str(s.bin_file), np.dtype(m.dtype).newbyteorder("<").str
+    others = [("documents", k, (path, str(s.offsets_file), m))]
+    if split:
+        step = SCAN_BYTES - SCAN_BYTES % np.dtype(dtype).itemsize
+        others += [("scan", k, (path, a, min(a + step, s.nbytes), dtype, m.eos_id, False, True)) for a in range(0, s.nbytes, step)]
+    return ("scan", k, (path, 0, s.nbytes, dtype, m.eos_id, True, not split)), others
+
+
+def _record(s: _Shard, kind: str, value) -> None:
+    if kind == "scan":
+        checksum, top, eos = value
+        s.checksum = checksum or s.checksum
+        s.report.vocab_max = max(s.report.vocab_max, top)
+        s.eos_count += eos
+    elif kind == "documents":
+        s.document_errors, s.ends_in_eos = value
+    else:
+        docs, first_doc, first_token = value
+        s.report.docs_with_inner_eos = docs
+        if not s.inner_eos_allowed:
+            s.document_errors.append(
+                f"{docs} documents hold EOS {s.meta.eos_id} before their end (first: document {first_doc}, token {first_token}): "
+                "readers that split documents at EOS would disagree with the offsets; prepare again without --match-special-tokens"
+            )
+
+
+def _finish(s: _Shard) -> None:
+    """The shard's verdict from what its tasks found, in the order the checks are listed above."""
+    r, m = s.report, s.meta
+    if r.vocab_max >= m.vocab_size:
+        r.errors.append(f"token id {r.vocab_max} >= vocab_size {m.vocab_size}")
+    if r.vocab_max != m.max_token_id:
+        r.errors.append(f"max token id {r.vocab_max} != metadata max_token_id {m.max_token_id}")
+    if s.checksum != m.checksum:
+        r.errors.append(f"checksum mismatch: {s.checksum} != metadata {m.checksum}")
+    r.errors += s.document_errors
+
+
+def _check_shards(entries: list[tuple[Path, str, str, bool]], workers: int, meanwhile: Callable[[], None]) -> list[ShardReport]:
+    """Every per-shard check of `entries` (directory, .bin name, report prefix, inner EOS allowed), the
+    reading spread over `workers` processes; `meanwhile` runs here while they read."""
+    opened = [_open_shard(*e) for e in entries]
+    todo = {k: s for k, (_, s) in enumerate(opened) if s is not None}
+    rounds = {k: _first_round(k, s, split=workers > 1) for k, s in todo.items()}
+    # The hashes first, largest first: each reads a whole shard, and the shorter tasks fill in around them.
+    tasks = [rounds[k][0] for k in sorted(rounds, key=lambda k: -todo[k].nbytes)] + [t for _, others in rounds.values() for t in others]
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(mp.get_context("fork").Pool(min(workers, len(tasks)))) if workers > 1 and len(tasks) > 1 else None
+        run = (lambda ts: pool.imap_unordered(_run, ts)) if pool else (lambda ts: map(_run, ts))
+        results = run(tasks)
+        meanwhile()
+        for kind, k, value in results:
+            _record(todo[k], kind, value)
+        second = [("inner_eos", k, (str(s.bin_file), str(s.offsets_file), s.meta)) for k, s in todo.items() if s.ends_in_eos and s.eos_count != s.meta.num_docs]
+        for kind, k, value in run(second):
+            _record(todo[k], kind, value)
+    for s in todo.values():
+        _finish(s)
+    return [report for report, _ in opened]
+
+
+@dataclass
+class _Split:
+    """One directory to validate (the shards, or their `val/` split) and what lists its shards."""
+
+    directory: Path
+    prefix: str  # before the shard names in the report: "" or "val/"
+    manifest: shards.Manifest | None = None
+    listed: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @classmethod
+    def read(cls, directory: Path, prefix: str) -> "_Split":
+        split = cls(directory, prefix)
+        if not directory.is_dir():
+            split.errors.append(f"{directory}: not a directory")
+            return split
+        on_disk = [p.name for p in shards.list_shards(directory)]
+        try:
+            split.manifest = shards.Manifest.load(directory)
+        except (OSError, ValueError, TypeError, json.JSONDecodeError) as e:
+            split.errors.append(f"{prefix}{shards.MANIFEST}: {e}")
+        split.listed = split.manifest.shards if split.manifest else on_disk
+        split.errors += [f"{prefix}{name}: on disk but not in {shards.MANIFEST}" for name in sorted(set(on_disk) - set(split.listed))]
+        return split
+
+    @property
+    def inner_eos_allowed(self) -> bool:
+        return bool(self.manifest and self.manifest.extra.get("arguments", {}).get("match_special_tokens"))
+
+
+def validate_directory(directory: Path, tokenizer=None, workers: int = 1) -> Report:
+    """Validate a shard directory and its `val/` split; `workers` processes read the shards.
+    `tokenizer`: a loaded `Tokenizer`, a function that loads one (called while the workers read,
+    so that loading it costs no time), or None."""
     directory = Path(directory)
     report = Report(str(directory))
     if not directory.is_dir():
         report.errors.append(f"{directory}: not a directory")
         return report
-    on_disk = [p.name for p in shards.list_shards(directory)]
-    try:
-        manifest = shards.Manifest.load(directory)
-    except (OSError, ValueError, TypeError, json.JSONDecodeError) as e:
-        report.errors.append(f"{prefix}{shards.MANIFEST}: {e}")
-        manifest = None
-    listed = manifest.shards if manifest else on_disk
-    for name in sorted(set(on_disk) - set(listed)):
-        report.errors.append(f"{prefix}{name}: on disk but not in {shards.MANIFEST}")
-    inner_eos_allowed = bool(manifest and manifest.extra.get("arguments", {}).get("match_special_tokens"))
-    tasks = [(directory, name, prefix, inner_eos_allowed) for name in listed]
-    if workers > 1 and len(tasks) > 1:
-        with mp.get_context("fork").Pool(min(workers, len(tasks))) as pool:
-            report.shards = pool.map(_check, tasks)
-    else:
-        report.shards = [_check(t) for t in tasks]
-    for s in report.shards:
-        report.num_tokens += s.num_tokens
-        report.num_docs += s.num_docs
-    if manifest is not None:
-        _check_manifest(report, manifest, directory, tokenizer, prefix)
-        val = manifest.extra.get("val")
-        if val:
-            sub = validate_directory(directory / val["dir"], tokenizer, workers, prefix=f"{prefix}{val['dir']}/")
-            report.shards += sub.shards
-            report.errors += sub.errors
-            report.num_tokens += sub.num_tokens
-            report.num_docs += sub.num_docs
-            if (sub.num_docs, sub.num_tokens) != (val["num_docs"], val["num_tokens"]):
-                report.errors.append(f"{prefix}{shards.MANIFEST}: val split is {val['num_docs']} docs / {val['num_tokens']} tokens, but {val['dir']}/ holds {sub.num_docs} / {sub.num_tokens}")
+    splits = [_Split.read(directory, "")]
+    val = splits[0].manifest.extra.get("val") if splits[0].manifest else None
+    if val:
+        splits.append(_Split.read(directory / val["dir"], f"{val['dir']}/"))
+    entries = [(s.directory, name, s.prefix, s.inner_eos_allowed) for s in splits for name in s.listed]
+    loaded = {}
+
+    def load() -> None:
+        loaded["tokenizer"] = tokenizer() if callable(tokenizer) else tokenizer
+
+    reports = _check_shards(entries, workers, load)
+    for s in splits:
+        mine, reports = reports[: len(s.listed)], reports[len(s.listed) :]
+        tokens, docs = sum(r.num_tokens for r in mine), sum(r.num_docs for r in mine)
+        if s.manifest is not None:
+            _check_manifest(s, mine, tokens, docs, loaded["tokenizer"])
+        report.shards += mine
+        report.errors += s.errors
+        report.num_tokens += tokens
+        report.num_docs += docs
+        if s.prefix and (docs, tokens) != (val["num_docs"], val["num_tokens"]):
+            report.errors.append(f"{shards.MANIFEST}: val split is {val['num_docs']} docs / {val['num_tokens']} tokens, but {val['dir']}/ holds {docs} / {tokens}")
     return report
 
 
-def _check_manifest(report: Report, manifest: shards.Manifest, directory: Path, tokenizer, prefix: str) -> None:
-    where = f"{prefix}{shards.MANIFEST}"
-    if manifest.num_tokens != report.num_tokens or manifest.num_docs != report.num_docs:
-        report.errors.append(f"{where}: totals {manifest.num_docs} docs / {manifest.num_tokens} tokens != sum over shards {report.num_docs} / {report.num_tokens}")
-    for s in report.shards:
-        meta_file = (directory / Path(s.name).name).with_suffix(".json")
+def _check_manifest(split: _Split, reports: list[ShardReport], tokens: int, docs: int, tokenizer) -> None:
+    manifest, where = split.manifest, f"{split.prefix}{shards.MANIFEST}"
+    if manifest.num_tokens != tokens or manifest.num_docs != docs:
+        split.errors.append(f"{where}: totals {manifest.num_docs} docs / {manifest.num_tokens} tokens != sum over shards {docs} / {tokens}")
+    for s in reports:
+        meta_file = (split.directory / Path(s.name).name).with_suffix(".json")
         if not meta_file.is_file():
             continue
         try:
@@ -211,11 +345,11 @@ def _check_manifest(report: Report, manifest: shards.Manifest, directory: Path, 
                 s.errors.append(f"{key} {getattr(meta, key)} != manifest's {getattr(manifest, key)}")
     if tokenizer is not None:
         if manifest.tokenizer_fingerprint != tokenizer.fingerprint:
-            report.errors.append(f"{where}: tokenizer fingerprint {manifest.tokenizer_fingerprint} != {tokenizer.fingerprint} of {tokenizer.path} (shards made with another tokenizer)")
+            split.errors.append(f"{where}: tokenizer fingerprint {manifest.tokenizer_fingerprint} != {tokenizer.fingerprint} of {tokenizer.path} (shards made with another tokenizer)")
         if manifest.vocab_size != tokenizer.vocab_size:
-            report.errors.append(f"{where}: vocab_size {manifest.vocab_size} != the tokenizer's {tokenizer.vocab_size}")
+            split.errors.append(f"{where}: vocab_size {manifest.vocab_size} != the tokenizer's {tokenizer.vocab_size}")
         if manifest.eos_id != tokenizer.eos_id:
-            report.errors.append(f"{where}: eos_id {manifest.eos_id} != the tokenizer's {tokenizer.eos_id}")
+            split.errors.append(f"{where}: eos_id {manifest.eos_id} != the tokenizer's {tokenizer.eos_id}")
 
 
 def format_report(report: Report) -> str:

@@ -482,19 +482,60 @@ def test_fast_backend_falls_back_to_hf_with_a_warning(tmp_path):
     assert not (tmp_path / "fast").exists()
 
 
-def test_a_truncated_compressed_input_stops_the_run_naming_it_and_keeps_complete_shards(tmp_path):
+@pytest.mark.parametrize("workers, unit", [(1, "blocks"), (3, "blocks"), (3, "files")])
+def test_a_fast_backend_that_differs_on_the_input_falls_back_to_hf(tmp_path, monkeypatch, workers, unit):
+    """fastokens loads but would encode two of the sampled documents otherwise than HF. The check
+    (run by the workers) names the first of them, as one process would, and the run falls back to
+    HF with workers started anew: the shards are HF's. --tokenizer-backend fast stops instead."""
+    from olmo_ds.tokenizer import FastHFTokenizer
+
+    raw = tmp_path / "raw"
+    write_many_files(raw)
+    first = json.loads(gzip.decompress((raw / "f00.jsonl.gz").read_bytes()).splitlines()[1])["text"]
+    wrong = {first, (raw / "f11.txt").read_text()}  # in the first and in a late sampled file
+    encode = FastHFTokenizer.encode_batch_flat
+
+    def differs(self, texts):
+        ids, offsets = encode(self, texts)
+        ids = ids.copy()
+        for i, t in enumerate(texts):
+            if t in wrong:
+                ids[offsets[i]] += 1
+        return ids, offsets
+
+    monkeypatch.setattr(FastHFTokenizer, "encode_batch_flat", differs)
+    messages = []
+    kw = dict(shard_tokens=2500, workers=workers, work_unit=unit)
+    result = prepare(PrepareConfig(inputs=[str(raw)], output=tmp_path / "out", tokenizer=str(DOLMA2), progress=False, **kw), log=messages.append)
+    where = f"{(raw / 'f00.jsonl.gz').resolve()}:2: ids differ from token 0"
+    assert result.backend == "tokenizers" and [m for m in messages if m.startswith("warning: ")] == [
+        m for m in messages if m.startswith(f"warning: fastokens does not match HF tokenizers ({where}")]
+    assert shards.Manifest.load(tmp_path / "out").extra["tokenizer_backend"]["fallback_reason"].startswith(where)
+    hf = run([raw], tmp_path / "hf", DOLMA2, tokenizer_backend="hf", **kw)
+    assert {k: v for k, v in dir_bytes(result.output).items() if k != "manifest.json"} == {
+        k: v for k, v in dir_bytes(hf.output).items() if k != "manifest.json"}
+    with pytest.raises(PrepareError, match=f"--tokenizer-backend fast: fastokens does not match HF tokenizers: {re.escape(where)}"):
+        run([raw], tmp_path / "fast", DOLMA2, tokenizer_backend="fast", **kw)
+    assert not (tmp_path / "fast").exists()
+
+
+@pytest.mark.parametrize("unit", ["blocks", "files"])
+def test_a_truncated_compressed_input_stops_the_run_naming_it_and_keeps_complete_shards(tmp_path, unit):
+    """Whole files: the shards the workers were writing leave no trace either, nor do the pieces."""
     raw, out = tmp_path / "raw", tmp_path / "out"
     raw.mkdir()
     texts = c4_texts()
     (raw / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     blob = gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in texts * 20).encode())
     (raw / "b.jsonl.gz").write_bytes(blob[: len(blob) * 3 // 4])
-    cmd = [sys.executable, "scripts/prepare_data.py", "--input", str(raw), "--output", str(out), "--tokenizer", str(NEOX), "--shard-tokens", "3000"]
+    cmd = [sys.executable, "scripts/prepare_data.py", "--input", str(raw), "--output", str(out), "--tokenizer", str(NEOX), "--shard-tokens", "3000",
+           "--work-unit", unit, "--workers", "1" if unit == "blocks" else "2"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 1 and "b.jsonl.gz: cannot decompress past line" in proc.stderr and "Complete shards" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     bins = sorted(out.glob("shard-*.bin"))
-    assert len(bins) > 3 and not list(out.glob("*.tmp*"))  # a.jsonl's shards are whole; the partial one is gone
+    assert not list(out.glob("*.tmp*")) and not (out / ".prepare-pieces").exists()  # the partial shards are gone
+    assert len(bins) > 3 or unit == "files"  # whole files: how many of a.jsonl's shards were written before b.jsonl.gz failed varies
     for b in bins:
         meta = shards.ShardMeta.load(b.with_suffix(".json"))
         assert b.stat().st_size == meta.num_tokens * 2

@@ -35,6 +35,15 @@ def test_bench_prepare_many_files(tmp_path):
     assert one["tokens"] == two["tokens"] and r["identical"] == {2: True}
     assert one["layout"] == "fastokens, run by this process" and "taking whole files" in two["layout"]  # auto: 8 files, 2 workers
     assert r["ceiling_2"]["tokens"] + two["docs"] == two["tokens"] and 0 < r["ceiling_1"]["tokens"] < r["ceiling_2"]["tokens"]  # 1 process: half the files
-    assert r["end_to_end_over_1"] > 0 and r["over_independent"] > 0
-    assert lines[-1].startswith("--workers 2 / --workers 1, end to end:") and "identical output: yes" in lines[-1]
+    assert r["disk"]["processes"] == 2 and r["disk"]["bytes"] >= 4 * two["tokens"] and not list((tmp_path / "disk-floor").iterdir())
+    ind = r["independent"]
+    assert ind["jobs"] == 2 and ind["tokens"] == two["tokens"] and [p["tokens"] > 0 for p in ind["parts"]] == [True, True]
+    assert not (tmp_path / "independent").exists()  # deleted once measured
+    for x in ("end_to_end_over_1", "over_independent", "over_read_and_encode", "over_independent_jobs", "end_to_end_over_independent_jobs", "disk_over_independent"):
+        assert r[x] > 0, x
+    assert two["prepare_cores_busy"] > 0 and two["output_bytes"] > 4 * two["tokens"]
+    table = [line for line in lines if line.startswith("| ")]
+    assert len(table) == 8 and "the disk's bound" in table[4] and "--partition i/2 --workers 1" in table[5]
+    assert lines[-3].startswith("--workers 2 / --workers 1, end to end:") and "identical output: yes" in lines[-3]
+    assert "/ 2 independent prepare jobs: " in lines[-2] and lines[-1].startswith("the disk: 2 writers wrote + fsynced the output at ")
     assert not (tmp_path / "shards-w1").exists()  # deleted after the comparison
