@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 from olmo_ds.model.config import ModelConfig
@@ -165,8 +166,6 @@ def device_memory(device: str, dp_world_size: int) -> tuple[int | None, str]:
     from olmo_ds.train.offload import gpu_memory, host_memory_available, local_ranks
 
     if device == "cuda":
-        import os
-
         import torch
 
         total = gpu_memory()
