@@ -526,7 +526,6 @@ class Trainer:
         if not self.weights_finite():
             raise NonFiniteLossError(f"step {self.step}: the weights hold non-finite values; refusing to save them over good checkpoints")
         tokenizer_path = self.tokenizer.path if self.tokenizer else None
-        self.remover.wait()  # the space of checkpoints pruned earlier is free before this one is written
         try:
             if self._save_async():
                 t0 = time.perf_counter()
@@ -534,12 +533,14 @@ class Trainer:
                 if (waited := time.perf_counter() - t0) >= 1.0 and self.rank == 0:
                     log.info("checkpoint: training waited %.1fs for the previous background save to be written "
                              "(checkpoint.every is shorter than a write takes)", waited)
+                self.remover.wait()  # the space of checkpoints pruned just now is free before this one is written
                 path = self.saver.start(self.step, self.train_state(), tokenizer_path=tokenizer_path)
                 if final:
                     self._saved(self.saver.wait())
                 return path
             self._saved(self.saver.wait())
             self.saver.snapshots.release()  # host memory kept for background saves is not needed by this one
+            self.remover.wait()
             t0 = time.perf_counter()
             path = ckpt.save_checkpoint(self.engine, self.run_dir, self.step, self.train_state(), rank=self.rank, tokenizer_path=tokenizer_path)
             self._saved({"ckpt_dir": path, "blocked_s": time.perf_counter() - t0, "total_s": time.perf_counter() - t0})
