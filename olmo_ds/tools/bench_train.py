@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -82,6 +83,11 @@ class Experiments:
     # `engine.compile()` (plain torch.compile of the whole module under DeepSpeed's hooks).
     engine_compile: bool = False
     compile_backend: str = "inductor"  # for compile_pointwise and engine.compile(); blocks use the model's
+    # Compiled blocks as CUDA graphs (torch.compile mode "reduce-overhead"): each block's kernels are
+    # replayed from one graph launch instead of launched one by one (issue 24's attempt at the host gap
+    # between micro-batches). The gathered weights are inputs, so inductor copies them into the graph's
+    # static buffers on every call.
+    cuda_graphs: bool = False
 
 
 @dataclass
@@ -154,6 +160,10 @@ def apply_experiments(exp: Experiments) -> list[str]:
 
         model_mod.fused_linear_cross_entropy = chunked
         applied.append(f"loss_chunk={chunk}")
+    if exp.cuda_graphs:
+        model_mod._compiled_block_math = functools.cache(
+            lambda: torch.compile(model_mod.block_math, dynamic=False, mode="reduce-overhead"))
+        applied.append("cuda_graphs")
     if exp.deepcompile:
         applied.append("deepcompile")
     if exp.engine_compile:
@@ -639,6 +649,7 @@ VARIANTS: dict[str, list[str]] = {
     # DeepSpeed with the pure-bf16 reference's precision: bf16 master weights, gradients and AdamW moments.
     "ds_bf16_state": ["--ds-set", "bf16.bf16_master_weights_and_grads=true", "--ds-set", "bf16.bf16_optimizer_states=true"],
     "deepcompile": ["--deepcompile"],
+    "cuda_graphs": ["--cuda-graphs"],  # compiled blocks replayed as CUDA graphs (mode "reduce-overhead")
     "engine_compile": ["--engine-compile"],
     # FP8 matmuls in the blocks (model.float8; torchao), beside the bf16 row of the same sweep (`--float8`).
     "fp8_tensorwise": ["--model-set", "float8=tensorwise"],
@@ -747,6 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--loss-chunk", type=int, default=None, help="tokens per chunk of the fused head + loss")
     g.add_argument("--deepcompile", action="store_true", help="DeepSpeed DeepCompile (engine.compile with deepcompile on)")
     g.add_argument("--engine-compile", action="store_true", help="engine.compile(): torch.compile under DeepSpeed's hooks")
+    g.add_argument("--cuda-graphs", action="store_true", help="compiled blocks as CUDA graphs (torch.compile mode reduce-overhead)")
     g.add_argument("--compile-backend", default="inductor", help="for --compile-pointwise and engine.compile()")
     p.add_argument("--profile-dir", default=None, help="profile two extra steps of each path; op tables and Chrome traces (trace_<path>.json.gz) go here")
     p.add_argument("--json", type=Path, default=None, help="also write the full result as JSON here")
@@ -792,7 +804,8 @@ def main(argv: list[str] | None = None) -> int:
             warmup=args.warmup, steps=args.steps, reference=args.reference, reference_fp32_master=args.reference_fp32_master, deepspeed=args.deepspeed, work_dir=args.work_dir,
             profile_dir=args.profile_dir,
             experiments=Experiments(compile_pointwise=args.compile_pointwise, loss_chunk=args.loss_chunk, deepcompile=args.deepcompile,
-                                    engine_compile=args.engine_compile, compile_backend=args.compile_backend),
+                                    engine_compile=args.engine_compile, compile_backend=args.compile_backend,
+                                    cuda_graphs=args.cuda_graphs),
         )
         result = run_bench(opts)
     except (ConfigError, LaunchError) as e:

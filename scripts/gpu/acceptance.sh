@@ -77,6 +77,11 @@ bench-fp8-mb8)  # issue 24: micro-batch 8 x 4 (what auto picks on an H200), bf16
       --sweep mb8+accum4+noref --float8 tensorwise,rowwise --json "$OUT/bench-fp8-mb8.json"
   tail -n 6 "$OUT/bench-fp8-mb8.log"
   ;;
+bench-boundary)  # issue 24: attempts at the host gap between micro-batches, 4 x 8, trainer only: CUDA-graphed blocks, overlap_comm off (~5 min)
+  t bench-boundary python scripts/bench_train.py --grad-accum 8 --warmup 3 --steps 6 --work-dir /tmp/bench --sweep-timeout 150 \
+      --sweep noref,cuda_graphs+noref,no_overlap+noref --json "$OUT/bench-boundary.json"
+  tail -n 6 "$OUT/bench-boundary.log"
+  ;;
 parity)  # issue 24: the 1B config on text prepared here, 300 steps of micro-batch 4 x 1, bf16 then FP8 tensorwise (~6 min)
   [ -f data/dolma/shards/manifest.json ] || {
     t corpus python scripts/make_sample_corpus.py --output data/gpu-corpus --max-bytes 20000000
