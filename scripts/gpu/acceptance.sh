@@ -6,6 +6,7 @@
 #                                           # (gpu-tier or cpu-tier: one of them)
 #   bash scripts/gpu/acceptance.sh bench-checkpoint|bench-prepare|bench-eval   # the benchmarks of issues 25, 28, 26
 #   bash scripts/gpu/acceptance.sh bench-fp8|bench-fp8-mb8   # issue 24: bf16 and FP8 side by side through the trainer
+#   bash scripts/gpu/acceptance.sh bench-boundary   # issue 24: attempts at the host gap between micro-batches
 #   bash scripts/gpu/acceptance.sh parity   # issue 24: FP8's loss against bf16's, 300 steps each
 # Needs deepspeed importable and `python` on PATH; the test data at $OLMO_DS_SHARED (default ./shared).
 # The host has no network, so the Dolma 2 tokenizer goes into the HF cache as `hf download` would put it.
@@ -77,10 +78,10 @@ bench-fp8-mb8)  # issue 24: micro-batch 8 x 4 (what auto picks on an H200), bf16
       --sweep mb8+accum4+noref --float8 tensorwise,rowwise --json "$OUT/bench-fp8-mb8.json"
   tail -n 6 "$OUT/bench-fp8-mb8.log"
   ;;
-bench-boundary)  # issue 24: attempts at the host gap between micro-batches, 4 x 8, trainer only: CUDA-graphed blocks, overlap_comm off (~5 min)
-  t bench-boundary python scripts/bench_train.py --grad-accum 8 --warmup 3 --steps 6 --work-dir /tmp/bench --sweep-timeout 150 \
-      --sweep noref,cuda_graphs+noref,no_overlap+noref --json "$OUT/bench-boundary.json"
-  tail -n 6 "$OUT/bench-boundary.log"
+bench-boundary)  # issue 24: attempts at the host gap between micro-batches, 4 x 8, trainer only: CUDA-graphed blocks, overlap_comm off, unsharded weights (~7 min)
+  t bench-boundary python scripts/bench_train.py --grad-accum 8 --warmup 3 --steps 6 --work-dir /tmp/bench --sweep-timeout 120 \
+      --sweep noref,cuda_graphs+noref,no_overlap+noref,persist_all+noref --json "$OUT/bench-boundary.json"
+  tail -n 7 "$OUT/bench-boundary.log"
   ;;
 parity)  # issue 24: the 1B config on text prepared here, 300 steps of micro-batch 4 x 1, bf16 then FP8 tensorwise (~6 min)
   [ -f data/dolma/shards/manifest.json ] || {
