@@ -36,7 +36,7 @@ PREPARE_ARGS ?=
 RUN_DIR ?= runs/demo
 
 .DEFAULT_GOAL := help
-.PHONY: help install hostfile demo prepare-data test test-fast test-gpu test-faults bench-prepare bench-data bench-train bench-checkpoint bench-eval clean
+.PHONY: help install hostfile demo prepare-data test test-fast test-gpu test-slow test-faults bench-prepare bench-data bench-train bench-checkpoint bench-eval clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-15s %s\n", $$1, $$2}'
@@ -65,6 +65,9 @@ test: $(SETUP) ## run the test suite on CPU, on GPU hosts too (real DeepSpeed wi
 
 test-fast: $(SETUP) ## the test suite without the multi-rank DeepSpeed runs
 	$(RUN) $(PY) -m pytest -q -m "not multirank" $(PYTEST_ARGS) tests
+
+test-slow: $(SETUP) ## every test of the sampled slow tier (make test draws one in three of them per run)
+	$(RUN) OLMO_DS_SLOW_TESTS=all $(PY) -m pytest -q -m slow $(PYTEST_ARGS) tests
 
 test-gpu: $(SETUP) ## the GPU tier (bf16 on CUDA, compiled blocks under ZeRO-3, resume, attention kernels); needs a CUDA GPU
 	$(RUN) OLMO_DS_TEST_DEVICE=cuda $(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests

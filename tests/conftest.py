@@ -9,10 +9,18 @@ OLMO_DS_TEST_DEVICE=cuda (`make test-gpu`, with `-m gpu`): the devices stay as t
 Tests skipped because the host lacks GPUs are counted at the end, so a GPU run that quietly tested
 nothing shows.
 
+Tests marked `slow` (multi-rank runs of a minute or so whose subject other tests also reach) are a
+sampled tier, like the fault suite's trials: `make test` runs one in `SLOW_SHARE` of them, drawn with
+`OLMO_DS_SLOW_SEED` (random by default, printed at the end so a failure can be replayed);
+`OLMO_DS_SLOW_TESTS=all` (`make test-slow`) runs them all, and so does a session that selected nothing
+but slow tests (a file or test named on the command line).
+
 Also the fixtures every test directory shares.
 """
 
+import math
 import os
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -28,15 +36,38 @@ if DEVICE == "cpu":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+SLOW_TESTS = os.environ.get("OLMO_DS_SLOW_TESTS", "sample")
+if SLOW_TESTS not in ("sample", "all"):
+    raise pytest.UsageError(f"OLMO_DS_SLOW_TESTS={SLOW_TESTS!r}: expected 'sample' or 'all'")
+SLOW_SHARE = 3
+# pytest-xdist's workers collect separately: they share the run's id, so they draw the same sample.
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+SLOW_SEED = int(os.environ.get("OLMO_DS_SLOW_SEED") or (int(_RUN_ID[:8], 16) if _RUN_ID else random.SystemRandom().randrange(2**31)))
+_slow_sampled: list[int] = []  # [kept, of]
+
+
+@pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselection: `items` is what this session runs
 def pytest_collection_modifyitems(config, items):
     if DEVICE == "cpu":
         skip = pytest.mark.skip(reason="GPU tier: runs with `make test-gpu` (OLMO_DS_TEST_DEVICE=cuda)")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    slow = [item for item in items if "slow" in item.keywords]
+    if SLOW_TESTS == "all" or not slow or len(slow) == len(items):
+        return
+    keep = set(random.Random(SLOW_SEED).sample(sorted(item.nodeid for item in slow), math.ceil(len(slow) / SLOW_SHARE)))
+    skip = pytest.mark.skip(reason=f"slow tier: not drawn this run (OLMO_DS_SLOW_SEED={SLOW_SEED}); `make test-slow` runs all")
+    for item in slow:
+        if item.nodeid not in keep:
+            item.add_marker(skip)
+    _slow_sampled[:] = [len(keep), len(slow)]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _slow_sampled:
+        terminalreporter.write_line(f"slow tier: {_slow_sampled[0]} of {_slow_sampled[1]} drawn "
+                                    f"(OLMO_DS_SLOW_SEED={SLOW_SEED}; `make test-slow` runs all)")
     skipped = terminalreporter.stats.get("skipped", [])
     if not skipped:
         return

@@ -1,5 +1,6 @@
 """bench_prepare runs end to end on a small corpus (the figures themselves are for BENCHMARKS.md)."""
 
+import pytest
 
 from olmo_ds.tools.bench_prepare import run
 from testdata import SHARED
@@ -7,6 +8,7 @@ from testdata import SHARED
 DOLMA2 = SHARED / "tokenizers" / "dolma2-tokenizer.json"
 
 
+@pytest.mark.slow
 def test_bench_prepare_small(tmp_path):
     lines = []
     r = run(DOLMA2.resolve(), tmp_path, 2, [1, 2], ["fast"], log=lines.append, big_file_mb=6)
@@ -24,6 +26,7 @@ def test_bench_prepare_small(tmp_path):
     assert any("2 workers / 1 worker" in line for line in lines) and any(line.startswith("big file, --workers 2") for line in lines)
 
 
+@pytest.mark.slow
 def test_bench_prepare_many_files(tmp_path):
     from olmo_ds.tools.bench_prepare import run_many_files
 

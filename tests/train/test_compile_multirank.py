@@ -68,6 +68,7 @@ def test_zero3_compiled_leaf_blocks_train_like_eager_blocks(runs):
     assert compiled["scores"] == pytest.approx(eager["scores"], rel=1e-4, abs=5e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(fp8.unavailable() is not None, reason=f"model.float8: {fp8.unavailable()}")
 def test_zero3_compiled_leaf_blocks_run_their_matmuls_in_fp8(runs):
     """Every block call compiled, each with its 7 matmuls in FP8 (forward and the recomputation), gathered and

@@ -42,6 +42,7 @@ def train(world_info: dict, config: Path, tmp: Path) -> None:
     assert codes == [0] * len(groups), logs
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_two_nodes_of_two_ranks_equal_four_ranks_on_one_node(tmp_path):
     data = write_markov_shards(tmp_path / "shards", 20_000)

@@ -121,6 +121,7 @@ def _workers(proc: subprocess.Popen) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.slow
 def test_hard_kill_then_preemption_signal(tmp_path, data_dir):
     """SIGKILL mid-run loses only the steps since the last checkpoint; SIGTERM saves where it is and exits 0."""
     cfg = tiny_config(tmp_path, data_dir, max_steps=400, checkpoint={"every": 3, "keep_last": 2})
@@ -158,6 +159,7 @@ def test_hard_kill_then_preemption_signal(tmp_path, data_dir):
     assert (run_dir / "checkpoints" / LATEST).read_text().strip() == f"step-{stopped:07d}"
 
 
+@pytest.mark.slow
 def test_offload_config_trains_and_divergence_aborts(tmp_path, data_dir):
     """ZeRO-3 with optimizer and parameter offload (DeepSpeed's CPU Adam) trains; a run whose loss turns
     non-finite skips those steps, then stops with a clear message after optim.max_nonfinite_in_a_row."""

@@ -23,6 +23,7 @@ PRETRAIN = ROOT / "scripts" / "pretrain.py"
 pytestmark = pytest.mark.multirank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [3, 2])
 def test_resume_two_rank_checkpoint_on_one_rank(stage, tmp_path):
     data = write_markov_shards(tmp_path / "shards")

@@ -95,6 +95,7 @@ def ok(result) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_preempted_and_resumed_run_is_one_wandb_run_matching_metrics_jsonl(tmp_path, monkeypatch):
     hermetic_wandb_env(monkeypatch, tmp_path)
