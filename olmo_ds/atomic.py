@@ -24,5 +24,14 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def fsync_path(path: str | Path) -> None:
+    """Flush a file (or a directory's entries) that was written elsewhere, e.g. by torch.save, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_json(path: str | Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())

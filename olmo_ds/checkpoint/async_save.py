@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from olmo_ds.atomic import atomic_write_bytes
+from olmo_ds.atomic import atomic_write_bytes, fsync_path
 from olmo_ds.checkpoint.layout import checkpoints_dir, step_tag
 from olmo_ds.checkpoint.save import barrier, finalize_checkpoint, prepare_checkpoint_dir, write_rng
 
@@ -247,14 +247,6 @@ def _free_gib(directory: Path) -> float:
         return float("nan")
 
 
-def _fsync(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def snapshot_bytes_estimate(num_params: int, dp_world: int) -> int:
     """Host bytes one rank's snapshot takes: fp32 master weights and AdamW's two moments, partitioned over
     the data-parallel ranks, plus a tenth for module states and headroom."""
@@ -323,9 +315,9 @@ class AsyncSaver:
             with _without_crc32():
                 for path, state in files:
                     torch.save(state, path)
-                    _fsync(path)  # on disk before the marker says so, as the marker itself is
+                    fsync_path(path)  # on disk before the marker says so, as the marker itself is
             for directory in {Path(path).parent for path, _ in files}:
-                _fsync(directory)
+                fsync_path(directory)
             atomic_write_bytes(written_marker(ckpt_dir, self.rank), b"")
         except BaseException as e:  # reported at the next collective point; the previous checkpoint stays latest
             self._error = e

@@ -1,7 +1,7 @@
 """Writing a checkpoint so that it survives anything: atomic completion, `latest`, retention, RNG streams.
 
 Rank 0 writes `train_state.json` (atomically) only after a barrier that every rank reaches once its own
-files are on disk, then switches `latest` (atomically). A crash at any moment therefore leaves either
+files are on disk (fsynced, not only in the page cache), then switches `latest` (atomically). A crash at any moment therefore leaves either
 the new checkpoint complete or the previous one untouched and still named by `latest`; resume never
 picks a half-written directory.
 """
@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from olmo_ds.atomic import atomic_write_bytes, atomic_write_json
+from olmo_ds.atomic import atomic_write_bytes, atomic_write_json, fsync_path
 from olmo_ds.checkpoint.layout import LATEST, TOKENIZER_COPY, TRAIN_STATE, checkpoints_dir, is_complete, list_checkpoints, rng_file, step_tag
 
 
@@ -63,13 +63,37 @@ def save_checkpoint(engine, run_dir: str | Path, step: int, train_state: dict, *
     """Collective, blocking: every rank calls it. Returns the checkpoint directory once it is complete.
     (`olmo_ds.checkpoint.async_save.AsyncSaver` does the same with the writing off the training path.)"""
     ckpt = prepare_checkpoint_dir(run_dir, step, rank)
-    engine.save_checkpoint(str(checkpoints_dir(run_dir)), tag=step_tag(step), save_latest=False)
+    recorder = _RecordingEngine(engine.checkpoint_engine)
+    engine.checkpoint_engine = recorder
+    try:
+        engine.save_checkpoint(str(checkpoints_dir(run_dir)), tag=step_tag(step), save_latest=False)
+    finally:
+        engine.checkpoint_engine = recorder.inner
+    for path in recorder.paths:  # torch.save leaves them in the page cache; a power loss must not cost them
+        fsync_path(path)
+    for directory in {Path(p).parent for p in recorder.paths}:
+        fsync_path(directory)
     write_rng(ckpt, rank)
     barrier()  # every rank's ZeRO shard and RNG file is on disk
     if rank == 0:
         finalize_checkpoint(ckpt, step, train_state, tokenizer_path=tokenizer_path)
     barrier()
     return ckpt
+
+
+class _RecordingEngine:
+    """DeepSpeed's checkpoint engine as it is, noting the path of every file it saves (this rank's)."""
+
+    def __init__(self, inner):
+        self.inner, self.paths = inner, []
+
+    def save(self, state_dict, path):
+        result = self.inner.save(state_dict, path)
+        self.paths.append(str(path))
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def prepare_checkpoint_dir(run_dir: str | Path, step: int, rank: int) -> Path:

@@ -71,7 +71,18 @@ for name, p in model.named_parameters():
     torch.testing.assert_close(safe_get_full_grad(p), ref_params[name].grad, rtol=1e-4, atol=1e-7, msg=name)
 engine.step()
 
-ckpt = save_checkpoint(engine, out_dir / "run", 1, {"model": cfg.to_dict()}, rank=0, tokenizer_path=tokenizer)
+# A blocking save puts DeepSpeed's files on disk (fsync, not only the page cache) before train_state.json
+# makes the checkpoint complete: every fsync of the save is recorded by the path it reached.
+fsynced, real_fsync = [], os.fsync
+os.fsync = lambda fd: (fsynced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1]
+try:
+    ckpt = save_checkpoint(engine, out_dir / "run", 1, {"model": cfg.to_dict()}, rank=0, tokenizer_path=tokenizer)
+finally:
+    os.fsync = real_fsync
+state_at = fsynced.index(str(ckpt / "train_state.json.tmp"))
+written_by_deepspeed = sorted(str(p) for p in ckpt.glob("*_states.pt"))
+assert written_by_deepspeed and all(p in fsynced[:state_at] for p in written_by_deepspeed), (written_by_deepspeed, fsynced)
+assert str(ckpt) in fsynced[:state_at], fsynced
 with deepspeed.zero.GatheredParameters(list(model.parameters())):
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out_dir / "weights.pt")
 print(f"ZERO3 OK {ckpt}")
