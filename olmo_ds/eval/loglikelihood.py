@@ -221,7 +221,8 @@ def _reduce(keys: list, lengths: list[int], values: np.ndarray, fn) -> dict:
 
 
 def _score_shared_contexts(model, olmo, requests, idx: list[int], batch_tokens: int, pad_id: int, dist_ctx: DistContext):
-    """Each distinct context run once; its continuations run on a copy of its keys and values.
+    """Each distinct context run once (once per batch, for a context whose continuations need several);
+    its continuations run on a copy of its keys and values.
 
     The first continuation token is scored from the context's last position; the rest from one row
     per distinct continuation (its tokens but the last) attending to the copied cache. Contexts of
@@ -243,16 +244,32 @@ def _score_shared_contexts(model, olmo, requests, idx: list[int], batch_tokens: 
     ctx_list = list(contexts)
     conts = [list(d) for d in continuations]
 
-    batches: list[list[int]] = []
+    # A unit is a context with some of its continuations: one context row, its tails as rows of their own.
+    # A context with more continuations than fit one batch (the unconditional "Answer:", shared by every
+    # question of a task) is split into several units, each running the context again.
+    units: list[tuple[int, list[int]]] = []
+    for c, ctx in enumerate(ctx_list):
+        chunk, width = [], 0
+        for k, cont in enumerate(conts[c]):
+            new_width = max(width, len(cont) - 1)
+            new_tails = sum(len(conts[c][j]) > 1 for j in chunk) + (len(cont) > 1)
+            if chunk and (len(ctx) + new_tails * new_width > batch_tokens or len(chunk) + 1 > batch_tokens):
+                units.append((c, chunk))
+                chunk, new_width = [], len(cont) - 1
+            chunk.append(k)
+            width = new_width
+        units.append((c, chunk))
+
+    batches: list[list[tuple[int, list[int]]]] = []
     current, width, n_rows = [], 0, 0
-    for c in sorted(range(len(ctx_list)), key=lambda c: (-len(ctx_list[c]), c)):
-        tails = [len(k) - 1 for k in conts[c] if len(k) > 1]
+    for c, ks in sorted(units, key=lambda u: (-len(ctx_list[u[0]]), u[0], u[1][0])):
+        tails = [len(conts[c][k]) - 1 for k in ks if len(conts[c][k]) > 1]
         new_width, new_rows = max([width, *tails]), n_rows + len(tails)
         fits = (len(current) + 1) * len(ctx_list[c]) + new_rows * new_width <= batch_tokens
-        if current and (len(ctx_list[current[0]]) != len(ctx_list[c]) or not fits):
+        if current and (len(ctx_list[current[0][0]]) != len(ctx_list[c]) or not fits):
             batches.append(current)
             current, new_width, new_rows = [], max([0, *tails]), len(tails)
-        current.append(c)
+        current.append((c, ks))
         width, n_rows = new_width, new_rows
     if current:
         batches.append(current)
@@ -263,10 +280,10 @@ def _score_shared_contexts(model, olmo, requests, idx: list[int], batch_tokens: 
 
     def step(b: int) -> dict[tuple[int, int], float]:
         batch = batches[b]
-        length = len(ctx_list[batch[0]])
+        length = len(ctx_list[batch[0][0]])
         cache = KVCache(olmo.cfg, len(batch), length, device, dtype)
-        ctx_logits = logits_of(model, torch.as_tensor([ctx_list[c] for c in batch], device=device), cache=cache)
-        tails = [(pos, c, k) for pos, c in enumerate(batch) for k, cont in enumerate(conts[c]) if len(cont) > 1]
+        ctx_logits = logits_of(model, torch.as_tensor([ctx_list[c] for c, _ in batch], device=device), cache=cache)
+        tails = [(pos, c, k) for pos, (c, ks) in enumerate(batch) for k in ks if len(conts[c][k]) > 1]
         tail_inputs = [list(conts[c][k][:-1]) for _, c, k in tails] or [[pad_id]]
         owner = torch.as_tensor([pos for pos, _, _ in tails] or [0], device=device)
         tail_cache = KVCache(olmo.cfg, len(tail_inputs), length + max(len(t) for t in tail_inputs), device, dtype)
@@ -276,8 +293,8 @@ def _score_shared_contexts(model, olmo, requests, idx: list[int], batch_tokens: 
         tail_cache.pos = length
         tail_logits = logits_of(model, pad_rows(tail_inputs, pad_id, device), cache=tail_cache)
 
-        keys = [(c, k) for c in batch for k in range(len(conts[c]))]
-        first = [pos for pos, c in enumerate(batch) for _ in conts[c]]
+        keys = [(c, k) for c, ks in batch for k in ks]
+        first = [pos for pos, (_, ks) in enumerate(batch) for _ in ks]
         row_of = {(c, k): r for r, (_, c, k) in enumerate(tails)}
         picked = [ctx_logits[torch.as_tensor(first, device=device), length - 1]]
         targets = [conts[c][k][0] for c, k in keys]
@@ -301,10 +318,10 @@ def _score_shared_contexts(model, olmo, requests, idx: list[int], batch_tokens: 
     for part, top in run_split(len(batches), step, dist_ctx):
         scores.update(part)
         greedy.update(top)
-    tokens = sum(len(c) for c in ctx_list) + sum(len(k) - 1 for ks in conts for k in ks)
-    rows, positions = 0, 0
+    rows, positions, tokens = 0, 0, 0  # tokens: what the positions hold but padding (a repeated context counts again)
     for batch in batches:  # contexts of one length, then the tails padded to the longest (one pad token if none)
-        tails = [len(k) - 1 for c in batch for k in conts[c] if len(k) > 1] or [1]
-        rows += len(batch) + len(tails)
-        positions += len(batch) * len(ctx_list[batch[0]]) + len(tails) * max(tails)
+        tails = [len(conts[c][k]) - 1 for c, ks in batch for k in ks if len(conts[c][k]) > 1]
+        rows += len(batch) + max(len(tails), 1)
+        positions += len(batch) * len(ctx_list[batch[0][0]]) + (len(tails) * max(tails) if tails else 1)
+        tokens += len(batch) * len(ctx_list[batch[0][0]]) + sum(tails)
     return {i: scores[key_of[i]] for i in idx}, {i: greedy[key_of[i]] for i in idx}, (rows, positions, positions - tokens)

@@ -51,6 +51,24 @@ def test_packed_equals_exact_per_request_and_in_every_accuracy(neox, prepared, m
     assert st["forward_tokens"] < exact.stats["forward_tokens"]
 
 
+def test_exact_splits_a_context_shared_by_many_questions_into_batches_within_the_budget(neox, prepared):
+    """The unconditional context ("Answer:") is shared by every question's choices: on the exact path its
+    continuations are split over batches, each forward within `batch_tokens`, scores as one row each."""
+    model = tiny_olmo(neox.vocab_size, max_seq_len=256)
+    uncond = [r for r in prepared.requests if neox.decode(r[0]).strip() == "Answer:"]
+    assert len(uncond) >= 100 and len({tuple(c) for c, _ in uncond}) == 1
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda _, args: shapes.append(tuple(args[0].shape)))
+    try:
+        split = score_requests(model, uncond, max_len=256, batch_tokens=128, batching="exact")
+    finally:
+        hook.remove()
+    assert len(shapes) > 2 and all(b * t <= 128 for b, t in shapes), shapes
+    rows = score_requests(model, uncond, max_len=256, batch_tokens=128, share_contexts=False)
+    assert np.abs(split.logprob - rows.logprob).max() < 1e-4
+    assert (split.greedy == rows.greedy).all()
+
+
 def test_perplexity_packed_equals_exact(neox):
     model = tiny_olmo(neox.vocab_size)
     table = token_byte_lengths(neox)
