@@ -1,9 +1,9 @@
 """Writing a checkpoint so that it survives anything: atomic completion, `latest`, retention, RNG streams.
 
 Rank 0 writes `train_state.json` (atomically) only after a barrier that every rank reaches once its own
-files are on disk (fsynced, not only in the page cache), then switches `latest` (atomically). A crash at any moment therefore leaves either
-the new checkpoint complete or the previous one untouched and still named by `latest`; resume never
-picks a half-written directory.
+files are on disk (fsynced, not only in the page cache), then switches `latest` (atomically). A crash at
+any moment therefore leaves either the new checkpoint complete or the previous one untouched and still
+named by `latest`; resume never picks a half-written directory.
 """
 
 from __future__ import annotations

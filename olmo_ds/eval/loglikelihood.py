@@ -249,15 +249,14 @@ def _score_shared_contexts(model, olmo, requests, idx: list[int], batch_tokens: 
     # question of a task) is split into several units, each running the context again.
     units: list[tuple[int, list[int]]] = []
     for c, ctx in enumerate(ctx_list):
-        chunk, width = [], 0
+        chunk, width, n_tails = [], 0, 0
         for k, cont in enumerate(conts[c]):
-            new_width = max(width, len(cont) - 1)
-            new_tails = sum(len(conts[c][j]) > 1 for j in chunk) + (len(cont) > 1)
+            new_width, new_tails = max(width, len(cont) - 1), n_tails + (len(cont) > 1)
             if chunk and (len(ctx) + new_tails * new_width > batch_tokens or len(chunk) + 1 > batch_tokens):
                 units.append((c, chunk))
-                chunk, new_width = [], len(cont) - 1
+                chunk, new_width, new_tails = [], len(cont) - 1, int(len(cont) > 1)
             chunk.append(k)
-            width = new_width
+            width, n_tails = new_width, new_tails
         units.append((c, chunk))
 
     batches: list[list[tuple[int, list[int]]]] = []
