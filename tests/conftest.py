@@ -53,8 +53,8 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-    slow = [item for item in items if "slow" in item.keywords]
-    if SLOW_TESTS == "all" or not slow or len(slow) == len(items):
+    slow = [item for item in items if "slow" in item.keywords and not _skips_anyway(item)]
+    if SLOW_TESTS == "all" or not slow or len(slow) == len([item for item in items if not _skips_anyway(item)]):
         return
     keep = set(random.Random(SLOW_SEED).sample(sorted(item.nodeid for item in slow), math.ceil(len(slow) / SLOW_SHARE)))
     skip = pytest.mark.skip(reason=f"slow tier: not drawn this run (OLMO_DS_SLOW_SEED={SLOW_SEED}); `make test-slow` runs all")
@@ -62,6 +62,12 @@ def pytest_collection_modifyitems(config, items):
         if item.nodeid not in keep:
             item.add_marker(skip)
     _slow_sampled[:] = [len(keep), len(slow)]
+
+
+def _skips_anyway(item) -> bool:
+    """Whether a test is marked to skip whatever the draw (a `skip`, or a `skipif` whose condition is true)."""
+    return item.get_closest_marker("skip") is not None or any(
+        m.args and not isinstance(m.args[0], str) and m.args[0] for m in item.iter_markers("skipif"))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
