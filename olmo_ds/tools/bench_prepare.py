@@ -55,6 +55,10 @@ import orjson
 from olmo_ds import hub
 from olmo_ds.tools import package_env
 
+# The tokenizer, the readers and zstandard are imported inside the measures that use them (measure_stages,
+# measure_decompression), not here: this process starts the timed prepare runs, and a child's peak RSS
+# (ru_maxrss) counts what its parent held at fork, so it loads nothing it does not need before them.
+
 # The programs timed in fresh processes (tokenizer ceilings, disk writers), started as `python -m PROBES ...`.
 PROBES = "olmo_ds.tools.prepare_probes"
 
