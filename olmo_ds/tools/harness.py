@@ -1,6 +1,7 @@
 """The measurement harness the benchmarks share: the device and its clock, the counters that show which
-path ran, the facts of the machine a report names, and the one-rank training run that `bench_train`
-times and `bench_checkpoint` saves from (its options, its TrainConfig, its generated shards).
+path ran, the facts of the machine a report names, random-id shards (what `bench_data` reads), and the
+one-rank training run that `bench_train` times and `bench_checkpoint` saves from (its options, its
+TrainConfig, its shards).
 
 A benchmark module holds what it measures and how it reports it; what a second benchmark needs lives
 here, so that no benchmark imports another.
