@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 from olmo_ds import checkpoint as ckpt
-from olmo_ds.tools.bench_train import BenchOptions, build_train_config, write_bench_shards
+from olmo_ds.tools.harness import BenchOptions, build_train_config, write_bench_shards
 from olmo_ds.train.config import ConfigError
+from olmo_ds.train.trainer import Trainer
 
 BLOCKED_TARGET_S = 3.0
 COMPLETE_TARGET_X = 1.3
@@ -59,8 +60,6 @@ def raw_write(directory: Path, nbytes: int, chunk: int = 1 << 28) -> float:
 
 def run(opts: BenchOptions, saves: int = 3, blocking_saves: int = 1, steps_cap: int = 200) -> dict:
     """`steps_cap`: at most this many steps trained while one background save writes (then it is waited for)."""
-    from olmo_ds.train.trainer import Trainer
-
     work = Path(opts.work_dir)
     shutil.rmtree(work / "run", ignore_errors=True)
     cfg = build_train_config(opts, work / "data", work)

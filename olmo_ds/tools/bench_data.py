@@ -22,40 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from olmo_ds.data import shards
 from olmo_ds.data.config import DataConfig, SourceConfig
 from olmo_ds.data.loader import DataLoader
-
-
-def generate_shards(directory: Path, total_tokens: int, *, shard_tokens: int = 1 << 28, vocab_size: int = 100278, mean_doc_len: int = 1200, seed: int = 0) -> Path:
-    """Random-id shards totalling `total_tokens` (skipped if a complete set of that size is already there)."""
-    directory = Path(directory)
-    try:
-        if shards.Manifest.load(directory).num_tokens == total_tokens:
-            return directory
-    except FileNotFoundError:
-        pass
-    directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    dtype = shards.dtype_for_vocab(vocab_size)
-    names, num_docs, left, index = [], 0, total_tokens, 0
-    while left > 0:
-        n = min(shard_tokens, left)
-        tokens = rng.integers(0, vocab_size, size=n, dtype=dtype)
-        ends = np.cumsum(rng.geometric(1 / mean_doc_len, size=2 * n // mean_doc_len + 16))
-        offsets = np.concatenate([[0], ends[ends < n], [n]])
-        meta = shards.write_shard(directory, index, tokens, offsets, vocab_size=vocab_size, eos_id=0)
-        names.append(meta.bin)
-        num_docs += meta.num_docs
-        left -= n
-        index += 1
-    shards.Manifest(
-        num_tokens=total_tokens, num_docs=num_docs, shards=names, dtype=dtype.name, vocab_size=vocab_size, eos_id=0,
-        tokenizer_fingerprint="sha256:random-ids", extra={"generated_by": "olmo_ds.tools.bench_data"},
-    ).save(directory)
-    return directory
+from olmo_ds.tools.harness import generate_shards
 
 
 def evict_from_page_cache(directory: Path) -> None:

@@ -41,7 +41,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from olmo_ds.tools.bench_train import block_counts, dynamo_graphs, environment
+from olmo_ds.data import shards
+from olmo_ds.eval.loglikelihood import score_requests
+from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
+from olmo_ds.eval.perplexity import evaluate_perplexity, token_byte_lengths, window_batches
+from olmo_ds.eval.tasks import load_task
+from olmo_ds.model import OLMo
+from olmo_ds.model.config import preset
+from olmo_ds.tokenizer import load_tokenizer
+from olmo_ds.tools.harness import block_counts, current_device, dynamo_graphs, environment, timed
+from olmo_ds.train.config import config_from_dict
+from olmo_ds.train.ds_config import find_ds_config, load_ds_json
+from olmo_ds.train.launch import normalize_cuda_arch_list
+from olmo_ds.train.metrics import setup_console_logging
+from olmo_ds.train.trainer import Trainer
 
 GPU = torch.cuda.is_available()
 
@@ -73,15 +86,6 @@ class EvalBenchOptions:
     work_dir: str = "out/bench-eval"
 
 
-def _sync() -> None:
-    if GPU:
-        torch.cuda.synchronize()
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if GPU else torch.device("cpu")
-
-
 def _dtype(opts: EvalBenchOptions) -> torch.dtype:
     precision = opts.precision or ("bf16" if GPU else "fp32")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
@@ -91,10 +95,6 @@ def _dtype(opts: EvalBenchOptions) -> torch.dtype:
 
 
 def load_inputs(opts: EvalBenchOptions):
-    from olmo_ds.eval.multiple_choice import prepare_tasks
-    from olmo_ds.eval.tasks import load_task
-    from olmo_ds.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer(opts.tokenizer or _shared() / "tokenizers" / "dolma2-tokenizer.json")
     paths = opts.tasks or [str(_shared() / "eval" / name) for name in ("arc_easy_rc_0shot", "piqa_rc_0shot")]
     tasks = [load_task(p) for p in paths]
@@ -108,8 +108,6 @@ def task_summary(prepared) -> dict:
 
 def write_token_shards(directory: Path, tokenizer, num_tokens: int) -> Path:
     """Random-id shards labelled with `tokenizer`'s fingerprint (the trainer checks it against the tokenizer)."""
-    from olmo_ds.data import shards
-
     if (directory / shards.MANIFEST).exists():
         return directory
     directory.mkdir(parents=True, exist_ok=True)
@@ -125,8 +123,6 @@ def write_token_shards(directory: Path, tokenizer, num_tokens: int) -> Path:
 def twin(model, device, dtype=None, **cfg_changes):
     """A copy of `model` on `device` (in `dtype`), with config fields changed: built on the meta device and
     given the weights, so a 1B model costs no initialisation on the CPU."""
-    from olmo_ds.model import OLMo
-
     with torch.device("meta"):
         out = OLMo(dataclasses.replace(model.cfg, **cfg_changes))
     out.load_state_dict({k: v.to(device=device, dtype=dtype or v.dtype) for k, v in model.state_dict().items()}, assign=True)
@@ -135,37 +131,24 @@ def twin(model, device, dtype=None, **cfg_changes):
 
 def build_models(opts: EvalBenchOptions, vocab_size: int):
     """(fp32 model, model in the run's precision with the same weights rounded), both on the device, eval mode."""
-    from olmo_ds.model import OLMo
-    from olmo_ds.model.config import preset
-
     torch.manual_seed(0)
-    with torch.device(_device()):
+    with torch.device(current_device()):
         fp32 = OLMo(preset(opts.preset, vocab_size=vocab_size)).eval()
-    return fp32, twin(fp32, _device(), _dtype(opts))
+    return fp32, twin(fp32, current_device(), _dtype(opts))
 
 
 # --- measurements --------------------------------------------------------------------------------
 
 
-def _timed(fn):
-    _sync()
-    t0 = time.perf_counter()
-    out = fn()
-    _sync()
-    return out, time.perf_counter() - t0
-
-
 def measure_tasks(model, tokenizer, prepared, max_len: int, batch_tokens: int, batching: str, repeats: int) -> dict:
     """One first call, then `repeats` timed calls (none for exact, which compiles nothing). Speeds are
     those of the fastest timed call (the first call's when there are none)."""
-    from olmo_ds.eval.multiple_choice import evaluate_tasks
-
     def call():
         return evaluate_tasks(model, tokenizer, prepared, 0, 1, max_len=max_len, batch_tokens=batch_tokens, batching=batching)
 
     graphs0 = dynamo_graphs()
-    first, first_s = _timed(call)
-    runs = [_timed(call) for _ in range(repeats)]
+    first, first_s = timed(call)
+    runs = [timed(call) for _ in range(repeats)]
     best, best_s = min(runs, key=lambda r: r[1]) if runs else (first, first_s)
     st = best.stats
     return {
@@ -184,14 +167,12 @@ def accuracies(tasks: dict) -> dict:
 
 
 def measure_perplexity(model, batches, token_bytes, batching: str, repeats: int) -> dict:
-    from olmo_ds.eval.perplexity import evaluate_perplexity
-
     def call():
         return evaluate_perplexity(model, batches, token_bytes, batching=batching)
 
     graphs0 = dynamo_graphs()
-    first, first_s = _timed(call)
-    runs = [_timed(call) for _ in range(repeats)]
+    first, first_s = timed(call)
+    runs = [timed(call) for _ in range(repeats)]
     best, best_s = min(runs, key=lambda r: r[1]) if runs else (first, first_s)
     return {"batching": batching, "first_call_s": first_s, "steady_s": [s for _, s in runs], "seconds": best_s,
             "tokens": best.tokens, "tokens_per_s": best.tokens / best_s, "rows_per_s": best.rows / best_s,
@@ -201,9 +182,6 @@ def measure_perplexity(model, batches, token_bytes, batching: str, repeats: int)
 
 def build_train_config(opts: EvalBenchOptions, tokenizer, task_paths: list[str], work: Path):
     """The TrainConfig of a run with in-loop evaluation of the tasks (all questions, no unconditional requests)."""
-    from olmo_ds.train.config import config_from_dict
-    from olmo_ds.train.ds_config import find_ds_config, load_ds_json
-
     rows = opts.micro_batch_size * 4
     data = write_token_shards(work / f"shards-{opts.seq_len}", tokenizer, (rows + 4) * opts.seq_len)
     # torch's AdamW instead of DeepSpeed's FusedAdam, whose JIT build (~30 s on a fresh GPU host) buys
@@ -230,8 +208,6 @@ def build_train_config(opts: EvalBenchOptions, tokenizer, task_paths: list[str],
 
 def measure_in_loop(opts: EvalBenchOptions, tokenizer, task_paths: list[str], work: Path) -> dict:
     """The trainer's own evaluator on its own engine, called `inloop_evals` times per batching."""
-    from olmo_ds.train.trainer import Trainer
-
     cfg = build_train_config(opts, tokenizer, task_paths, work)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a fresh run each time: nothing to resume
     t0 = time.perf_counter()
@@ -245,7 +221,7 @@ def measure_in_loop(opts: EvalBenchOptions, tokenizer, task_paths: list[str], wo
             calls = []
             for i in range(opts.inloop_evals if batching == "packed" else 1):
                 graphs0 = dynamo_graphs()
-                metrics, seconds = _timed(lambda: trainer.evaluator(trainer.engine))
+                metrics, seconds = timed(lambda: trainer.evaluator(trainer.engine))
                 calls.append({"seconds": seconds, "dynamo_graphs_built": dynamo_graphs() - graphs0,
                               **{k.removeprefix("eval/tasks/"): v for k, v in metrics.items() if k.startswith("eval/tasks/")}})
             steady = [c["seconds"] for c in calls[1:]]
@@ -278,15 +254,12 @@ def measure_precision(opts: EvalBenchOptions, fp32, low, tokenizer, tasks, prepa
     """Packed scores in the run's precision (`packed_low`, from `measure_tasks`) against fp32 (eager
     blocks, SDPA, no TF32) on the device over every request; and on the first `cpu_questions` questions
     of each task, both against fp32 on the CPU through the exact path."""
-    from olmo_ds.eval.loglikelihood import score_requests
-    from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
-
     pad = tokenizer.pad_id or 0
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    ref = twin(fp32, _device(), compile="eager", attention_backend="sdpa")
+    ref = twin(fp32, current_device(), compile="eager", attention_backend="sdpa")
     num_tokens = np.array([len(k) for _, k in prepared.requests])
-    result, seconds = _timed(lambda: evaluate_tasks(ref, tokenizer, prepared, 0, 1, max_len=max_len, batch_tokens=opts.batch_tokens))
+    result, seconds = timed(lambda: evaluate_tasks(ref, tokenizer, prepared, 0, 1, max_len=max_len, batch_tokens=opts.batch_tokens))
     out = {"device_fp32_s": seconds,
            "low_vs_fp32": precision_report(packed_low["logprob"], result.scored.logprob, num_tokens, packed_low["metrics"],
                                            accuracies(result.tasks))}
@@ -316,10 +289,6 @@ def measure_precision(opts: EvalBenchOptions, fp32, low, tokenizer, tasks, prepa
 def run_bench(opts: EvalBenchOptions, json_path: Path | None = None) -> dict:
     """Every section in turn; with `json_path`, the result so far is written after each (a run cut short
     by a time limit leaves what it measured)."""
-    from olmo_ds.eval.perplexity import token_byte_lengths, window_batches
-    from olmo_ds.train.launch import normalize_cuda_arch_list
-    from olmo_ds.train.metrics import setup_console_logging
-
     setup_console_logging(0)
     normalize_cuda_arch_list()
     work = Path(opts.work_dir)

@@ -55,6 +55,14 @@ import orjson
 from olmo_ds import hub
 from olmo_ds.tools import package_env
 
+# The tokenizer, the readers and zstandard are imported inside the measures that use them (measure_stages,
+# measure_decompression), not here: this process starts the timed prepare runs, and a child's peak RSS
+# (ru_maxrss) counts what its parent held at fork, so it loads nothing it does not need before them.
+
+# The programs timed in fresh processes (tokenizer ceilings, disk writers), started as `python -m PROBES ...`.
+PROBES = "olmo_ds.tools.prepare_probes"
+
+
 def _unique_documents(limit: int, extra_text: Path | None = None) -> list[str]:
     """Real code and prose that every installation of the project carries, no text twice: the
     Python sources (code with docstrings) and the .md/.rst/.txt files of the standard library and
@@ -114,32 +122,8 @@ def generate_corpus(directory: Path, size_mb: int, files: int = 8, extra_text: P
     return directory
 
 
-_CEILING = r"""
-import os, sys, time, json
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
-from pathlib import Path
-import orjson
-from olmo_ds.tokenizer import load_tokenizer
-tok = load_tokenizer(sys.argv[1], backend=sys.argv[3])  # the fast backend pins itself to one thread
-tok.split_special_tokens = True  # special-token strings in a document are text, as prepare_data.py encodes them by default
-texts = []
-for f in sorted(Path(sys.argv[2]).glob("part-*.jsonl")):
-    with open(f, "rb") as fh:
-        texts += [orjson.loads(line)["text"] for line in fh]
-nbytes = sum(len(t.encode()) for t in texts)
-t0 = time.perf_counter(); c0 = time.process_time()
-n = 0
-for i in range(0, len(texts), 256):
-    if sys.argv[3] == "hf":  # HF tokenizers' fastest batch call, as a user would write it
-        n += sum(len(e.ids) for e in tok._tok.encode_batch_fast(texts[i:i + 256], add_special_tokens=False))
-    else:
-        n += len(tok.encode_batch_flat(texts[i:i + 256])[0])
-print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0, "tokens": n, "text_bytes": nbytes, "docs": len(texts)}))
-"""
-
-
 def _ceiling_cmd(tokenizer: Path, corpus: Path, backend: str) -> list[str]:
-    return [sys.executable, "-c", _CEILING, str(tokenizer), str(corpus), backend]
+    return [sys.executable, "-m", PROBES, "ceiling", str(tokenizer), str(corpus), backend]
 
 
 def measure_ceiling(tokenizer: Path, corpus: Path, backend: str) -> dict:
@@ -507,32 +491,12 @@ def generate_gz_corpus(directory: Path, gz_mb: int, files: int, pool_mb: int, ex
     return directory
 
 
-_CEILING_FILES = r"""
-import os, sys, time, json
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
-t0 = time.perf_counter()
-from olmo_ds.data import readers, shards
-from olmo_ds.tokenizer import load_tokenizer
-tok = load_tokenizer(sys.argv[1], backend="fast")
-tok.split_special_tokens = True  # special-token strings in a document are text, as prepare_data.py encodes them by default
-t1 = time.perf_counter()
-texts = [t for f in sys.argv[2:] for t in readers.read_documents(f)]  # decompress and parse
-t2 = time.perf_counter()
-n = 0
-for i in range(0, len(texts), 256):
-    n += len(tok.encode_batch_flat(texts[i:i + 256])[0])
-t3 = time.perf_counter()
-print(json.dumps({"load_tokenizer": t1 - t0, "read_seconds": t2 - t1, "seconds": t3 - t2, "tokens": n, "docs": len(texts),
-                  "itemsize": shards.dtype_for_vocab(tok.vocab_size).itemsize}))
-"""
-
-
 def measure_files_ceiling(tokenizer: Path, groups: list[list[Path]]) -> dict:
     """One process per group of files, all at once: each loads its tokenizer, reads its files
     (decompressing and parsing) and then encodes the texts, timed apart. Throughput is the sum over
     the processes of tokens over encode seconds (fastokens alone), and of tokens over read + encode
     seconds (a whole job without coordination or output)."""
-    runs = _run_together([[sys.executable, "-c", _CEILING_FILES, str(tokenizer), *map(str, g)] for g in groups])
+    runs = _run_together([[sys.executable, "-m", PROBES, "files-ceiling", str(tokenizer), *map(str, g)] for g in groups])
     return {
         "processes": len(groups), "tokens": sum(r["tokens"] for r in runs), "docs": sum(r["docs"] for r in runs),
         "tokens_per_s": sum(r["tokens"] / r["seconds"] for r in runs),
@@ -541,33 +505,14 @@ def measure_files_ceiling(tokenizer: Path, groups: list[list[Path]]) -> dict:
     }
 
 
-_WRITE_FILE = r"""
-import json, os, sys, time
-from olmo_ds.data.shards import start_writeback
-path, nbytes, start_at = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-block = memoryview(os.urandom(16 << 20))  # random bytes: no filesystem can compress or skip them
-time.sleep(max(start_at - time.time(), 0))  # every writer starts at the same moment
-t0 = time.time()
-with open(path, "wb", buffering=0) as f:
-    done = 0
-    while done < nbytes:
-        n = f.write(block[: nbytes - done])
-        start_writeback(f.fileno(), done, n)  # as the shard writers do
-        done += n
-    os.fsync(f.fileno())
-t1 = time.time()
-os.unlink(path)
-print(json.dumps({"start": t0, "end": t1}))
-"""
-
-
 def measure_disk_floor(directory: Path, nbytes: int, n: int) -> dict:
     """`n` processes at once, each writing and fsyncing its share of `nbytes` to its own file in
     `directory` (written in 16 MB steps, each handed to the disk at once, as the shard writers do):
     the least time in which this disk takes prepare's output, read nowhere near the CPU."""
     directory.mkdir(parents=True, exist_ok=True)
     start_at = time.time() + 1.0  # after every writer has started and imported (a late one only makes the span longer)
-    runs = _run_together([[sys.executable, "-c", _WRITE_FILE, str(directory / f"write-{i:02d}.tmp"), str(nbytes // n), str(start_at)] for i in range(n)])
+    runs = _run_together([[sys.executable, "-m", PROBES, "write", str(directory / f"write-{i:02d}.tmp"), str(nbytes // n), str(start_at)]
+                          for i in range(n)])
     seconds = max(r["end"] for r in runs) - min(r["start"] for r in runs)
     return {"processes": n, "bytes": nbytes // n * n, "seconds": seconds, "bytes_per_s": nbytes // n * n / seconds}
 

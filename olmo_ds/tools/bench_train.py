@@ -41,76 +41,36 @@ import gc
 import json
 import logging
 import math
-import os
+import resource
 import shlex
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.profiler import record_function
+from torch.profiler import ProfilerActivity, profile, record_function
 
+import olmo_ds.model.model as model_mod
+from olmo_ds.data.loader import DataLoader
+from olmo_ds.model import OLMo
+from olmo_ds.model.config import preset as model_preset
+from olmo_ds.model.model import BLOCK_CALLS
 from olmo_ds.ranks import LaunchError
 from olmo_ds.tools import package_env
-from olmo_ds.train.config import ConfigError, apply_override, config_from_dict
-from olmo_ds.train.ds_config import find_ds_config, load_ds_json, resolve_ds_config
+from olmo_ds.tools.harness import (BenchOptions, Experiments, block_counts, build_train_config, current_device, dynamo_graphs,
+                                   environment, gpu_identity, sync, write_bench_shards)
+from olmo_ds.train.config import ConfigError
+from olmo_ds.train.ds_config import resolve_ds_config
+from olmo_ds.train.launch import normalize_cuda_arch_list
 from olmo_ds.train.memory import estimate_peak_memory
+from olmo_ds.train.metrics import memory_gib, peak_tflops, setup_console_logging
+from olmo_ds.train.optim import param_groups
 from olmo_ds.train.preflight import check_float8
+from olmo_ds.train.trainer import Trainer
 
 log = logging.getLogger("olmo_ds")
-
-
-
-@dataclass
-class Experiments:
-    """Speed levers applied by patching this process (see `apply_experiments`); all off by default.
-
-    They exist to measure a lever before it is folded into the model or trainer code; each must keep
-    the step's math unchanged (the tests compare losses with and without them).
-    """
-
-    # torch.compile the parameter-free math of eager blocks (RMSNorm body, RoPE, SwiGLU) as standalone
-    # functions that take the already-gathered weight as an argument, so ZeRO-3's module hooks still
-    # run eagerly around them. Meant for `compile=eager` (variant `eager`): compiled blocks bypass them.
-    compile_pointwise: bool = False
-    # Tokens per chunk of the fused output-projection + cross-entropy (default: `LMHead.forward`'s).
-    loss_chunk: int | None = None
-    # DeepSpeed's DeepCompile: `"compile": {"deepcompile": true}` and `engine.compile()` after init.
-    deepcompile: bool = False
-    # `engine.compile()` (plain torch.compile of the whole module under DeepSpeed's hooks).
-    engine_compile: bool = False
-    compile_backend: str = "inductor"  # for compile_pointwise and engine.compile(); blocks use the model's
-    # Compiled blocks as CUDA graphs (torch.compile mode "reduce-overhead"): each block's kernels are
-    # replayed from one graph launch instead of launched one by one (issue 24's attempt at the host gap
-    # between micro-batches). The gathered weights are inputs, so inductor copies them into the graph's
-    # static buffers on every call.
-    cuda_graphs: bool = False
-
-
-@dataclass
-class BenchOptions:
-    preset: str = "olmo2-1b"
-    seq_len: int = 4096
-    micro_batch_size: int = 4
-    grad_accum: int = 1  # micro-batches per optimizer step (global batch = micro x accum, one rank)
-    ds_config: str = "ds_configs/zero3_bf16.json"
-    ds_set: list[str] = field(default_factory=list)  # "zero_optimization.reduce_bucket_size=500000000"
-    model_set: list[str] = field(default_factory=list)  # ModelConfig fields, e.g. "compile=eager"
-    window: int | None = None  # sliding window in tokens on the layers `window_pattern` marks (model.sliding_window)
-    window_pattern: str = "TTTF"  # T = sliding, F = full, repeated over the layers (the last is always full): OLMo 3's
-    document_masking: bool = False  # attend within documents (data.document_masking; generated docs average 1,200 tokens)
-    precision: str | None = None  # None: bf16 on CUDA, fp32 on CPU
-    warmup: int = 5
-    steps: int = 20
-    reference: bool = True
-    reference_fp32_master: bool = False  # also a plain-PyTorch step with DeepSpeed's fp32 master weights and moments
-    deepspeed: bool = True
-    work_dir: str = "out/bench-train"  # shards (reused) and the resolved DeepSpeed JSON
-    profile_dir: str | None = None  # profile two extra steps of each path and write op tables here
-    experiments: Experiments = field(default_factory=Experiments)
 
 
 # --- experiment switches -------------------------------------------------------------------------
@@ -120,28 +80,8 @@ def _swiglu(gate, up):
     return torch.nn.functional.silu(gate) * up
 
 
-def block_counts() -> dict:
-    """How many block calls ran compiled and eagerly in this process so far (see `BLOCK_CALLS`), how many of
-    their matmuls ran in FP8 (`model.float8`; each block has 7, each with 2 more in backward), and how many
-    graphs torch.compile has built (a count that grows during the timed steps means recompiles)."""
-    from olmo_ds.model.float8 import MATMULS_PER_BLOCK
-    from olmo_ds.model.model import BLOCK_CALLS
-
-    return {"blocks_compiled": BLOCK_CALLS["compiled"], "blocks_eager": BLOCK_CALLS["eager"],
-            "block_matmuls": MATMULS_PER_BLOCK * (BLOCK_CALLS["compiled"] + BLOCK_CALLS["eager"]),
-            "float8_matmuls": BLOCK_CALLS["float8_matmuls"], "dynamo_graphs": dynamo_graphs()}
-
-
-def dynamo_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
 def apply_experiments(exp: Experiments) -> list[str]:
     """Patch the model classes for the switches that are on; returns their names for the report."""
-    import olmo_ds.model.model as model_mod
-
     applied = []
     compile_kw = dict(dynamic=False, backend=exp.compile_backend)
     if exp.compile_pointwise:
@@ -174,75 +114,6 @@ def apply_experiments(exp: Experiments) -> list[str]:
 # --- set-up --------------------------------------------------------------------------------------
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _gpu_identity() -> tuple[tuple[int, int], str]:
-    return torch.cuda.get_device_capability(), torch.cuda.get_device_name()
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def write_ds_config(opts: BenchOptions, work: Path) -> str:
-    """The chosen DeepSpeed JSON with `ds_set` overrides applied, written next to the run (or the file itself)."""
-    path = find_ds_config(opts.ds_config)
-    if not opts.ds_set and not opts.experiments.deepcompile:
-        return str(path)
-    ds = load_ds_json(path)
-    for assignment in opts.ds_set:
-        apply_override(ds, assignment)
-    if opts.experiments.deepcompile:
-        ds.setdefault("compile", {})["deepcompile"] = True
-    out = work / "ds_config.json"
-    out.write_text(json.dumps(ds, indent=2))
-    return str(out)
-
-
-def build_train_config(opts: BenchOptions, data_dir: Path, work: Path):
-    """The TrainConfig a user would write for this benchmark (one rank, constant lr, no checkpoints)."""
-    precision = opts.precision or ("bf16" if torch.cuda.is_available() else "fp32")
-    model = {"preset": opts.preset}
-    if opts.window is not None:
-        if not opts.window_pattern or set(opts.window_pattern) - {"T", "F"}:
-            raise ConfigError(f"bench: --window-pattern {opts.window_pattern!r} must be letters T (sliding) and F (full), e.g. TTTF")
-        model["sliding_window"] = opts.window
-        model["sliding_window_pattern"] = [c == "T" for c in opts.window_pattern]
-    for assignment in opts.model_set:
-        apply_override(model, assignment)
-    steps = opts.warmup + opts.steps
-    tree = {
-        "run_dir": str(work / "run"),
-        "max_steps": steps,
-        "precision": precision,
-        "deepspeed_config": write_ds_config(opts, work),
-        "model": model,
-        "data": {"sources": [{"path": str(data_dir)}], "prefetch": 2, "document_masking": opts.document_masking},
-        "batch": {
-            "global_batch_size": opts.micro_batch_size * opts.grad_accum,
-            "micro_batch_size": opts.micro_batch_size,
-            "seq_len": opts.seq_len,
-        },
-        "schedule": {"kind": "constant"},
-        "checkpoint": {"every": 0, "save_final": False},
-        "logging": {"tensorboard": False},
-    }
-    return config_from_dict(tree, source=f"bench_train ({opts.preset})")
-
-
-def write_bench_shards(opts: BenchOptions, directory: Path, vocab_size: int) -> Path:
-    """Random-id shards (never zeros: they can run faster than real data) big enough for both runs."""
-    from olmo_ds.tools.bench_data import generate_shards
-
-    rows = (opts.warmup + opts.steps) * opts.micro_batch_size * opts.grad_accum
-    tokens = (rows + 8) * opts.seq_len * 2
-    return generate_shards(directory, tokens, shard_tokens=max(tokens // 2, opts.seq_len * 4), vocab_size=vocab_size,
-                           mean_doc_len=min(1200, opts.seq_len))
-
-
 def flops_report(model_cfg, seq_len: int) -> dict:
     return {"flops_per_token": model_cfg.flops_per_token(seq_len), "formula": model_cfg.flops_formula(seq_len)}
 
@@ -256,11 +127,7 @@ def _peak_memory_reset() -> None:
 
 
 def _peak_memory_gib() -> dict:
-    from olmo_ds.train.metrics import memory_gib
-
     if torch.cuda.is_available():
-        import resource
-
         return {"peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
                 "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
                 "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # ru_maxrss is KiB
@@ -295,11 +162,7 @@ def run_reference(cfg, model_cfg, opts: BenchOptions, flops: dict, peak: float |
     DeepSpeed does without `data_types.grad_accum_dtype`) and copied to fp32 for clipping and the
     update, the updated master copied back into the model's weights.
     """
-    from olmo_ds.data.loader import DataLoader
-    from olmo_ds.model import OLMo
-    from olmo_ds.train.optim import param_groups
-
-    device = _device()
+    device = current_device()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.precision]
     torch.manual_seed(cfg.seed)
     with torch.device(device):
@@ -372,15 +235,13 @@ def _profile(step, name: str, opts: BenchOptions) -> dict:
     open in Perfetto) go to `profile_dir`. Reports, over the span from the first kernel to the last,
     the share of time in which the device ran at least one kernel or copy (well under 1 means the host
     or a synchronisation starves it) and their summed time (above the busy share when streams overlap)."""
-    from torch.profiler import ProfilerActivity, profile
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    _sync()
+    sync()
     t0 = time.perf_counter()
     with profile(activities=activities) as prof:
         for _ in range(2):
             step()
-        _sync()
+        sync()
     wall = time.perf_counter() - t0
     events = prof.key_averages()
     sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
@@ -404,14 +265,14 @@ def _profile(step, name: str, opts: BenchOptions) -> dict:
 
 def _time_steps(step, loader, opts: BenchOptions, flops: dict, peak: float | None, tokens_per_step: int, name: str = "") -> dict:
     losses = [step() for _ in range(opts.warmup)]
-    _sync()
+    sync()
     _peak_memory_reset()
     wait0, graphs0 = loader.wait_seconds, dynamo_graphs()
     times = []
     for _ in range(opts.steps):
         t0 = time.perf_counter()
         losses.append(step())
-        _sync()
+        sync()
         times.append(time.perf_counter() - t0)
     result = _summarise(times, loader.wait_seconds - wait0, tokens_per_step, flops, peak, losses)
     result["dynamo_graphs_while_timed"] = dynamo_graphs() - graphs0  # new graphs = recompiles after warm-up
@@ -422,8 +283,6 @@ def _time_steps(step, loader, opts: BenchOptions, flops: dict, peak: float | Non
 
 def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> dict:
     """The real pretrain path: `Trainer` (engine, ZeRO config, data loader) and its `train_step`."""
-    from olmo_ds.train.trainer import Trainer
-
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
     if opts.experiments.deepcompile or opts.experiments.engine_compile:
@@ -454,26 +313,8 @@ def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> d
     return result
 
 
-def environment() -> dict:
-    env = {"torch": torch.__version__, "device": "cpu", "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST")}
-    try:
-        import deepspeed
-
-        env["deepspeed"] = deepspeed.__version__
-    except ImportError:
-        env["deepspeed"] = None
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name()
-        env["cuda"] = torch.version.cuda
-    return env
-
-
 def run_bench(opts: BenchOptions) -> dict:
     """Reference step first (it needs the device to itself), then the DeepSpeed trainer; one result dict."""
-    from olmo_ds.model.model import BLOCK_CALLS
-    from olmo_ds.train.launch import normalize_cuda_arch_list
-    from olmo_ds.train.metrics import peak_tflops, setup_console_logging
-
     setup_console_logging(0)
     normalize_cuda_arch_list()
     if opts.grad_accum < 1 or opts.steps < 1 or opts.warmup < 0:
@@ -481,14 +322,11 @@ def run_bench(opts: BenchOptions) -> dict:
     work = Path(opts.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     applied = apply_experiments(opts.experiments)
-
-    from olmo_ds.model.config import preset as model_preset
-
     vocab = model_preset(opts.preset).vocab_size
     data_dir = write_bench_shards(opts, work / f"shards-v{vocab}-t{opts.seq_len}", vocab)
     cfg = build_train_config(opts, data_dir, work)
     model_cfg = cfg.model.build(vocab_size=vocab)
-    check_float8(cfg, "cuda" if torch.cuda.is_available() else "cpu", *(_gpu_identity() if torch.cuda.is_available() else ()))
+    check_float8(cfg, "cuda" if torch.cuda.is_available() else "cpu", *(gpu_identity() if torch.cuda.is_available() else ()))
     if opts.deepspeed:
         resolve_ds_config(cfg, model_cfg, 1)  # a bad DeepSpeed JSON fails here, before the reference run
     flops = flops_report(model_cfg, opts.seq_len)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from olmo_ds.tools.bench_data import generate_shards
+from olmo_ds.tools.harness import generate_shards
 from testdata import pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
