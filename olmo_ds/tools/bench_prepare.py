@@ -249,8 +249,9 @@ def measure_prepare(tokenizer: Path, corpus: Path, output: Path, workers: int, b
 
 def measure_stages(tokenizer: Path, corpus: Path, output: Path) -> dict:
     """Where one worker's time goes on the fast path: read+split, JSON parse, tokenize, EOS/dtype, write+hash."""
-    from olmo_ds.data import readers, shards
-    from olmo_ds.data.prepare import append_eos
+    from olmo_ds.data import shards
+    from olmo_ds.data.prepare import readers
+    from olmo_ds.data.prepare.pipeline import append_eos
     from olmo_ds.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer, backend="fast")
@@ -291,7 +292,7 @@ def measure_decompression(corpus: Path, directory: Path, files: int = 2) -> dict
     on the first `files` corpus files compressed at the tools' default levels."""
     import zstandard
 
-    from olmo_ds.data import readers
+    from olmo_ds.data.prepare import readers
 
     directory.mkdir(parents=True, exist_ok=True)
     data = b"".join(p.read_bytes() for p in sorted(corpus.glob("part-*.jsonl"))[:files])
@@ -511,7 +512,8 @@ _CEILING_FILES = r"""
 import os, sys, time, json
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 t0 = time.perf_counter()
-from olmo_ds.data import readers, shards
+from olmo_ds.data import shards
+from olmo_ds.data.prepare import readers
 from olmo_ds.tokenizer import load_tokenizer
 tok = load_tokenizer(sys.argv[1], backend="fast")
 tok.split_special_tokens = True  # special-token strings in a document are text, as prepare_data.py encodes them by default

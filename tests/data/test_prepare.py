@@ -11,8 +11,8 @@ import pytest
 import tokenizers
 
 from olmo_ds.data import shards
-from olmo_ds.data import prepare as prepare_mod
-from olmo_ds.data.prepare import PrepareConfig, PrepareError, pool_layout, prepare, val_hash, work_unit
+from olmo_ds.data.prepare import pipeline as prepare_mod
+from olmo_ds.data.prepare.pipeline import PrepareConfig, PrepareError, pool_layout, prepare, val_hash, work_unit
 from testdata import SHARED
 
 REPO = Path(__file__).resolve().parents[2]

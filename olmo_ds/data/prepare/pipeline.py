@@ -16,15 +16,15 @@ each followed by EOS, whatever the number of workers. Hence the design:
   corpus or a file. The main process writes and hashes every shard.
 - Whole files (`--work-unit files`, the choice with many input files): each worker takes whole
   files, decompression included, and writes their ids to pieces; the main process cuts the pieces
-  into the same shards in input order and workers write them (`prepare_pieces`). Same bytes.
+  into the same shards in input order and workers write them (`pieces`). Same bytes.
 - Shards are streamed to temporary files and renamed when complete, metadata last
   (`shards.ShardWriter`). Each shard's metadata records the input position just after its last
   document (`next_record`) and the skip counts up to there, so a rerun after a kill resumes from
-  the last complete shard and produces byte-identical output (`prepare_output`).
+  the last complete shard and produces byte-identical output (`output`).
 - A validation split (`val_fraction`) is chosen by a hash of each document's text: the same for
   any worker count or resume point, and duplicates of a document always land in the same split.
 - An HF tokenizer.json is encoded with `fastokens` only where it gives HF's exact ids
-  (`prepare_backend`); what the user reads while and after it runs is `prepare_report`.
+  (`backend`); what the user reads while and after it runs is `report`.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ import orjson
 
 import olmo_ds
 from olmo_ds.atomic import atomic_write_json
-from olmo_ds.data import partition, readers, shards
-from olmo_ds.data.pool import OrderedPool, TaskPool
-from olmo_ds.data.prepare_backend import check_texts, choose, fast_candidate
-from olmo_ds.data.prepare_output import (
+from olmo_ds.data import shards
+from olmo_ds.data.prepare import partition, readers
+from olmo_ds.data.prepare.backend import check_texts, choose, fast_candidate
+from olmo_ds.data.prepare.output import (
     STATE_FILE,
     VAL_DIR,
     PrepareError,
@@ -61,7 +61,7 @@ from olmo_ds.data.prepare_output import (
     position,
     split_position,
 )
-from olmo_ds.data.prepare_pieces import (
+from olmo_ds.data.prepare.pieces import (
     PIECES_DIR,
     PieceResult,
     Pieces,
@@ -71,7 +71,8 @@ from olmo_ds.data.prepare_pieces import (
     plan_tasks,
     write_shard_job,
 )
-from olmo_ds.data.prepare_report import (
+from olmo_ds.data.prepare.pool import OrderedPool, TaskPool
+from olmo_ds.data.prepare.report import (
     FileStats,
     PrepareResult,
     Progress,
@@ -95,9 +96,9 @@ class PrepareConfig:
     verbose: bool = False
     strict: bool = False
     overwrite: bool = False
-    tokenizer_backend: str = "auto"  # "auto" | "fast" | "hf"; see prepare_backend
+    tokenizer_backend: str = "auto"  # "auto" | "fast" | "hf"; see backend.py
     chunk_bytes: int = readers.CHUNK_BYTES
-    progress: bool | None = None  # None: a bar when stderr is a terminal, else plain lines (prepare_report.Progress)
+    progress: bool | None = None  # None: a bar when stderr is a terminal, else plain lines (report.Progress)
     progress_every: float = 60.0  # seconds between plain progress lines
     # False (default): special-token text inside a document ("<|endoftext|>" quoted on a web page)
     # is encoded as ordinary text, so EOS ids only ever end documents. True: matched as the special
@@ -107,7 +108,7 @@ class PrepareConfig:
     # ranges of about equal bytes; `scripts/merge_shards.py` joins the M part directories.
     partition: tuple[int, int] | None = None
     # What a worker takes: "files" (whole files, decompression included; shards cut from the
-    # workers' pieces, `prepare_pieces`), "blocks" (~1 MiB blocks handed out by this process, which
+    # workers' pieces, `pieces`), "blocks" (~1 MiB blocks handed out by this process, which
     # decompresses compressed files itself), or "auto": files when there are many (`work_unit`).
     work_unit: str = "auto"
 
@@ -310,7 +311,7 @@ def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
 
 @dataclass(frozen=True)
 class CheckSlice:
-    """Some of the texts on which fastokens must give HF's ids (`prepare_backend`), checked in a worker."""
+    """Some of the texts on which fastokens must give HF's ids (`backend`), checked in a worker."""
 
     texts: tuple[str, ...]
     labels: tuple[str, ...]
@@ -626,7 +627,7 @@ class _Run:
     def whole_files(self, pool: TaskPool, tok, resume: dict, start: int) -> None:
         """Whole files to the workers, which write pieces; this process cuts the pieces' documents
         into shards in input order and hands each piece's share of a shard to the worker that
-        writes that shard (`prepare_pieces`)."""
+        writes that shard (`pieces`)."""
         lo, hi = self.part
         workers = len(pool.procs)
         pieces = None if self.cfg.dry_run else Pieces(Path(self.cfg.output) / PIECES_DIR)

@@ -29,7 +29,7 @@ same function of the input (the position of the next document, the skips and not
 `prepare._logs_before`); and nothing written records the mode or the worker count.
 
 Kill safety: workers finish shards in any order, but a shard is complete only once its `.json`
-exists, and a rerun keeps only the complete shards 0..k-1 (`prepare_output.complete_shards` deletes
+exists, and a rerun keeps only the complete shards 0..k-1 (`output.complete_shards` deletes
 a complete shard after a gap), deletes `.prepare-pieces`, and reads the input again from just after
 shard k-1's last document, in either mode.
 """
@@ -45,7 +45,7 @@ from typing import Callable
 import numpy as np
 
 from olmo_ds.data import shards
-from olmo_ds.data.prepare_output import resume_point, split_position
+from olmo_ds.data.prepare.output import resume_point, split_position
 
 PIECES_DIR = ".prepare-pieces"
 GROUP_BYTES = 4 << 20  # files smaller than this (on disk) share a task with their neighbours
@@ -89,7 +89,7 @@ class PieceResult:
     """What a worker sends back for a task; the ids themselves are in the task's piece files."""
 
     doc_lens: np.ndarray  # int64 tokens per document, EOS included, in input order
-    positions: np.ndarray  # int64 input position (`prepare_output.position`) of each document
+    positions: np.ndarray  # int64 input position (`output.position`) of each document
     is_val: np.ndarray | None  # bool per document, when there is a validation split
     special: np.ndarray  # bool per document: its text holds a special token's text
     skips: list[tuple[int, str]]  # (input position, reason)
