@@ -251,7 +251,7 @@ def measure_stages(tokenizer: Path, corpus: Path, output: Path) -> dict:
     """Where one worker's time goes on the fast path: read+split, JSON parse, tokenize, EOS/dtype, write+hash."""
     from olmo_ds.data import shards
     from olmo_ds.data.prepare import readers
-    from olmo_ds.data.prepare.pipeline import append_eos
+    from olmo_ds.data.prepare.worker import append_eos
     from olmo_ds.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer, backend="fast")

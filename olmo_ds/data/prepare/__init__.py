@@ -6,6 +6,7 @@ imports nothing from this package (`tests/structure/test_walls.py`), so the read
 tokenizer backends, worker pools or readers for compressed text.
 
 - `pipeline`: `prepare(PrepareConfig)`, the orchestration (`scripts/prepare_data.py`);
+- `worker`: what a worker process does: parse and tokenize a block, whole files into pieces;
 - `readers`: raw text in input order (JSON lines, gzip, zstd, .txt, Parquet);
 - `backend`: which library encodes (`fastokens` only where it gives HF's exact ids);
 - `pool`: the worker processes, results in submission order;

@@ -37,10 +37,10 @@ shard k-1's last document, in either mode.
 from __future__ import annotations
 
 import shutil
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Container
 
 import numpy as np
 
@@ -116,6 +116,34 @@ class ShardJob:
     @property
     def pieces(self) -> list[str]:
         return [s[0] for s in self.segments]
+
+
+class ShardQueues:
+    """Which worker writes which part of a shard, in whole-file mode. A shard's parts go, in order,
+    to the one worker that holds its writer (it keeps the shard's sha256 going between parts); a
+    new shard goes to an idle worker if there is one, else to the least loaded."""
+
+    def __init__(self, workers: int):
+        self.parts: list[deque[ShardJob]] = [deque() for _ in range(workers)]  # each worker's parts to write, in order
+        self.writer_of: dict[tuple[str, int], int] = {}  # open shard -> the worker that holds its writer
+
+    def add(self, jobs: list[ShardJob], busy: Container[int]) -> None:
+        """Queue `jobs` in order; `busy`: the workers running a task now."""
+        for job in jobs:
+            w = self.writer_of.pop(job.shard, None)
+            if w is None:
+                w = min(range(len(self.parts)), key=lambda i: (i in busy, len(self.parts[i])))
+            if job.extra is None:
+                self.writer_of[job.shard] = w
+            self.parts[w].append(job)
+
+    def next_for(self, worker: int) -> ShardJob | None:
+        """The next part `worker` is to write, if any."""
+        return self.parts[worker].popleft() if self.parts[worker] else None
+
+    def __bool__(self) -> bool:
+        """Whether any part waits to be written."""
+        return any(self.parts)
 
 
 _writers: dict[tuple[str, int], shards.ShardWriter] = {}  # in a worker: the shards it has open, between their parts
