@@ -10,7 +10,7 @@ document must end in EOS (Megatron's --append-eod) unless --append-eos adds it.
 import argparse
 import sys
 
-from olmo_ds.data.megatron import export_megatron, import_megatron
+from olmo_ds.data.prepare.megatron import export_megatron, import_megatron
 from olmo_ds.tokenizer import load_tokenizer
 
 

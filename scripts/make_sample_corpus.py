@@ -2,7 +2,7 @@
 
 import argparse
 
-from olmo_ds.data.sample_corpus import write_sample_corpus
+from olmo_ds.data.prepare.sample_corpus import write_sample_corpus
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import itertools
 import sys
 import time
 
-from olmo_ds.data.readers import read_documents, resolve_inputs
+from olmo_ds.data.prepare.readers import read_documents, resolve_inputs
 from olmo_ds.tokenizer import train_bpe_tokenizer
 
 

@@ -3,7 +3,7 @@
     python scripts/merge_shards.py parts/part-* --output data/shards
 
 The result is what one machine would have written: the same `.bin` and `.offsets.npy` bytes, data
-fingerprint, validation split and skip counts (olmo_ds/data/partition.py says exactly what is
+fingerprint, validation split and skip counts (olmo_ds/data/prepare/partition.py says exactly what is
 identical). Refuses, naming the part directory, parts that are incomplete, duplicate, missing, or
 from another command (input list, M, tokenizer, arguments or olmo-ds version). Rerun after a kill.
 """
@@ -11,7 +11,7 @@ from another command (input list, M, tokenizer, arguments or olmo-ds version). R
 import argparse
 import sys
 
-from olmo_ds.data.partition import MergeError, format_merge_summary, merge_parts
+from olmo_ds.data.prepare.partition import MergeError, format_merge_summary, merge_parts
 
 
 def main(argv=None) -> int:

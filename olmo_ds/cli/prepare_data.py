@@ -2,15 +2,15 @@
 
     python scripts/prepare_data.py --input data/raw --output data/shards --tokenizer tokenizer.json --workers 8
 
-See olmo_ds/data/prepare.py for what the output promises; validate it with scripts/validate_shards.py.
+See olmo_ds/data/prepare/pipeline.py for what the output promises; validate it with scripts/validate_shards.py.
 """
 
 import argparse
 import sys
 
-from olmo_ds.data.prepare import PrepareConfig, PrepareError, prepare
-from olmo_ds.data.prepare_report import format_summary
-from olmo_ds.data.readers import CorruptInputError
+from olmo_ds.data.prepare.pipeline import PrepareConfig, PrepareError, prepare
+from olmo_ds.data.prepare.report import format_summary
+from olmo_ds.data.prepare.readers import CorruptInputError
 
 
 def _partition(text: str) -> tuple[int, int]:

@@ -5,13 +5,13 @@
 Writes OUTPUT/manifest.json and small per-file entries over the existing files (no token is
 copied), after one parallel scan that refuses out-of-range ids (file and offset), sizes that are no
 multiple of the dtype, a wrong dtype and a missing final EOS. Use OUTPUT in `data.sources` like any
-shard directory; olmo_ds/data/token_files.py has the details.
+shard directory; olmo_ds/data/prepare/token_files.py has the details.
 """
 
 import argparse
 import sys
 
-from olmo_ds.data.token_files import TokenFileError, register_token_files
+from olmo_ds.data.prepare.token_files import TokenFileError, register_token_files
 from olmo_ds.tokenizer import load_tokenizer
 
 

@@ -6,7 +6,7 @@ document and shard boundaries; only the stream's one tail that does not fill a w
 dropped (and counted, so the report says how much). This differs from OLMo-core's classic numpy
 dataset, which cuts each file into instances separately and drops every file's tail, so the same
 files give other instances there. The shards may be ours or OLMo's own token files registered in
-place (`token_files.py`: the metadata's `bin` then points at the file). Nothing is copied at open time: shards are `np.memmap`s and an instance is
+place (`prepare/token_files.py`: the metadata's `bin` then points at the file). Nothing is copied at open time: shards are `np.memmap`s and an instance is
 read straight from the page cache into the caller's batch buffer.
 
 Every inconsistency the loader can detect without reading the data is raised here, naming the file,
@@ -78,7 +78,7 @@ class TokenSource:
             self._offset_files.append(offsets_file)
             self.metas.append(meta)
             # The listed name, not `meta.bin`: the same for shards we wrote, and for in-place token files
-            # (`token_files.py`, `bin` an absolute path) it keeps the fingerprint independent of where they live.
+            # (`prepare/token_files.py`, `bin` an absolute path) it keeps the fingerprint independent of where they live.
             self.shard_info.append(ShardInfo(listed, meta.num_tokens, meta.checksum))
 
         sizes = np.array([m.num_tokens for m in self.metas], dtype=np.int64)

@@ -259,7 +259,7 @@ class ShardCutter:
     shard past `shard_tokens` tokens, unless the shard is still empty (a document longer than the
     limit gets a shard of its own; documents are never split). The one rule: `ShardedWriter` writes
     by it, and data preparation's whole-file mode plans shards from pieces by it
-    (`prepare_pieces`), so both give the same shards for the same documents."""
+    (`prepare.pieces`), so both give the same shards for the same documents."""
 
     def __init__(self, shard_tokens: int):
         self.shard_tokens = shard_tokens

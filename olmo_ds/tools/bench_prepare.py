@@ -233,8 +233,9 @@ def measure_prepare(tokenizer: Path, corpus: Path, output: Path, workers: int, b
 
 def measure_stages(tokenizer: Path, corpus: Path, output: Path) -> dict:
     """Where one worker's time goes on the fast path: read+split, JSON parse, tokenize, EOS/dtype, write+hash."""
-    from olmo_ds.data import readers, shards
-    from olmo_ds.data.prepare import append_eos
+    from olmo_ds.data import shards
+    from olmo_ds.data.prepare import readers
+    from olmo_ds.data.prepare.worker import append_eos
     from olmo_ds.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer, backend="fast")
@@ -275,7 +276,7 @@ def measure_decompression(corpus: Path, directory: Path, files: int = 2) -> dict
     on the first `files` corpus files compressed at the tools' default levels."""
     import zstandard
 
-    from olmo_ds.data import readers
+    from olmo_ds.data.prepare import readers
 
     directory.mkdir(parents=True, exist_ok=True)
     data = b"".join(p.read_bytes() for p in sorted(corpus.glob("part-*.jsonl"))[:files])

@@ -49,7 +49,8 @@ def encode_corpus(tokenizer: str, corpus: str, backend: str) -> dict:
 def read_and_encode_files(tokenizer: str, files: list[str]) -> dict:
     """Load the fast tokenizer, read the files (decompress and parse), then encode the texts; each timed apart."""
     t0 = time.perf_counter()  # from before the imports: a job's start-up, as the module docstring says
-    from olmo_ds.data import readers, shards
+    from olmo_ds.data import shards
+    from olmo_ds.data.prepare import readers
     from olmo_ds.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer, backend="fast")

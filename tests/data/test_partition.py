@@ -1,4 +1,4 @@
-"""Preparing on M machines and merging equals preparing on one (olmo_ds/data/partition.py)."""
+"""Preparing on M machines and merging equals preparing on one (olmo_ds/data/prepare/partition.py)."""
 
 import json
 import os
@@ -11,8 +11,8 @@ import pytest
 
 from olmo_ds.data import shards
 from olmo_ds.data.dataset import TokenSource
-from olmo_ds.data.partition import MergeError, bounds, merge_parts
-from olmo_ds.data.prepare import PrepareConfig, PrepareError, prepare
+from olmo_ds.data.prepare.partition import MergeError, bounds, merge_parts
+from olmo_ds.data.prepare.pipeline import PrepareConfig, PrepareError, prepare
 from testdata import pythonpath
 from tests.data.test_prepare import NEOX, c4_texts, dir_bytes
 

@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
-from olmo_ds.data.pool import OrderedPool, TaskPool, WorkerDied
+from olmo_ds.data.prepare.pool import OrderedPool, TaskPool, WorkerDied
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,7 +73,7 @@ def test_workers_exit_when_the_parent_is_killed(tmp_path, pool):
     script.write_text(textwrap.dedent(f"""
         import multiprocessing as mp, sys, time
         sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from olmo_ds.data.pool import {pool} as Pool
+        from olmo_ds.data.prepare.pool import {pool} as Pool
         from test_pool import square_block
         pool = Pool(square_block, {{}}, 3, mp.get_context("fork"))
         print(" ".join(str(p.pid) for p in pool.procs), flush=True)

@@ -11,8 +11,10 @@ import pytest
 import tokenizers
 
 from olmo_ds.data import shards
-from olmo_ds.data import prepare as prepare_mod
-from olmo_ds.data.prepare import PrepareConfig, PrepareError, pool_layout, prepare, val_hash, work_unit
+from olmo_ds.data.prepare import pipeline as prepare_mod
+from olmo_ds.data.prepare.pieces import ShardJob, ShardQueues
+from olmo_ds.data.prepare.pipeline import PrepareConfig, PrepareError, pool_layout, prepare, work_unit
+from olmo_ds.data.prepare.worker import val_hash
 from testdata import SHARED
 
 REPO = Path(__file__).resolve().parents[2]
@@ -150,6 +152,21 @@ def test_whole_files_give_the_bytes_of_one_worker(tmp_path):
     assert ids.tolist() == [i for d in docs for i in d] and lens == [len(d) for d in docs]
     dry = prepare(PrepareConfig(inputs=[str(raw)], output=tmp_path / "dry", tokenizer=str(DOLMA2), dry_run=True, progress=False, workers=2, work_unit="files"), log=lambda _: None)
     assert not (tmp_path / "dry").exists() and (dry.num_docs, [f.docs for f in dry.files]) == (len(good), [f.docs for f in ref.files])
+
+
+def test_a_shards_parts_go_to_the_worker_that_holds_its_writer():
+    """Whole-file mode: a shard's sha256 runs on in one worker from part to part, so every later part
+    of an open shard must queue behind it there; a new shard goes to an idle worker, else the least loaded."""
+    def job(index, last):
+        return ShardJob("d", index, 100, 0, [], {"next_record": 0} if last else None)
+
+    q = ShardQueues(3)
+    q.add([job(0, False)], busy={0})  # idle workers 1, 2: the first of them
+    q.add([job(1, False)], busy={0, 1})  # only worker 2 idle
+    q.add([job(0, False), job(1, True), job(2, True)], busy={0, 1, 2})  # 0 and 1 stay; 2 to the least loaded
+    assert [[(j.index, j.extra is not None) for j in parts] for parts in q.parts] == [[(2, True)], [(0, False), (0, False)], [(1, False), (1, True)]]
+    assert q.writer_of == {("d", 0): 1}  # shard 1 closed, shard 0 still open on worker 1
+    assert q.next_for(0).index == 2 and q.next_for(0) is None and q
 
 
 def test_work_unit_auto_takes_whole_files_when_there_are_many():

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from olmo_ds.data import readers
+from olmo_ds.data.prepare import readers
 
 
 def make_file(tmp_path, lines: list[bytes], trailing_newline: bool):

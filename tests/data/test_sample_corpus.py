@@ -1,7 +1,7 @@
 import gzip
 import json
 
-from olmo_ds.data.sample_corpus import write_sample_corpus
+from olmo_ds.data.prepare.sample_corpus import write_sample_corpus
 
 
 def test_sample_corpus_is_real_text_and_deterministic(tmp_path):

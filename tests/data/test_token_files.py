@@ -1,4 +1,4 @@
-"""OLMo's token files registered in place (olmo_ds/data/token_files.py), on files written the way
+"""OLMo's token files registered in place (olmo_ds/data/prepare/token_files.py), on files written the way
 OLMo writes them: np.memmap(path, mode="w+", dtype=...) of each document's ids followed by EOS."""
 
 import gzip
@@ -14,8 +14,8 @@ from olmo_ds.data import shards
 from olmo_ds.data.config import DataConfig, SourceConfig
 from olmo_ds.data.dataset import TokenSource
 from olmo_ds.data.loader import DataLoader
-from olmo_ds.data.prepare import PrepareConfig, prepare
-from olmo_ds.data.token_files import TokenFileError, register_token_files
+from olmo_ds.data.prepare.pipeline import PrepareConfig, prepare
+from olmo_ds.data.prepare.token_files import TokenFileError, register_token_files
 from olmo_ds.data.validate import validate_directory
 from olmo_ds.tokenizer import load_tokenizer
 from tests.data.test_prepare import C4_DIR, DOLMA2, NEOX, c4_texts

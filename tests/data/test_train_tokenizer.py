@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from olmo_ds.data.readers import read_documents, resolve_inputs
+from olmo_ds.data.prepare.readers import read_documents, resolve_inputs
 from olmo_ds.tokenizer import load_tokenizer, train_bpe_tokenizer
 from testdata import SHARED
 

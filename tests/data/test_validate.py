@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from olmo_ds.data import shards
-from olmo_ds.data.prepare import PrepareConfig, prepare
+from olmo_ds.data.prepare.pipeline import PrepareConfig, prepare
 from olmo_ds.data.validate import format_report, validate_directory
 from olmo_ds.tokenizer import load_tokenizer
 from testdata import SHARED

@@ -16,7 +16,7 @@ import pytest
 from olmo_ds.data import shards
 from olmo_ds.data.config import DataConfig
 from olmo_ds.data.loader import DataLoader
-from olmo_ds.data.prepare import PrepareConfig, PrepareError, prepare
+from olmo_ds.data.prepare.pipeline import PrepareConfig, PrepareError, prepare
 from olmo_ds.data.validate import format_report, validate_directory
 from olmo_ds.tokenizer import load_tokenizer
 from olmo_ds.train.config import ConfigError, load_config

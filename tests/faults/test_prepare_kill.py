@@ -20,7 +20,7 @@ import time
 import pytest
 
 from olmo_ds.data.dataset import TokenSource
-from olmo_ds.data.partition import MergeError, merge_parts
+from olmo_ds.data.prepare.partition import MergeError, merge_parts
 from tests.data.test_partition import array_task, fake_srun
 from tests.faults.faultlib import NEOX, ROOT, base_env, dir_bytes, kill_group, record, rng, trials, write_c4_corpus
 

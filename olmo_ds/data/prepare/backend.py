@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from olmo_ds.data import readers
-from olmo_ds.data.prepare_output import PrepareError
+from olmo_ds.data.prepare import readers
+from olmo_ds.data.prepare.output import PrepareError
 from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastBackendError, fast_beside
 
 

@@ -140,3 +140,21 @@ def complete_shards(directory: Path) -> list[dict]:
             elif p.is_file() and p.name.endswith(".tmp"):
                 p.unlink()
     return metas
+
+
+def where_to_resume(out: Path, with_val: bool, first: int) -> tuple[dict[str, tuple[Path, int, int]], int, dict | None]:
+    """Where a run continues `out` (its `val/` too, `with_val`), `first` being the position where its
+    input starts: per split (directory, complete shards, input position after them), the earliest of
+    those positions, and the counts recorded there (`resume_point`; None: nothing to resume)."""
+    dirs = {"train": out} | ({"val": out / VAL_DIR} if with_val else {})
+    splits, states = {}, {}
+    for name, d in dirs.items():
+        d.mkdir(exist_ok=True)
+        metas = complete_shards(d)
+        pos, state = first, None
+        if metas:
+            pos = position(*metas[-1]["prepare"]["next_record"])
+            state = metas[-1]["prepare"]
+        splits[name], states[name] = (d, len(metas), pos), state
+    start, state = min(((pos, states[name]) for name, (_, _, pos) in splits.items()), key=lambda ps: ps[0])
+    return splits, start, state

@@ -16,22 +16,24 @@ each followed by EOS, whatever the number of workers. Hence the design:
   corpus or a file. The main process writes and hashes every shard.
 - Whole files (`--work-unit files`, the choice with many input files): each worker takes whole
   files, decompression included, and writes their ids to pieces; the main process cuts the pieces
-  into the same shards in input order and workers write them (`prepare_pieces`). Same bytes.
+  into the same shards in input order and workers write them (`pieces`). Same bytes.
 - Shards are streamed to temporary files and renamed when complete, metadata last
   (`shards.ShardWriter`). Each shard's metadata records the input position just after its last
   document (`next_record`) and the skip counts up to there, so a rerun after a kill resumes from
-  the last complete shard and produces byte-identical output (`prepare_output`).
+  the last complete shard and produces byte-identical output (`output`).
 - A validation split (`val_fraction`) is chosen by a hash of each document's text: the same for
   any worker count or resume point, and duplicates of a document always land in the same split.
 - An HF tokenizer.json is encoded with `fastokens` only where it gives HF's exact ids
-  (`prepare_backend`); what the user reads while and after it runs is `prepare_report`.
+  (`backend`); what the user reads while and after it runs is `report`.
+
+This module is the coordinating process; what a worker process does (parse, tokenize, check the
+fast backend) is `worker`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import multiprocessing as mp
 import os
 import shutil
@@ -42,43 +44,54 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-import orjson
 
 import olmo_ds
 from olmo_ds.atomic import atomic_write_json
-from olmo_ds.data import partition, readers, shards
-from olmo_ds.data.pool import OrderedPool, TaskPool
-from olmo_ds.data.prepare_backend import check_texts, choose, fast_candidate
-from olmo_ds.data.prepare_output import (
+from olmo_ds.data import shards
+from olmo_ds.data.prepare import partition, readers
+from olmo_ds.data.prepare.backend import check_texts, choose, fast_candidate
+from olmo_ds.data.prepare.output import (
     STATE_FILE,
     VAL_DIR,
     PrepareError,
     SplitWriter,
     check_output,
-    complete_shards,
     identity,
     our_files,
     position,
     split_position,
+    where_to_resume,
 )
-from olmo_ds.data.prepare_pieces import (
+from olmo_ds.data.prepare.pieces import (
     PIECES_DIR,
     PieceResult,
     Pieces,
     PieceSplit,
     ShardJob,
+    ShardQueues,
     Task,
     plan_tasks,
-    write_shard_job,
 )
-from olmo_ds.data.prepare_report import (
+from olmo_ds.data.prepare.pool import OrderedPool, TaskPool
+from olmo_ds.data.prepare.report import (
     FileStats,
     PrepareResult,
     Progress,
     SkipLog,
     log_file,
 )
-from olmo_ds.tokenizer import first_difference, load_tokenizer
+from olmo_ds.data.prepare.worker import (
+    CheckSlice,
+    ChunkResult,
+    Spec,
+    check_slice,
+    chunk_in_worker,
+    files_worker,
+    loaded_tokenizers,
+    process_chunk,
+    special_token_texts,
+)
+from olmo_ds.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -95,9 +108,9 @@ class PrepareConfig:
     verbose: bool = False
     strict: bool = False
     overwrite: bool = False
-    tokenizer_backend: str = "auto"  # "auto" | "fast" | "hf"; see prepare_backend
+    tokenizer_backend: str = "auto"  # "auto" | "fast" | "hf"; see backend.py
     chunk_bytes: int = readers.CHUNK_BYTES
-    progress: bool | None = None  # None: a bar when stderr is a terminal, else plain lines (prepare_report.Progress)
+    progress: bool | None = None  # None: a bar when stderr is a terminal, else plain lines (report.Progress)
     progress_every: float = 60.0  # seconds between plain progress lines
     # False (default): special-token text inside a document ("<|endoftext|>" quoted on a web page)
     # is encoded as ordinary text, so EOS ids only ever end documents. True: matched as the special
@@ -107,7 +120,7 @@ class PrepareConfig:
     # ranges of about equal bytes; `scripts/merge_shards.py` joins the M part directories.
     partition: tuple[int, int] | None = None
     # What a worker takes: "files" (whole files, decompression included; shards cut from the
-    # workers' pieces, `prepare_pieces`), "blocks" (~1 MiB blocks handed out by this process, which
+    # workers' pieces, `pieces`), "blocks" (~1 MiB blocks handed out by this process, which
     # decompresses compressed files itself), or "auto": files when there are many (`work_unit`).
     work_unit: str = "auto"
 
@@ -132,26 +145,6 @@ class PrepareConfig:
                 raise PrepareError(f"--partition {i}/{m}: expected I/M with 0 <= I < M")
 
 
-# ---------------------------------------------------------------------------------------------
-# Worker side: parse and tokenize one block.
-
-# Per worker process: the loaded tokenizer for a `_Spec`, so each worker loads it once.
-_loaded: dict = {}
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """What a worker needs to tokenize a block the same way as every other worker."""
-
-    tokenizer: str
-    eos_token: str | None
-    backend: str  # "hf" | "fast": which encoder `load_tokenizer` builds
-    text_field: str
-    val_fraction: float
-    split_special_tokens: bool
-    special_texts: tuple[str, ...]  # the special tokens' text, to count the documents holding any
-
-
 def _single_threaded() -> None:
     # One process per core: tokenizer libraries must not start threads of their own.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -173,204 +166,35 @@ def _start_method(threads_before: int | None) -> str:
     return "fork" if now is not None and threads_before is not None and now <= threads_before else "spawn"
 
 
-def _tokenizer_for(spec: _Spec):
-    if spec not in _loaded:
-        tok = load_tokenizer(spec.tokenizer, spec.eos_token, backend=spec.backend)
-        tok.split_special_tokens = spec.split_special_tokens
-        _loaded[spec] = tok
-    return _loaded[spec]
-
-
-def special_token_texts(tok) -> tuple[str, ...]:
-    """The text of an HF tokenizer's special added tokens (`<|endoftext|>`, `<|pad|>`, ...). A
-    sentencepiece model has none that text can produce: its control symbols never match input."""
-    if tok.kind != "hf":
-        return ()
-    added = orjson.loads(Path(tok.path).read_bytes()).get("added_tokens") or []  # orjson: a 7 MB tokenizer.json in 20 ms, not 80
-    return tuple(sorted({t["content"] for t in added if t.get("special") and t.get("content")}))
-
-
-def holds_special_text(texts: list[str], specials: tuple[str, ...]) -> np.ndarray:
-    """Per text, whether any special token's text occurs in it. One substring scan per distinct
-    two-character prefix (all of dolma2's eight start with "<|"), the rest only on a hit."""
-    by_prefix: dict[str, list[str]] = {}
-    for sp in specials:
-        by_prefix.setdefault(sp[:2], []).append(sp)
-    return np.array([any(p in t and any(sp in t for sp in group) for p, group in by_prefix.items()) for t in texts], dtype=bool)
-
-
-@dataclass
-class ChunkResult:
-    file_index: int
-    tokens: np.ndarray  # the documents' ids, each followed by EOS, in the shard dtype
-    doc_lens: np.ndarray  # int64 tokens per document, EOS included
-    positions: np.ndarray  # int64 input position of each document (line within the block until `at_line`)
-    is_val: np.ndarray | None  # bool per document, when there is a validation split
-    skips: list[tuple[int, str]]  # (position, reason), like `positions`
-    special: np.ndarray  # bool per document: its text holds a special token's text
-    text_bytes: int
-    n_lines: int  # newlines in the block: the next block starts this many lines later
-
-    def at_line(self, first_line: int) -> None:
-        """Turn block-relative line numbers into the file's, the block starting at `first_line`."""
-        self.positions += first_line
-        self.skips = [(p + first_line, reason) for p, reason in self.skips]
-
-
-def val_hash(text: str) -> int:
-    """A stable 64-bit hash of a document's text; documents below fraction × 2^64 go to validation."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
-
-
-def append_eos(ids: np.ndarray, offsets: np.ndarray, eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Flat ids of a batch (`encode_batch_flat`) → each document's ids followed by EOS, in the
-    shard dtype, and the documents' lengths including EOS. Document i moves right by i slots."""
-    doc_lens = np.diff(offsets) + 1
-    tokens = np.empty(len(ids) + len(doc_lens), dtype=dtype)
-    is_eos = np.zeros(len(tokens), dtype=bool)
-    is_eos[np.cumsum(doc_lens) - 1] = True
-    tokens[is_eos] = eos_id
-    tokens[~is_eos] = ids
-    return tokens, doc_lens
-
-
-def _process_chunk(spec: _Spec, file_index: int, block: readers.Block) -> ChunkResult:
-    """Read (unless the coordinating process already did), parse and tokenize one block. Lines are
-    numbered from 0 within the block (see `ChunkResult.at_line`)."""
-    tok = _tokenizer_for(spec)
-    records, n_lines, text_bytes = readers.load_block(block, spec.text_field)
-    base = position(file_index, 0)
-    texts = [text for _, text, _ in records if text is not None]
-    positions = np.array([base + line for line, text, _ in records if text is not None], dtype=np.int64)
-    skips = [(base + line, reason) for line, text, reason in records if text is None]
-    ids, offsets = tok.encode_batch_flat(texts) if texts else (np.zeros(0, np.uint32), np.zeros(1, np.int64))
-    tokens, doc_lens = append_eos(ids, offsets, tok.eos_id, shards.dtype_for_vocab(tok.vocab_size))
-    is_val = None
-    if spec.val_fraction > 0:
-        threshold = int(spec.val_fraction * 2**64)
-        is_val = np.array([val_hash(t) < threshold for t in texts], dtype=bool)
-    special = holds_special_text(texts, spec.special_texts)
-    return ChunkResult(file_index, tokens, doc_lens, positions, is_val, skips, special, text_bytes, n_lines)
-
-
-def _tokenize_task(spec: _Spec, task: Task) -> PieceResult:
-    """Whole-file mode, in a worker: read (decompressing), parse and tokenize the task's files block
-    by block, appending each split's ids to its piece file; return everything but the ids."""
-    results, per_file = [], []
-    outs: dict[str, object] = {}
-    try:
-        for k, (fi, path) in enumerate(task.files):
-            next_line = task.start_line if k == 0 else 1
-            docs = tokens = skipped = 0
-            for first_line, block, _ in readers.iter_blocks(Path(path), task.chunk_bytes, next_line):
-                res = _process_chunk(spec, fi, block)
-                if first_line is not None:
-                    next_line = first_line
-                res.at_line(next_line)
-                next_line += res.n_lines
-                if task.pieces is not None:
-                    _append_to_pieces(task, outs, res)
-                docs, tokens, skipped = docs + len(res.doc_lens), tokens + len(res.tokens), skipped + len(res.skips)
-                res.tokens = None
-                results.append(res)
-            per_file.append((fi, docs, tokens, skipped))
-    finally:
-        for split, f in outs.items():
-            with shards.naming(Path(task.piece(split))):
-                f.close()
-    return PieceResult(
-        doc_lens=_concat([r.doc_lens for r in results], np.int64),
-        positions=_concat([r.positions for r in results], np.int64),
-        is_val=_concat([r.is_val for r in results], bool) if spec.val_fraction > 0 else None,
-        special=_concat([r.special for r in results], bool),
-        skips=[skip for r in results for skip in r.skips],
-        text_bytes=sum(r.text_bytes for r in results),
-        files=per_file,
-    )
-
-
-def _append_to_pieces(task: Task, outs: dict, res: ChunkResult) -> None:
-    """Append a block's ids to the task's piece files, each split's to its own (opened on first use)."""
-    if res.is_val is None:
-        parts = {"train": res.tokens}
-    else:
-        token_is_val = np.repeat(res.is_val, res.doc_lens)
-        parts = {"train": res.tokens[~token_is_val], "val": res.tokens[token_is_val]}
-    for split, ids in parts.items():
-        if len(ids):
-            with shards.naming(Path(task.piece(split))):
-                if split not in outs:
-                    outs[split] = open(task.piece(split), "wb")
-                outs[split].write(memoryview(ids).cast("B"))
-
-
-def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
-    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
-
-
-@dataclass(frozen=True)
-class CheckSlice:
-    """Some of the texts on which fastokens must give HF's ids (`prepare_backend`), checked in a worker."""
-
-    texts: tuple[str, ...]
-    labels: tuple[str, ...]
-
-
-def _check_slice(spec: _Spec, part: CheckSlice) -> str | None:
-    """The first of the slice's texts that `spec`'s fast encoder encodes otherwise than HF, or None."""
-    reference = _tokenizer_for(dataclasses.replace(spec, backend="hf"))
-    return first_difference(_tokenizer_for(spec), reference, list(part.texts), list(part.labels))
-
-
-def _first_difference(pool, work_here: bool, spec: _Spec, texts: list[str], labels: list[str]) -> str | None:
+def _first_difference(workers: _Workers, texts: list[str], labels: list[str]) -> str | None:
     """The backend check spread over the workers: HF encodes ~1 MB in it, half a second on one core.
     The texts are cut into one contiguous slice per process, of about equal length, so the first
     difference in slice order is the one a single process would report."""
+    pool = workers.pool
     n = len(pool.procs) if pool else 1
     ends = np.cumsum([len(t) for t in texts])
     cuts = [0, *np.searchsorted(ends, ends[-1] * np.arange(1, n) / n).tolist(), len(texts)]
     parts = [CheckSlice(tuple(texts[a:b]), tuple(labels[a:b])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
     if pool is None:
-        found = [_check_slice(spec, part) for part in parts]
+        found = [check_slice(workers.spec, part) for part in parts]
     elif isinstance(pool, TaskPool):
         found = pool.map(parts)
     else:
-        found = [header for header, _ in pool.imap([(part,) for part in parts], work_here=work_here)]
+        found = [header for header, _ in pool.imap([(part,) for part in parts], work_here=workers.work_here)]
     return next((d for d in found if d is not None), None)
 
 
-def _files_worker(spec: _Spec, task: Task | ShardJob | CheckSlice):
-    """`TaskPool`'s function in whole-file mode: tokenize a task into pieces, write a shard from
-    them, or check the fast backend on a slice of texts."""
-    if isinstance(task, CheckSlice):
-        return _check_slice(spec, task)
-    return _tokenize_task(spec, task) if isinstance(task, Task) else write_shard_job(task)
-
-
-# ---------------------------------------------------------------------------------------------
-# Main side: ordered pool, shard writers, manifests.
-
-
-def _chunk_in_worker(spec: _Spec, *args) -> tuple[ChunkResult | str | None, np.ndarray]:
-    """`_process_chunk` for `OrderedPool`: the tokens travel as raw bytes, the rest as the header.
-    (Or the fast backend's check on a slice of texts: its finding is the header.)"""
-    if isinstance(args[0], CheckSlice):
-        return _check_slice(spec, args[0]), np.zeros(0, np.uint8)
-    res = _process_chunk(spec, *args)
-    tokens, res.tokens = res.tokens, None
-    return res, tokens
-
-
-def _ordered_results(tasks: Iterator[tuple], spec: _Spec, pool: OrderedPool | None, work_here: bool = True) -> Iterator[tuple]:
+def _ordered_results(tasks: Iterator[tuple], workers: _Workers) -> Iterator[tuple]:
     """Yield `(extra, ChunkResult)` for each `(extra, task_args)` in input order.
 
     Without a pool the blocks are tokenized here (one worker is one core: this one). With one, at
     most two blocks per worker are in flight, so memory does not depend on the input's size; with
     `work_here` this process tokenizes too whenever the next result is not ready (`pool_layout`).
     """
+    pool = workers.pool
     if pool is None:
         for extra, args in tasks:
-            yield extra, _process_chunk(spec, *args)
+            yield extra, process_chunk(workers.spec, *args)
         return
     extras: deque = deque()
 
@@ -379,7 +203,7 @@ def _ordered_results(tasks: Iterator[tuple], spec: _Spec, pool: OrderedPool | No
             extras.append(extra)
             yield args
 
-    for res, tokens in pool.imap(args_only(), work_here=work_here):
+    for res, tokens in pool.imap(args_only(), work_here=workers.work_here):
         res.tokens = tokens
         yield extras.popleft(), res
 
@@ -435,42 +259,74 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     _single_threaded()
     threads_before = _thread_count()
     fast, difference = fast_candidate(cfg.tokenizer_backend, tok)
-    spec = _Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if fast else "hf", cfg.text_field, cfg.val_fraction,
-                 not cfg.match_special_tokens, special_token_texts(tok))
-    _loaded[spec] = fast or tok
-    _loaded[dataclasses.replace(spec, backend="hf")] = tok  # the check's reference; forked workers inherit both
+    spec = Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if fast else "hf", cfg.text_field, cfg.val_fraction,
+                not cfg.match_special_tokens, special_token_texts(tok))
+    loaded_tokenizers[spec] = fast or tok
+    loaded_tokenizers[dataclasses.replace(spec, backend="hf")] = tok  # the check's reference; forked workers inherit both
     unit = work_unit(cfg.work_unit, cfg.workers, hi - lo)
     context = mp.get_context(_start_method(threads_before))
-
-    def start(stack: contextlib.ExitStack, spec: _Spec) -> tuple[TaskPool | OrderedPool | None, int, bool]:
-        if unit == "files":
-            return stack.enter_context(TaskPool(_files_worker, spec, cfg.workers, context)), cfg.workers, False
-        processes, work_here = pool_layout(cfg.workers)
-        return (stack.enter_context(OrderedPool(_chunk_in_worker, spec, processes, context)) if processes else None), processes, work_here
 
     with contextlib.ExitStack() as stack:
         # The workers start before fastokens is trusted, so that they can check it: a fallback to HF
         # starts workers anew.
-        pool, processes, work_here = start(stack, spec)
+        workers = _Workers.start(stack, unit, cfg.workers, spec, context)
         texts = []
         if fast is not None:
             texts, labels = check_texts(files, cfg.text_field)
-            difference = _first_difference(pool, work_here, spec, texts, labels)
+            difference = _first_difference(workers, texts, labels)
         encoder, backend = choose(cfg.tokenizer_backend, tok, fast, difference, len(texts), log)
         if fast is not None and encoder is not fast:
-            if pool:
-                pool.close()
-            spec = dataclasses.replace(spec, backend="hf")
-            pool, processes, work_here = start(stack, spec)
+            if workers.pool:
+                workers.pool.close()
+            workers = _Workers.start(stack, unit, cfg.workers, dataclasses.replace(spec, backend="hf"), context)
         if mode == "overwrite":
             for p in our_files(out):
                 p.unlink()
-        result = _run(cfg, files, (lo, hi), tok, ident, file_stats, spec, pool, work_here, backend, log)
-        plural = "es" if processes > 1 else ""
-        result.layout = ("this process" if not processes else
-                         f"{processes} worker process{plural} taking whole files (this one cuts and orders the shards)" if unit == "files" else
-                         f"{processes} worker process{plural}" + ("" if not work_here else " and this one, whenever it would wait"))
+        result = _run(_Setup(cfg, files, (lo, hi), tok, ident, file_stats, backend, log), workers)
+        result.layout = workers.layout()
         return result
+
+
+@dataclass
+class _Setup:
+    """What `prepare` settled before reading any input, for the run that reads it."""
+
+    cfg: PrepareConfig
+    files: list[Path]  # the whole sorted input list: input positions count files in it
+    part: tuple[int, int]  # (lo, hi): this run reads files[lo:hi] (all of them unless `cfg.partition`)
+    tok: object  # the loaded tokenizer: vocabulary size, EOS, the manifest's fingerprint
+    ident: dict  # the output's resume identity (`output.identity`)
+    file_stats: list[FileStats]  # one per file of files[lo:hi], counted as they are read
+    backend: dict  # which library encodes (`backend.choose`), for the manifest and the summary
+    log: Callable[[str], None]
+
+
+@dataclass
+class _Workers:
+    """The processes that tokenize: a `TaskPool` taking whole files, an `OrderedPool` taking blocks,
+    or none (this process alone)."""
+
+    pool: TaskPool | OrderedPool | None
+    processes: int
+    work_here: bool  # this process tokenizes too, whenever it would wait (`pool_layout`)
+    spec: Spec  # how they tokenize
+    unit: str  # "files" or "blocks" (`work_unit`)
+
+    @classmethod
+    def start(cls, stack: contextlib.ExitStack, unit: str, workers: int, spec: Spec, context) -> _Workers:
+        """Start them for `--workers`; `stack` closes the pool."""
+        if unit == "files":
+            return cls(stack.enter_context(TaskPool(files_worker, spec, workers, context)), workers, False, spec, unit)
+        processes, work_here = pool_layout(workers)
+        pool = stack.enter_context(OrderedPool(chunk_in_worker, spec, processes, context)) if processes else None
+        return cls(pool, processes, work_here, spec, unit)
+
+    def layout(self) -> str:
+        """Who tokenized, in the summary's words (`PrepareResult.layout`)."""
+        plural = "es" if self.processes > 1 else ""
+        return ("this process" if not self.processes else
+                f"{self.processes} worker process{plural} taking whole files (this one cuts and orders the shards)" if self.unit == "files" else
+                f"{self.processes} worker process{plural}" + ("" if not self.work_here else " and this one, whenever it would wait"))
 
 
 FILES_PER_WORKER = 4  # `work_unit` auto: whole files once there are this many per worker
@@ -514,11 +370,12 @@ def pool_layout(workers: int, cores: int | None = None) -> tuple[int, bool]:
     return workers - 1, True
 
 
-def _run(cfg: PrepareConfig, files: list[Path], part: tuple[int, int], tok, ident: dict, file_stats: list[FileStats], spec: _Spec, pool, work_here: bool, backend: dict, log: Callable[[str], None]) -> PrepareResult:
+def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
     """Resume or start the output, stream files[lo:hi] (all of them unless this is a part) through
-    the pool into the shards, write the manifests. Input positions count files in the whole list,
+    the workers into the shards, write the manifests. Input positions count files in the whole list,
     so skip reports and resume points of a part read as those of a single run."""
-    lo, hi = part
+    cfg, files, file_stats, log = setup.cfg, setup.files, setup.file_stats, setup.log
+    lo, hi = setup.part
     out = Path(cfg.output)
     resume: dict[str, tuple[Path, int, int]] = {}  # split -> (directory, complete shards, input position after them)
     skiplog, noted = SkipLog(), SkipLog()
@@ -527,17 +384,7 @@ def _run(cfg: PrepareConfig, files: list[Path], part: tuple[int, int], tok, iden
     if not cfg.dry_run:
         out.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(out / PIECES_DIR, ignore_errors=True)  # a killed whole-file run's scratch
-        dirs = {"train": out} | ({"val": out / VAL_DIR} if cfg.val_fraction > 0 else {})
-        states = {}
-        for name, d in dirs.items():
-            d.mkdir(exist_ok=True)
-            metas = complete_shards(d)
-            pos, state = position(lo, 0), None
-            if metas:
-                pos = position(*metas[-1]["prepare"]["next_record"])
-                state = metas[-1]["prepare"]
-            resume[name], states[name] = (d, len(metas), pos), state
-        start, state = min(((pos, states[name]) for name, (_, _, pos) in resume.items()), key=lambda ps: ps[0])
+        resume, start, state = where_to_resume(out, cfg.val_fraction > 0, position(lo, 0))
         if state is not None:
             skiplog = SkipLog.from_dict(state["skipped"])
             noted = SkipLog.from_dict(state.get("noted", SkipLog().to_dict()))  # absent before special-token counts existed
@@ -545,47 +392,48 @@ def _run(cfg: PrepareConfig, files: list[Path], part: tuple[int, int], tok, iden
             fi, line = split_position(start)
             resumed_from = f"{files[fi]}:{line}" if fi < hi else "the end of the input"
             log(f"resuming {out} from {resumed_from} (complete shards kept: " + ", ".join(f"{n} {k}" for n, (_, k, _) in resume.items()) + ")")
-        atomic_write_json(out / STATE_FILE, ident)
+        atomic_write_json(out / STATE_FILE, setup.ident)
 
     t0 = time.perf_counter()
     disk_done = sum(s.bytes for s in file_stats[: split_position(start)[0] - lo])
     label = "prepare" if cfg.partition is None else f"prepare part {cfg.partition[0]}/{cfg.partition[1]}"
     progress = Progress(sum(s.bytes for s in file_stats), disk_done, cfg.progress, label, cfg.progress_every)
-    run = _Run(cfg, files, part, file_stats, skiplog, noted, progress, log)
+    run = _Run(setup, skiplog, noted, progress)
     finished = False
     try:
-        if isinstance(pool, TaskPool):
-            run.whole_files(pool, tok, resume, start)
+        if workers.unit == "files":
+            run.whole_files(workers.pool, resume, start)
         else:
-            run.blocks(pool, spec, work_here, tok, resume, start)
+            run.blocks(workers, resume, start)
         finished = True
     finally:
         progress.close(finished)
     seconds = time.perf_counter() - t0
 
     if cfg.dry_run:
-        return PrepareResult(None, file_stats, run.docs, run.tokens, 0, 0, 0, skiplog, seconds, run.text_bytes, run.tokens, noted=noted, backend=backend["name"])
+        return PrepareResult(None, file_stats, run.docs, run.tokens, 0, 0, 0, skiplog, seconds, run.text_bytes, run.tokens, noted=noted, backend=setup.backend["name"])
 
     manifests = {}
     for name in (["val"] if "val" in resume else []) + ["train"]:  # the top-level manifest last
-        manifests[name] = _write_manifest(resume[name][0], cfg, files, tok, _state(skiplog, noted), name, manifests.get("val"), backend)
+        manifests[name] = _write_manifest(setup, resume[name][0], _state(skiplog, noted), name, manifests.get("val"))
     train, val = manifests["train"], manifests.get("val")
     return PrepareResult(
         out, file_stats, train.num_docs, train.num_tokens, val.num_docs if val else 0, val.num_tokens if val else 0,
         len(train.shards) + (len(val.shards) if val else 0), skiplog, seconds, run.text_bytes, run.tokens, resumed_from,
-        noted=noted, backend=backend["name"],
+        noted=noted, backend=setup.backend["name"],
     )
 
 
 class _Run:
     """The input of one run, in order, into the split writers: documents, skips and notes."""
 
-    def __init__(self, cfg: PrepareConfig, files: list[Path], part: tuple[int, int], file_stats: list[FileStats], skiplog: SkipLog, noted: SkipLog, progress: Progress, log):
-        self.cfg, self.files, self.part, self.file_stats = cfg, files, part, file_stats
+    def __init__(self, setup: _Setup, skiplog: SkipLog, noted: SkipLog, progress: Progress):
+        self.cfg, self.files, self.part, self.file_stats = setup.cfg, setup.files, setup.part, setup.file_stats
+        self.tok, self.log = setup.tok, setup.log
         self.skiplog, self.noted = skiplog, noted  # up to the input read so far; shared with the caller
-        self.progress, self.log = progress, log
+        self.progress = progress
         self.docs = self.tokens = self.text_bytes = 0
-        self.reported = part[0]  # files before this one have had their --verbose line
+        self.reported = self.part[0]  # files before this one have had their --verbose line
 
     def _report_files_before(self, fi: int) -> None:
         while self.cfg.verbose and self.reported < fi:
@@ -599,13 +447,14 @@ class _Run:
     def _disk_before(self, fi: int) -> int:
         return sum(s.bytes for s in self.file_stats[: fi - self.part[0]])
 
-    def blocks(self, pool: OrderedPool | None, spec: _Spec, work_here: bool, tok, resume: dict, start: int) -> None:
+    def blocks(self, workers: _Workers, resume: dict, start: int) -> None:
         """Blocks of ~1 MiB handed out in order; this process writes the shards (`SplitWriter`)."""
         lo, hi = self.part
+        tok = self.tok
         splits = {name: SplitWriter(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos) for name, (d, k, pos) in resume.items()}
         next_line = 1  # the file line where the next block of the current file starts
         try:
-            for (fi, first_line, consumed), res in _ordered_results(_tasks(self.files, start, hi, self.cfg.chunk_bytes), spec, pool, work_here):
+            for (fi, first_line, consumed), res in _ordered_results(_tasks(self.files, start, hi, self.cfg.chunk_bytes), workers):
                 self._report_files_before(fi)
                 if first_line is not None:
                     next_line = first_line
@@ -623,43 +472,29 @@ class _Run:
             raise
         self._report_files_before(hi)
 
-    def whole_files(self, pool: TaskPool, tok, resume: dict, start: int) -> None:
+    def whole_files(self, pool: TaskPool, resume: dict, start: int) -> None:
         """Whole files to the workers, which write pieces; this process cuts the pieces' documents
         into shards in input order and hands each piece's share of a shard to the worker that
-        writes that shard (`prepare_pieces`)."""
+        writes that shard (`pieces`)."""
         lo, hi = self.part
-        workers = len(pool.procs)
+        tok, workers = self.tok, len(pool.procs)
         pieces = None if self.cfg.dry_run else Pieces(Path(self.cfg.output) / PIECES_DIR)
         splits = {name: PieceSplit(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos) for name, (d, k, pos) in resume.items()}
         tasks = deque(plan_tasks(self.files, start, hi, workers, self.cfg.chunk_bytes, pieces.directory if pieces else None))
         by_index = {t.index: t for t in tasks}
         done: dict[int, PieceResult] = {}  # tokenized, waiting for the tasks before them
-        # A shard's parts go, in order, to the one worker that holds its writer (it keeps the
-        # shard's sha256 going between parts): each worker's queue of parts, and who writes what.
-        parts: list[deque[ShardJob]] = [deque() for _ in range(workers)]
-        writer_of: dict[tuple[str, int], int] = {}
-
-        def queue(jobs: list[ShardJob]) -> None:
-            for job in jobs:
-                # A new shard goes to an idle worker if there is one, else to the least loaded.
-                w = writer_of.pop(job.shard, None)
-                if w is None:
-                    w = min(range(workers), key=lambda i: (i in pool.running, len(parts[i])))
-                if job.extra is None:
-                    writer_of[job.shard] = w
-                parts[w].append(job)
-
+        parts = ShardQueues(workers)
         next_cut = 0
         # Tokenize at most this many tasks ahead of the first one not yet cut, so the pieces waiting
         # for a slow early file stay few.
         window = 4 * workers
         try:
             if not tasks:
-                queue([job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted))])
-            while tasks or any(parts) or pool.running:
+                parts.add([job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted))], pool.running)
+            while tasks or parts or pool.running:
                 for w in pool.idle_workers():
-                    if parts[w]:  # first: a written part frees pieces, and the last parts end the run
-                        pool.submit("shard", parts[w].popleft(), w)
+                    if (job := parts.next_for(w)) is not None:  # first: a written part frees pieces, and the last parts end the run
+                        pool.submit("shard", job, w)
                     elif tasks and tasks[0].index < next_cut + window:
                         task = tasks.popleft()
                         pool.submit(task.index, task, w)
@@ -677,7 +512,7 @@ class _Run:
                             made += [job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted))]
                         if pieces:
                             pieces.planned(task, made)
-                        queue(made)
+                        parts.add(made, pool.running)
         except BaseException:
             pool.close(kill=True)  # before its scratch goes: a worker may be writing there
             for s in splits.values():  # the shards the workers were writing stay incomplete: no trace of them
@@ -750,7 +585,8 @@ def _where(files: list[Path], pos: int) -> str:
     return f"{files[fi]}:{line}"
 
 
-def _write_manifest(directory: Path, cfg: PrepareConfig, files: list[Path], tok, state: dict, split: str, val: shards.Manifest | None, backend: dict) -> shards.Manifest:
+def _write_manifest(setup: _Setup, directory: Path, state: dict, split: str, val: shards.Manifest | None) -> shards.Manifest:
+    cfg, files = setup.cfg, setup.files
     extra = {
         "tool": {"name": "olmo-ds prepare_data", "version": olmo_ds.__version__},
         "arguments": {
@@ -764,10 +600,10 @@ def _write_manifest(directory: Path, cfg: PrepareConfig, files: list[Path], tok,
         },
         "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
         **state,
-        "tokenizer_backend": backend,
+        "tokenizer_backend": setup.backend,
     }
     if cfg.partition is not None:
         extra["partition"] = partition.record(files, cfg.partition)
     if val is not None:
         extra["val"] = {"dir": VAL_DIR, "num_docs": val.num_docs, "num_tokens": val.num_tokens, "shards": len(val.shards)}
-    return shards.write_manifest(directory, tok, split, extra)
+    return shards.write_manifest(directory, setup.tok, split, extra)

@@ -34,8 +34,8 @@ import numpy as np
 
 from olmo_ds.atomic import atomic_write_json
 from olmo_ds.data import shards
-from olmo_ds.data.prepare_output import VAL_DIR
-from olmo_ds.data.prepare_report import SkipLog
+from olmo_ds.data.prepare.output import VAL_DIR
+from olmo_ds.data.prepare.report import SkipLog
 
 MERGE_STATE = ".merge.json"
 BLOCK_TOKENS = 1 << 22  # tokens copied per step: memory stays bounded whatever the shard size

@@ -29,7 +29,7 @@ same function of the input (the position of the next document, the skips and not
 `prepare._logs_before`); and nothing written records the mode or the worker count.
 
 Kill safety: workers finish shards in any order, but a shard is complete only once its `.json`
-exists, and a rerun keeps only the complete shards 0..k-1 (`prepare_output.complete_shards` deletes
+exists, and a rerun keeps only the complete shards 0..k-1 (`output.complete_shards` deletes
 a complete shard after a gap), deletes `.prepare-pieces`, and reads the input again from just after
 shard k-1's last document, in either mode.
 """
@@ -37,15 +37,15 @@ shard k-1's last document, in either mode.
 from __future__ import annotations
 
 import shutil
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Container
 
 import numpy as np
 
 from olmo_ds.data import shards
-from olmo_ds.data.prepare_output import resume_point, split_position
+from olmo_ds.data.prepare.output import resume_point, split_position
 
 PIECES_DIR = ".prepare-pieces"
 GROUP_BYTES = 4 << 20  # files smaller than this (on disk) share a task with their neighbours
@@ -89,7 +89,7 @@ class PieceResult:
     """What a worker sends back for a task; the ids themselves are in the task's piece files."""
 
     doc_lens: np.ndarray  # int64 tokens per document, EOS included, in input order
-    positions: np.ndarray  # int64 input position (`prepare_output.position`) of each document
+    positions: np.ndarray  # int64 input position (`output.position`) of each document
     is_val: np.ndarray | None  # bool per document, when there is a validation split
     special: np.ndarray  # bool per document: its text holds a special token's text
     skips: list[tuple[int, str]]  # (input position, reason)
@@ -116,6 +116,34 @@ class ShardJob:
     @property
     def pieces(self) -> list[str]:
         return [s[0] for s in self.segments]
+
+
+class ShardQueues:
+    """Which worker writes which part of a shard, in whole-file mode. A shard's parts go, in order,
+    to the one worker that holds its writer (it keeps the shard's sha256 going between parts); a
+    new shard goes to an idle worker if there is one, else to the least loaded."""
+
+    def __init__(self, workers: int):
+        self.parts: list[deque[ShardJob]] = [deque() for _ in range(workers)]  # each worker's parts to write, in order
+        self.writer_of: dict[tuple[str, int], int] = {}  # open shard -> the worker that holds its writer
+
+    def add(self, jobs: list[ShardJob], busy: Container[int]) -> None:
+        """Queue `jobs` in order; `busy`: the workers running a task now."""
+        for job in jobs:
+            w = self.writer_of.pop(job.shard, None)
+            if w is None:
+                w = min(range(len(self.parts)), key=lambda i: (i in busy, len(self.parts[i])))
+            if job.extra is None:
+                self.writer_of[job.shard] = w
+            self.parts[w].append(job)
+
+    def next_for(self, worker: int) -> ShardJob | None:
+        """The next part `worker` is to write, if any."""
+        return self.parts[worker].popleft() if self.parts[worker] else None
+
+    def __bool__(self) -> bool:
+        """Whether any part waits to be written."""
+        return any(self.parts)
 
 
 _writers: dict[tuple[str, int], shards.ShardWriter] = {}  # in a worker: the shards it has open, between their parts

@@ -1,0 +1,209 @@
+"""What a worker process of data preparation does: parse and tokenize a block of lines, tokenize whole
+files into pieces (whole-file mode), or check the fast backend on a slice of texts.
+
+Everything here runs the same in any process (a worker, or the coordinating process when it
+tokenizes too), so that every block is encoded the same way whatever the worker count: a worker
+knows only its `Spec` and its task. The coordinating side (`pipeline`) hands out the work and puts
+the results in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from olmo_ds.data import shards
+from olmo_ds.data.prepare import readers
+from olmo_ds.data.prepare.output import position
+from olmo_ds.data.prepare.pieces import PieceResult, ShardJob, Task, write_shard_job
+from olmo_ds.tokenizer import first_difference, load_tokenizer
+
+# Per worker process: the loaded tokenizer for a `Spec`, so each worker loads it once.
+loaded_tokenizers: dict = {}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a worker needs to tokenize a block the same way as every other worker."""
+
+    tokenizer: str
+    eos_token: str | None
+    backend: str  # "hf" | "fast": which encoder `load_tokenizer` builds
+    text_field: str
+    val_fraction: float
+    split_special_tokens: bool
+    special_texts: tuple[str, ...]  # the special tokens' text, to count the documents holding any
+
+
+
+def tokenizer_for(spec: Spec):
+    if spec not in loaded_tokenizers:
+        tok = load_tokenizer(spec.tokenizer, spec.eos_token, backend=spec.backend)
+        tok.split_special_tokens = spec.split_special_tokens
+        loaded_tokenizers[spec] = tok
+    return loaded_tokenizers[spec]
+
+
+def special_token_texts(tok) -> tuple[str, ...]:
+    """The text of an HF tokenizer's special added tokens (`<|endoftext|>`, `<|pad|>`, ...). A
+    sentencepiece model has none that text can produce: its control symbols never match input."""
+    if tok.kind != "hf":
+        return ()
+    added = orjson.loads(Path(tok.path).read_bytes()).get("added_tokens") or []  # orjson: a 7 MB tokenizer.json in 20 ms, not 80
+    return tuple(sorted({t["content"] for t in added if t.get("special") and t.get("content")}))
+
+
+def holds_special_text(texts: list[str], specials: tuple[str, ...]) -> np.ndarray:
+    """Per text, whether any special token's text occurs in it. One substring scan per distinct
+    two-character prefix (all of dolma2's eight start with "<|"), the rest only on a hit."""
+    by_prefix: dict[str, list[str]] = {}
+    for sp in specials:
+        by_prefix.setdefault(sp[:2], []).append(sp)
+    return np.array([any(p in t and any(sp in t for sp in group) for p, group in by_prefix.items()) for t in texts], dtype=bool)
+
+
+@dataclass
+class ChunkResult:
+    file_index: int
+    tokens: np.ndarray  # the documents' ids, each followed by EOS, in the shard dtype
+    doc_lens: np.ndarray  # int64 tokens per document, EOS included
+    positions: np.ndarray  # int64 input position of each document (line within the block until `at_line`)
+    is_val: np.ndarray | None  # bool per document, when there is a validation split
+    skips: list[tuple[int, str]]  # (position, reason), like `positions`
+    special: np.ndarray  # bool per document: its text holds a special token's text
+    text_bytes: int
+    n_lines: int  # newlines in the block: the next block starts this many lines later
+
+    def at_line(self, first_line: int) -> None:
+        """Turn block-relative line numbers into the file's, the block starting at `first_line`."""
+        self.positions += first_line
+        self.skips = [(p + first_line, reason) for p, reason in self.skips]
+
+
+def val_hash(text: str) -> int:
+    """A stable 64-bit hash of a document's text; documents below fraction × 2^64 go to validation."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def append_eos(ids: np.ndarray, offsets: np.ndarray, eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Flat ids of a batch (`encode_batch_flat`) → each document's ids followed by EOS, in the
+    shard dtype, and the documents' lengths including EOS. Document i moves right by i slots."""
+    doc_lens = np.diff(offsets) + 1
+    tokens = np.empty(len(ids) + len(doc_lens), dtype=dtype)
+    is_eos = np.zeros(len(tokens), dtype=bool)
+    is_eos[np.cumsum(doc_lens) - 1] = True
+    tokens[is_eos] = eos_id
+    tokens[~is_eos] = ids
+    return tokens, doc_lens
+
+
+def process_chunk(spec: Spec, file_index: int, block: readers.Block) -> ChunkResult:
+    """Read (unless the coordinating process already did), parse and tokenize one block. Lines are
+    numbered from 0 within the block (see `ChunkResult.at_line`)."""
+    tok = tokenizer_for(spec)
+    records, n_lines, text_bytes = readers.load_block(block, spec.text_field)
+    base = position(file_index, 0)
+    texts = [text for _, text, _ in records if text is not None]
+    positions = np.array([base + line for line, text, _ in records if text is not None], dtype=np.int64)
+    skips = [(base + line, reason) for line, text, reason in records if text is None]
+    ids, offsets = tok.encode_batch_flat(texts) if texts else (np.zeros(0, np.uint32), np.zeros(1, np.int64))
+    tokens, doc_lens = append_eos(ids, offsets, tok.eos_id, shards.dtype_for_vocab(tok.vocab_size))
+    is_val = None
+    if spec.val_fraction > 0:
+        threshold = int(spec.val_fraction * 2**64)
+        is_val = np.array([val_hash(t) < threshold for t in texts], dtype=bool)
+    special = holds_special_text(texts, spec.special_texts)
+    return ChunkResult(file_index, tokens, doc_lens, positions, is_val, skips, special, text_bytes, n_lines)
+
+
+def _tokenize_task(spec: Spec, task: Task) -> PieceResult:
+    """Whole-file mode, in a worker: read (decompressing), parse and tokenize the task's files block
+    by block, appending each split's ids to its piece file; return everything but the ids."""
+    results, per_file = [], []
+    outs: dict[str, object] = {}
+    try:
+        for k, (fi, path) in enumerate(task.files):
+            next_line = task.start_line if k == 0 else 1
+            docs = tokens = skipped = 0
+            for first_line, block, _ in readers.iter_blocks(Path(path), task.chunk_bytes, next_line):
+                res = process_chunk(spec, fi, block)
+                if first_line is not None:
+                    next_line = first_line
+                res.at_line(next_line)
+                next_line += res.n_lines
+                if task.pieces is not None:
+                    _append_to_pieces(task, outs, res)
+                docs, tokens, skipped = docs + len(res.doc_lens), tokens + len(res.tokens), skipped + len(res.skips)
+                res.tokens = None
+                results.append(res)
+            per_file.append((fi, docs, tokens, skipped))
+    finally:
+        for split, f in outs.items():
+            with shards.naming(Path(task.piece(split))):
+                f.close()
+    return PieceResult(
+        doc_lens=_concat([r.doc_lens for r in results], np.int64),
+        positions=_concat([r.positions for r in results], np.int64),
+        is_val=_concat([r.is_val for r in results], bool) if spec.val_fraction > 0 else None,
+        special=_concat([r.special for r in results], bool),
+        skips=[skip for r in results for skip in r.skips],
+        text_bytes=sum(r.text_bytes for r in results),
+        files=per_file,
+    )
+
+
+def _append_to_pieces(task: Task, outs: dict, res: ChunkResult) -> None:
+    """Append a block's ids to the task's piece files, each split's to its own (opened on first use)."""
+    if res.is_val is None:
+        parts = {"train": res.tokens}
+    else:
+        token_is_val = np.repeat(res.is_val, res.doc_lens)
+        parts = {"train": res.tokens[~token_is_val], "val": res.tokens[token_is_val]}
+    for split, ids in parts.items():
+        if len(ids):
+            with shards.naming(Path(task.piece(split))):
+                if split not in outs:
+                    outs[split] = open(task.piece(split), "wb")
+                outs[split].write(memoryview(ids).cast("B"))
+
+
+def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+
+
+@dataclass(frozen=True)
+class CheckSlice:
+    """Some of the texts on which fastokens must give HF's ids (`backend`), checked in a worker."""
+
+    texts: tuple[str, ...]
+    labels: tuple[str, ...]
+
+
+def check_slice(spec: Spec, part: CheckSlice) -> str | None:
+    """The first of the slice's texts that `spec`'s fast encoder encodes otherwise than HF, or None."""
+    reference = tokenizer_for(dataclasses.replace(spec, backend="hf"))
+    return first_difference(tokenizer_for(spec), reference, list(part.texts), list(part.labels))
+
+
+def files_worker(spec: Spec, task: Task | ShardJob | CheckSlice):
+    """`TaskPool`'s function in whole-file mode: tokenize a task into pieces, write a shard from
+    them, or check the fast backend on a slice of texts."""
+    if isinstance(task, CheckSlice):
+        return check_slice(spec, task)
+    return _tokenize_task(spec, task) if isinstance(task, Task) else write_shard_job(task)
+
+
+
+def chunk_in_worker(spec: Spec, *args) -> tuple[ChunkResult | str | None, np.ndarray]:
+    """`process_chunk` for `OrderedPool`: the tokens travel as raw bytes, the rest as the header.
+    (Or the fast backend's check on a slice of texts: its finding is the header.)"""
+    if isinstance(args[0], CheckSlice):
+        return check_slice(spec, args[0]), np.zeros(0, np.uint8)
+    res = process_chunk(spec, *args)
+    tokens, res.tokens = res.tokens, None
+    return res, tokens
