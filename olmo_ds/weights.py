@@ -200,7 +200,7 @@ def load_model(source: str | Path | Provenance, *, device: str | torch.device = 
         raise ValueError(f"{directory}: backend 'transformers' needs an exported transformers directory (scripts/export_hf.py)")
     if tokenizer is None:
         tokenizer = own_tokenizer(provenance)
-        recorded = provenance.tokenizer_fingerprint
+        recorded = provenance.tokenizer_fingerprint if kind == "checkpoint" else None
         if recorded and recorded != tokenizer.fingerprint:
             raise ValueError(f"{directory}: tokenizer.json ({tokenizer.fingerprint}) is not the one the run trained with ({recorded})")
     if tokenizer.vocab_size > cfg.vocab_size:
