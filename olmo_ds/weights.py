@@ -1,8 +1,17 @@
 """Model weights as files, and the one path that loads them: training checkpoints, our model
 directory, transformers directories.
 
-Every consumer of weights — evaluation, generation, HF export and import, (next) a run that starts from
-existing weights — calls `load_weights(path)`, which works out what `path` is (`resolve_weights`):
+Every consumer of weights — evaluation, generation, HF export and import, a run that starts from
+existing weights — goes through here, and each question is answered in one function:
+- what a path is: `resolve_weights` (a checkpoint, a run's newest complete checkpoint, our model
+  directory, a transformers directory);
+- which tokenizer belongs to the weights: `tokenizer_beside`;
+- what the weights are, without a tensor read: `describe_weights` (`inspect_weights` also takes a hub
+  id from the HF cache, for `init_from`) -> `Provenance`;
+- the weights themselves: `load_weights` -> `Weights`; a model to run: `load_model` -> `LoadedModel`
+  (model, tokenizer, provenance).
+
+The kinds of weights:
 - a checkpoint `RUN/checkpoints/step-NNNNNNN/` (or a run `RUN/`: its newest complete checkpoint):
   consolidated fp32 weights from the ZeRO files of however many ranks wrote them (`olmo_ds.checkpoint`);
 - our model directory, as `scripts/import_hf.py` writes it:
@@ -21,12 +30,16 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from olmo_ds import checkpoint as ckpt
+from olmo_ds import hub
 from olmo_ds.model import hf
 from olmo_ds.model.config import ModelConfig
+from olmo_ds.model.model import OLMo
+from olmo_ds.tokenizer import Tokenizer, load_tokenizer
 
 MODEL_CONFIG_FILE = "model_config.json"
 HF_CONFIG_FILE = "config.json"
@@ -36,16 +49,61 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 HF_MODEL_TYPES = ("olmo2", "olmo3")
 KINDS = ("checkpoint", "model_dir", "hf")
+BACKENDS = ("olmo", "transformers")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
-class Weights:
+class Provenance:
+    """What a weights source is, read without loading a tensor: enough to check a run against it, to
+    label an evaluation's results, and to build the model the weights go into."""
+
     kind: str  # one of KINDS
-    directory: Path  # the checkpoint or model directory actually read (its tokenizer.json is beside the weights)
+    directory: Path  # the checkpoint or model directory actually read
     cfg: ModelConfig
+    tokenizer: Tokenizer | None = field(repr=False)  # the one saved beside the weights (`tokenizer_beside`), if any
+    train_state: dict = field(default_factory=dict, repr=False)  # a checkpoint's train_state.json (or an export's copy); {} if none
+
+    @property
+    def step(self) -> int | None:
+        """The training step the weights are from, where known."""
+        if self.kind == "checkpoint":
+            return self.train_state.get("step", ckpt.step_of(self.directory))
+        return self.train_state.get("step")
+
+    @property
+    def tokens_seen(self) -> int | None:
+        return self.train_state.get("tokens_seen")
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run a checkpoint belongs to (for TensorBoard, comparisons); None for other kinds."""
+        return ckpt.run_dir_of(self.directory) if self.kind == "checkpoint" else None
+
+    @property
+    def train_config(self) -> dict:
+        """The resolved training config the run recorded (data sources, ...); {} when unknown."""
+        return self.train_state.get("config", {})
+
+    @property
+    def tokenizer_fingerprint(self) -> str | None:
+        """The tokenizer the weights were trained with: the one a checkpoint's run recorded, else the
+        fingerprint of the tokenizer beside them; None when the source carries no tokenizer."""
+        if self.kind == "checkpoint":
+            return self.train_state.get("tokenizer_fingerprint")
+        return self.tokenizer.fingerprint if self.tokenizer is not None else None
+
+
+@dataclass
+class Weights:
+    provenance: Provenance
     state_dict: dict[str, torch.Tensor]  # fp32 on CPU, keyed like OLMo(cfg).state_dict()
-    train_state: dict = field(default_factory=dict)  # a checkpoint's train_state.json (or an export's copy); {} if none
+
+
+class LoadedModel(NamedTuple):
+    model: torch.nn.Module  # in eval mode, on the device and in the dtype asked for
+    tokenizer: Tokenizer
+    provenance: Provenance
 
 
 def resolve_weights(path: str | Path) -> tuple[str, Path]:
@@ -70,26 +128,98 @@ def resolve_weights(path: str | Path) -> tuple[str, Path]:
                      f"({HF_CONFIG_FILE}) or olmo-ds model directory ({MODEL_CONFIG_FILE})")
 
 
-def load_weights(path: str | Path, *, vocab_size: int | None = None) -> Weights:
-    """The weights at `path`, whatever kind it is (see the module docstring), checked against their config.
+def tokenizer_beside(directory: str | Path) -> Tokenizer | None:
+    """The tokenizer saved with the weights in `directory`: its tokenizer.json, else its one sentencepiece
+    .model (a checkpoint's copy of the run's tokenizer, an import's or an export's); None when it has neither.
 
-    `vocab_size` (transformers directories only): the unpadded vocabulary, which their config.json
-    does not record; default: the directory's tokenizer.json, else the padded size.
+    The one place that decides it: evaluation, generation, export and `init_from` all get the tokenizer
+    of weights from here, so the same weights never meet two different tokenizers.
     """
+    directory = Path(directory)
+    if not (directory / "tokenizer.json").is_file() and not any(directory.glob("*.model")):
+        return None
+    return load_tokenizer(directory)
+
+
+def describe_weights(path: str | Path) -> Provenance:
+    """What the weights at `path` are (see the module docstring), from their config and train_state alone."""
     kind, directory = resolve_weights(path)
+    tokenizer = tokenizer_beside(directory)
     if kind == "checkpoint":
-        cfg, state, train_state = ckpt.load_model_state(directory)
-        check_state_dict(cfg, state, f"{directory} (consolidated checkpoint)")
-        return Weights(kind, directory, cfg, state, train_state)
+        train_state = ckpt.read_train_state(directory)
+        return Provenance(kind, directory, ModelConfig.from_dict(train_state["model"]), tokenizer, train_state)
     if kind == "model_dir":
-        cfg, state = load_model_dir(directory)
-        return Weights(kind, directory, cfg, state)
-    hf_config = read_hf_config(directory)
-    cfg = model_config_from_hf(directory, hf_config, vocab_size)
-    state = {k: v.float() for k, v in hf.from_hf_state_dict(cfg, load_safetensors(directory)).items()}
-    padded = hf_config.get("vocab_size", 0)
-    check_state_dict(cfg, state, f"{directory} (vocab_size {padded} must be a multiple of 128)" if padded % 128 else str(directory))
-    return Weights(kind, directory, cfg, state, export_provenance(directory))
+        return Provenance(kind, directory, read_model_config(directory), tokenizer)
+    cfg = model_config_from_hf(directory, read_hf_config(directory), tokenizer)
+    return Provenance(kind, directory, cfg, tokenizer, export_provenance(directory))
+
+
+# The files of a hub repo that starting from its weights needs (resolve_snapshot's allow_patterns).
+HUB_WEIGHT_FILES = [HF_CONFIG_FILE, "*.safetensors", SAFETENSORS_INDEX, "tokenizer.json", "tokenizer_config.json",
+                    MODEL_CONFIG_FILE]
+
+
+def inspect_weights(spec: str | Path, *, what: str = "") -> Provenance:
+    """`describe_weights` of `spec`, which may also be a hub id from the HF cache (what `init_from` names)."""
+    path = Path(spec)
+    if not path.exists() and hub.parse_hub_id(str(spec)) is not None:
+        path = hub.resolve_snapshot(str(spec), HUB_WEIGHT_FILES, what=what)
+    return describe_weights(path)
+
+
+def load_weights(source: str | Path | Provenance) -> Weights:
+    """The weights at `source` (a path, or what `describe_weights` made of one), checked against their config."""
+    provenance = source if isinstance(source, Provenance) else describe_weights(source)
+    kind, directory, cfg = provenance.kind, provenance.directory, provenance.cfg
+    if kind == "checkpoint":
+        _, state, _ = ckpt.load_model_state(directory)
+        check_state_dict(cfg, state, f"{directory} (consolidated checkpoint)")
+    elif kind == "model_dir":
+        state = _model_dir_state(directory, cfg)
+    else:
+        state = {k: v.float() for k, v in hf.from_hf_state_dict(cfg, load_safetensors(directory)).items()}
+        padded = read_hf_config(directory).get("vocab_size", 0)
+        check_state_dict(cfg, state, f"{directory} (vocab_size {padded} must be a multiple of 128)" if padded % 128 else str(directory))
+    return Weights(provenance, state)
+
+
+def load_model(source: str | Path | Provenance, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               backend: str = "olmo", tokenizer: Tokenizer | None = None) -> LoadedModel:
+    """The model of the weights at `source` in eval mode, on `device`, in `dtype`, with its tokenizer and provenance.
+
+    The tokenizer is the one beside the weights (`tokenizer_beside`), checked against them: its ids fit
+    the model, and a checkpoint's is the one its run trained with. `tokenizer` replaces it when a user
+    names another (scripts/generate.py --tokenizer). `backend="transformers"` loads an exported
+    directory into transformers' own class, which is how the agreement of the two is checked.
+    """
+    provenance = source if isinstance(source, Provenance) else describe_weights(source)
+    kind, directory, cfg = provenance.kind, provenance.directory, provenance.cfg
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'olmo' or 'transformers', got {backend!r}")
+    if backend == "transformers" and kind != "hf":
+        raise ValueError(f"{directory}: backend 'transformers' needs an exported transformers directory (scripts/export_hf.py)")
+    if tokenizer is None:
+        tokenizer = own_tokenizer(provenance)
+        recorded = provenance.tokenizer_fingerprint if kind == "checkpoint" else None
+        if recorded and recorded != tokenizer.fingerprint:
+            raise ValueError(f"{directory}: tokenizer.json ({tokenizer.fingerprint}) is not the one the run trained with ({recorded})")
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"{directory}: tokenizer has {tokenizer.vocab_size} ids but the model only {cfg.vocab_size}; they do not belong together")
+    if backend == "transformers":
+        import transformers  # optional, and seconds to import: only for this check of agreement
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    else:
+        model = OLMo(cfg)
+        model.load_state_dict(load_weights(provenance).state_dict)
+    return LoadedModel(model.to(device=device, dtype=dtype).eval(), tokenizer, provenance)
+
+
+def own_tokenizer(provenance: Provenance) -> Tokenizer:
+    """The tokenizer beside the weights, which evaluation requires (cheap: check it before loading tensors)."""
+    if provenance.tokenizer is None:
+        raise FileNotFoundError(f"{provenance.directory}: no tokenizer.json beside the weights; evaluation must use the model's own tokenizer")
+    return provenance.tokenizer
 
 
 def export_provenance(directory: Path) -> dict:
@@ -112,63 +242,17 @@ def read_hf_config(directory: Path) -> dict:
     return hf_config
 
 
-def model_config_from_hf(directory: Path, hf_config: dict, vocab_size: int | None = None) -> ModelConfig:
-    """Our ModelConfig for a transformers directory; the unpadded vocabulary from its tokenizer.json when not given."""
-    if vocab_size is None and (Path(directory) / "tokenizer.json").is_file():
-        from olmo_ds.tokenizer import load_tokenizer
-
-        vocab_size = load_tokenizer(Path(directory) / "tokenizer.json").vocab_size
+def model_config_from_hf(directory: Path, hf_config: dict, tokenizer: Tokenizer | None) -> ModelConfig:
+    """Our ModelConfig for a transformers directory. Its config.json records only the padded vocabulary:
+    the unpadded one is the size of the tokenizer beside the weights, else the padded size."""
     config_path = Path(directory) / HF_CONFIG_FILE
     try:
-        return hf.from_hf_config(hf_config, vocab_size=vocab_size, where=str(config_path))
+        return hf.from_hf_config(hf_config, vocab_size=tokenizer.vocab_size if tokenizer else None, where=str(config_path))
     except (KeyError, TypeError) as e:
         raise ValueError(f"{config_path}: missing or invalid key {e}") from e
 
 
 # ---- starting a run from weights ----------------------------------------------------------------
-
-# The files of a hub repo that starting from its weights needs (resolve_snapshot's allow_patterns).
-HUB_WEIGHT_FILES = [HF_CONFIG_FILE, "*.safetensors", SAFETENSORS_INDEX, "tokenizer.json", "tokenizer_config.json",
-                    MODEL_CONFIG_FILE]
-
-
-@dataclass
-class WeightsInfo:
-    """What a weights source is, read without loading a tensor: enough to check a run against it."""
-
-    kind: str
-    directory: Path
-    cfg: ModelConfig
-    tokenizer_fingerprint: str | None  # None when the source carries no tokenizer
-    step: int | None  # the training step the weights are from, where known
-    train_state: dict  # a checkpoint's train_state.json (or an export's copy); {} if none
-
-
-def inspect_weights(spec: str | Path, *, what: str = "") -> WeightsInfo:
-    """Describe the weights `spec` names (a checkpoint, a run dir, our model dir, a transformers dir, or
-    a hub id from the HF cache) from their config and train_state alone."""
-    from olmo_ds import hub
-
-    path = Path(spec)
-    if not path.exists() and hub.parse_hub_id(str(spec)) is not None:
-        path = hub.resolve_snapshot(str(spec), HUB_WEIGHT_FILES, what=what)
-    kind, directory = resolve_weights(path)
-    if kind == "checkpoint":
-        state = ckpt.read_train_state(directory)
-        return WeightsInfo(kind, directory, ModelConfig.from_dict(state["model"]), state.get("tokenizer_fingerprint"),
-                           state.get("step", ckpt.step_of(directory)), state)
-    if kind == "model_dir":
-        cfg = ModelConfig.from_dict(json.loads((directory / MODEL_CONFIG_FILE).read_text()))
-        state = {}
-    else:
-        cfg, state = model_config_from_hf(directory, read_hf_config(directory)), export_provenance(directory)
-    fingerprint = None
-    if (directory / "tokenizer.json").is_file():
-        from olmo_ds.tokenizer import load_tokenizer
-
-        fingerprint = load_tokenizer(directory).fingerprint
-    return WeightsInfo(kind, directory, cfg, fingerprint, state.get("step"), state)
-
 
 def weights_fingerprint(state_dict: dict[str, torch.Tensor], samples_per_tensor: int = 1 << 16) -> str:
     """A content fingerprint of a state dict that reads at most `samples_per_tensor` evenly spaced values
@@ -226,8 +310,6 @@ def load_weights_into(model, state_dict: dict[str, torch.Tensor] | None) -> int:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our parameter name -> shape, from a model built on the meta device (no memory, any size)."""
-    from olmo_ds.model.model import OLMo
-
     with torch.device("meta"):
         model = OLMo(cfg)
     return {name: tuple(p.shape) for name, p in model.state_dict(keep_vars=True).items()}
@@ -308,22 +390,31 @@ def save_model_dir(directory, cfg: ModelConfig, state_dict: dict[str, torch.Tens
         copy_tokenizer_files(Path(tokenizer_dir), directory)
 
 
-def load_model_dir(directory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, state dict) from our model directory."""
+def read_model_config(directory) -> ModelConfig:
+    """The ModelConfig of our model directory."""
     directory = Path(directory)
     config_path = directory / MODEL_CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory}: no {MODEL_CONFIG_FILE}; not an olmo-ds model directory "
                                 f"(make one with scripts/import_hf.py)")
     try:
-        cfg = ModelConfig.from_dict(json.loads(config_path.read_text()))
+        return ModelConfig.from_dict(json.loads(config_path.read_text()))
     except (ValueError, TypeError) as e:
         raise ValueError(f"{config_path}: {e}") from e
+
+
+def _model_dir_state(directory: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     state = load_safetensors(directory)
     if cfg.tie_embeddings:
         state["head.weight"] = state["embed.weight"]
     check_state_dict(cfg, state, str(directory))
-    return cfg, state
+    return state
+
+
+def load_model_dir(directory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(ModelConfig, state dict) from our model directory."""
+    cfg = read_model_config(directory)
+    return cfg, _model_dir_state(Path(directory), cfg)
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[Path]:
@@ -354,7 +445,8 @@ def _tokenizer_config(tok, max_len: int) -> dict:
 
 
 def export_hf(source, out_dir, dtype: str = "float32", max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write a transformers model directory from anything `load_weights` reads (a checkpoint, a run, our model directory).
+    """Write a transformers model directory from anything `load_weights` reads (a checkpoint, a run, our model directory),
+    with the tokenizer beside the weights (`tokenizer_beside`).
 
     config.json (Olmo2ForCausalLM or Olmo3ForCausalLM), generation_config.json, model.safetensors (or
     shards with an index), and the tokenizer: tokenizer.json plus a tokenizer_config.json naming its
@@ -362,18 +454,15 @@ def export_hf(source, out_dir, dtype: str = "float32", max_shard_bytes: int = DE
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-    weights = load_weights(source)
-    cfg, state, src = weights.cfg, weights.state_dict, weights.directory
+    provenance = describe_weights(source)
+    cfg = provenance.cfg
+    # transformers reads an HF tokenizer.json; a sentencepiece model beside the weights is not converted.
+    tok = provenance.tokenizer if provenance.tokenizer is not None and provenance.tokenizer.kind == "hf" else None
+    if tok is not None and tok.vocab_size > cfg.padded_vocab_size:
+        raise ValueError(f"{tok.path}: vocab {tok.vocab_size} exceeds the model's embedding rows {cfg.padded_vocab_size}")
+    state = load_weights(provenance).state_dict
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = None
-    if (src / "tokenizer.json").is_file():
-        from olmo_ds.tokenizer import load_tokenizer
-
-        tok = load_tokenizer(src / "tokenizer.json")
-        if tok.vocab_size > cfg.padded_vocab_size:
-            raise ValueError(f"{src / 'tokenizer.json'}: vocab {tok.vocab_size} exceeds the model's "
-                             f"embedding rows {cfg.padded_vocab_size}")
     hf_state = {k: v.to(_DTYPES[dtype]) for k, v in hf.to_hf_state_dict(cfg, state).items()}
     save_safetensors(out_dir, hf_state, max_shard_bytes=max_shard_bytes)
     eos = tok.eos_id if tok else None
@@ -383,7 +472,7 @@ def export_hf(source, out_dir, dtype: str = "float32", max_shard_bytes: int = DE
     generation = {"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if tok is not None:
-        shutil.copy2(src / "tokenizer.json", out_dir / "tokenizer.json")
+        shutil.copy2(tok.path, out_dir / "tokenizer.json")
         (out_dir / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tok, cfg.max_seq_len), indent=2) + "\n")
     return out_dir
 
@@ -393,5 +482,6 @@ def import_hf(hf_dir, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> tu
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     read_hf_config(hf_dir)  # a clear error when hf_dir is not a transformers Olmo2/Olmo3 directory
     weights = load_weights(hf_dir)
-    save_model_dir(out_dir, weights.cfg, weights.state_dict, tokenizer_dir=hf_dir, max_shard_bytes=max_shard_bytes)
-    return weights.cfg, out_dir
+    cfg = weights.provenance.cfg
+    save_model_dir(out_dir, cfg, weights.state_dict, tokenizer_dir=hf_dir, max_shard_bytes=max_shard_bytes)
+    return cfg, out_dir

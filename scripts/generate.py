@@ -3,8 +3,8 @@
     python scripts/generate.py runs/demo/checkpoints/step-0000100 --prompt "def main(" --max-new-tokens 64
     python scripts/generate.py models/olmo2-1b --prompt "The capital of France is" --temperature 0.8 --top-p 0.95
 
-CHECKPOINT is a training checkpoint or an olmo-ds model directory (scripts/import_hf.py); the
-tokenizer is the tokenizer.json inside it unless --tokenizer is given. Runs on a GPU in bf16 when
+CHECKPOINT is a training checkpoint or an olmo-ds model directory (scripts/import_hf.py), loaded by
+`olmo_ds.weights.load_model`; the tokenizer is the one beside the weights unless --tokenizer is given. Runs on a GPU in bf16 when
 one is present, else on CPU in fp32.
 """
 
@@ -13,10 +13,9 @@ import sys
 
 import torch
 
-from olmo_ds.model import OLMo
 from olmo_ds.model.generate import generate
 from olmo_ds.tokenizer import load_tokenizer
-from olmo_ds.weights import load_weights
+from olmo_ds.weights import load_model
 
 
 def main() -> int:
@@ -29,16 +28,13 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=None, help="tokenizer.json / .model (default: the checkpoint's)")
     args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        weights = load_weights(args.checkpoint)
-        tokenizer = load_tokenizer(args.tokenizer or weights.directory / "tokenizer.json")
+        model, tokenizer, _ = load_model(args.checkpoint, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+                                         tokenizer=load_tokenizer(args.tokenizer) if args.tokenizer else None)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = OLMo(weights.cfg)
-    model.load_state_dict(weights.state_dict)
-    model.to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     prompts = [tokenizer.encode(text) for text in args.prompt]
     try:
         outputs = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -2,9 +2,9 @@
 
     python -m olmo_ds.eval.lm_eval_model --model olmo-ds --model_args checkpoint=runs/demo --tasks arc_easy
 
-`OlmoDsLM` is an lm-eval model ("olmo-ds"): the weights come through `olmo_ds.eval.loading`
-(`olmo_ds.weights.load_weights`: a checkpoint's ZeRO shards consolidated on CPU, a run's newest
-checkpoint, our model directory or an export), the tokenizer is the one saved with them, and
+`OlmoDsLM` is an lm-eval model ("olmo-ds"): the model comes from `olmo_ds.weights.load_model` (a
+checkpoint's ZeRO shards consolidated on CPU, a run's newest checkpoint, our model directory or an
+export), the tokenizer is the one saved with the weights, and
 log-likelihoods are computed by `olmo_ds.eval.loglikelihood.score_requests` (each distinct context
 run once into a KV cache). Strings become tokens exactly as lm-eval's `hf` model makes them
 (`TemplateLM`: the context's trailing whitespace moved to the continuation, the pair encoded whole
@@ -26,7 +26,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from olmo_ds.eval.loading import load_for_eval
+from olmo_ds import weights
 from olmo_ds.eval.loglikelihood import score_requests
 from olmo_ds.model.generate import generate
 
@@ -51,9 +51,9 @@ class OlmoDsLM(TemplateLM):
         if dtype not in DTYPES:
             raise ValueError(f"--model_args dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        loaded = load_for_eval(checkpoint, device=device, dtype=DTYPES[dtype])
-        self.model, self.tokenizer, self.max_length = loaded.model, loaded.tokenizer, loaded.max_len
-        self.path = loaded.path
+        self.model, self.tokenizer, provenance = weights.load_model(checkpoint, device=device, dtype=DTYPES[dtype])
+        self.max_length = provenance.cfg.max_seq_len
+        self.path = provenance.directory
         self.batch_tokens = int(batch_tokens)
         self._device = torch.device(device)
 

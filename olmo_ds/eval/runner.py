@@ -21,12 +21,14 @@ import torch
 import torch.distributed as dist
 
 from olmo_ds import checkpoint as ckpt
-from olmo_ds.eval import loading, olmes_suite
+from olmo_ds import weights
+from olmo_ds.eval import olmes_suite
 from olmo_ds.eval import results as res
 from olmo_ds.eval.multiple_choice import PreparedTasks, evaluate_tasks, prepare_tasks
 from olmo_ds.eval.perplexity import TextSource, evaluate_perplexity, load_source, token_byte_lengths, window_batches
 from olmo_ds.eval.scoring import DistContext, check_batching
 from olmo_ds.eval.tasks import Task, load_task, resolve_task
+from olmo_ds.model import OLMo
 from olmo_ds.ranks import check_host, rendezvous
 
 
@@ -89,6 +91,7 @@ def _default_sources(train_config: dict) -> list[str]:
 
 
 def _targets(options: EvalOptions) -> list[tuple[str, Path]]:
+    """(kind, directory) of each target: the one given, resolved, or every checkpoint of its run."""
     path = Path(options.target)
     if options.all_checkpoints:
         if not (path / ckpt.CHECKPOINTS).is_dir():
@@ -100,7 +103,7 @@ def _targets(options: EvalOptions) -> list[tuple[str, Path]]:
         if options.skip_evaluated:
             targets = [(k, d) for k, d in targets if not (_out_dir(options, k, d, True) / res.RESULTS).is_file()]
         return targets
-    return [loading.resolve_target(path)]
+    return [weights.resolve_weights(path)]
 
 
 def _dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -130,25 +133,55 @@ class _Inputs:
     token_bytes: np.ndarray
 
 
-def _prepare_inputs(options: EvalOptions, kind: str, directory: Path, tokenizer, tasks: list[Task]) -> _Inputs:
+def _prepare_inputs(options: EvalOptions, target: weights.Provenance, tokenizer, tasks: list[Task]) -> _Inputs:
     specs = options.data
-    if not specs and kind == "checkpoint":
-        specs = _default_sources(loading.read_train_config(directory))
+    if not specs and target.kind == "checkpoint":
+        specs = _default_sources(target.train_config)
     sources = [load_source(s, tokenizer, max_tokens=options.max_tokens, text_field=options.text_field) for s in specs]
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         raise ValueError(f"--data: two sources are named alike ({', '.join(names)}); name them with NAME=PATH")
     if not sources and not tasks:
-        raise ValueError(f"{directory}: nothing to evaluate: give --data (validation shards or JSON lines) and/or --tasks")
+        raise ValueError(f"{target.directory}: nothing to evaluate: give --data (validation shards or JSON lines) and/or --tasks")
     prepared = prepare_tasks(tokenizer, tasks, uncond=options.uncond, limit=options.limit) if tasks else None
     return _Inputs(sources, prepared, token_byte_lengths(tokenizer))
 
 
-def _evaluate(loaded: loading.LoadedModel, inputs: _Inputs, options: EvalOptions, dist_ctx: DistContext, batch_tokens: int) -> tuple[dict, dict, dict]:
+def _load_model(target: weights.Provenance, device: torch.device, dtype: torch.dtype, backend: str, dist_ctx: DistContext) -> weights.LoadedModel:
+    """`weights.load_model` on every rank, the files read once: with several ranks only rank 0 reads and
+    consolidates the weights and broadcasts them, as eight ranks of one node would otherwise hold eight
+    fp32 copies in host memory at once. Evaluation is the one place that runs a plain model (no
+    DeepSpeed engine) on several ranks, so this stays here rather than in `olmo_ds.weights`."""
+    if dist_ctx.world == 1 or backend != "olmo":
+        return weights.load_model(target, device=device, dtype=dtype, backend=backend)
+    loaded, error = None, None
+    if dist_ctx.rank == 0:
+        try:
+            loaded = weights.load_model(target, device=device, dtype=dtype)
+        except (ValueError, FileNotFoundError) as e:
+            error = e
+    # Every rank described the target itself; only rank 0's error (or none) travels: it stops every rank alike.
+    box = [error]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise box[0]
+    if dist_ctx.rank != 0:
+        with torch.device("meta"):  # no random initialisation of weights about to be overwritten
+            model = OLMo(target.cfg).to(dtype)
+        loaded = weights.LoadedModel(model.to_empty(device=device), weights.own_tokenizer(target), target)
+    with torch.no_grad():
+        for tensor in loaded.model.state_dict().values():
+            torch.distributed.broadcast(tensor, src=0)
+    loaded.model.eval()
+    return loaded
+
+
+def _evaluate(loaded: weights.LoadedModel, inputs: _Inputs, options: EvalOptions, dist_ctx: DistContext, batch_tokens: int) -> tuple[dict, dict, dict]:
     """(perplexity per source, metrics per task, stats) of one loaded model."""
-    seq_len = options.seq_len or loaded.max_len
-    if seq_len > loaded.max_len:
-        raise ValueError(f"--seq-len {seq_len} exceeds the model's window {loaded.max_len}")
+    max_len = loaded.provenance.cfg.max_seq_len  # the model's window: longer inputs are truncated from the left
+    seq_len = options.seq_len or max_len
+    if seq_len > max_len:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's window {max_len}")
     ppl = {}
     for source in inputs.sources:
         batches = window_batches(source.tokens, seq_len, max(1, batch_tokens // seq_len))
@@ -156,11 +189,11 @@ def _evaluate(loaded: loading.LoadedModel, inputs: _Inputs, options: EvalOptions
         ppl[source.name] = {**r, "path": str(source.path), "kind": source.kind, "documents": source.documents, "seq_len": seq_len}
     if inputs.tasks is None:
         return ppl, {}, {}
-    mc = evaluate_tasks(loaded.model, loaded.tokenizer, inputs.tasks, dist_ctx.rank, dist_ctx.world, max_len=loaded.max_len,
+    mc = evaluate_tasks(loaded.model, loaded.tokenizer, inputs.tasks, dist_ctx.rank, dist_ctx.world, max_len=max_len,
                         batch_tokens=batch_tokens, batching=options.batching)
     if dist_ctx.rank == 0 and mc.stats["truncated_contexts"]:
         per_task = ", ".join(f"{name} {r['truncated_contexts']}" for name, r in mc.tasks.items() if r["truncated_contexts"])
-        print(f"eval: warning: {mc.stats['truncated_contexts']} contexts longer than the model's window of {loaded.max_len} tokens "
+        print(f"eval: warning: {mc.stats['truncated_contexts']} contexts longer than the model's window of {max_len} tokens "
               f"were cut from the left ({per_task})", file=sys.stderr, flush=True)
     return ppl, mc.tasks, {"tasks": mc.stats}
 
@@ -207,24 +240,26 @@ def run(options: EvalOptions) -> list[dict]:
     inputs_for: dict[str, _Inputs] = {}  # by tokenizer fingerprint: nothing is tokenized twice
     documents = []
     for kind, directory in targets:
-        tokenizer = loading.target_tokenizer(directory)
+        # A directory `_targets` resolved resolves to itself; the tokenizer beside it is loaded here, once.
+        target = weights.describe_weights(directory)
+        tokenizer = weights.own_tokenizer(target)
         if tokenizer.fingerprint not in inputs_for:
-            inputs_for[tokenizer.fingerprint] = _prepare_inputs(options, kind, directory, tokenizer, tasks)
-        loaded = loading.load_for_eval(directory, device=device, dtype=dtype, backend=options.backend, tokenizer=tokenizer, dist_ctx=dist_ctx)
+            inputs_for[tokenizer.fingerprint] = _prepare_inputs(options, target, tokenizer, tasks)
+        loaded = _load_model(target, device, dtype, options.backend, dist_ctx)
         ppl, task_metrics, stats = _evaluate(loaded, inputs_for[tokenizer.fingerprint], options, dist_ctx, batch_tokens)
         suites = _suites(tasks, task_metrics)
 
-        target = {"path": str(loaded.path), "kind": loaded.kind, "run_dir": str(loaded.run_dir) if loaded.run_dir else None,
-                  "step": loaded.step, "tokens_seen": loaded.tokens_seen, "tokenizer": str(tokenizer.path),
+        labels = {"path": str(target.directory), "kind": target.kind, "run_dir": str(target.run_dir) if target.run_dir else None,
+                  "step": target.step, "tokens_seen": target.tokens_seen, "tokenizer": str(tokenizer.path),
                   "tokenizer_fingerprint": tokenizer.fingerprint}
         config = {"eval": {**asdict(options), "device": str(device), "dtype": str(dtype).replace("torch.", ""), "world_size": dist_ctx.world,
                            "batch_tokens": batch_tokens, "tasks": task_sources},
-                  "model": loaded.model_config, "train": loaded.train_config}
-        document = res.build_results(target=target, perplexity=ppl, tasks=task_metrics, stats=stats, config=config, suites=suites)
+                  "model": target.cfg.to_dict(), "train": target.train_config}
+        document = res.build_results(target=labels, perplexity=ppl, tasks=task_metrics, stats=stats, config=config, suites=suites)
         if is_main:
             path = res.write_results(_out_dir(options, kind, directory, len(targets) > 1), document)
-            if options.tensorboard and loaded.run_dir is not None and loaded.step is not None:
-                res.write_tensorboard(loaded.run_dir / res.TB_DIR, loaded.step, res.scalars(ppl, task_metrics) | res.suite_scalars(suites))
+            if options.tensorboard and target.run_dir is not None and target.step is not None:
+                res.write_tensorboard(target.run_dir / res.TB_DIR, target.step, res.scalars(ppl, task_metrics) | res.suite_scalars(suites))
             print(res.markdown(document), flush=True)
             print(f"\nresults: {path}", flush=True)
         documents.append(document)

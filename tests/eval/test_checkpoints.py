@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from olmo_ds.data import shards
-from olmo_ds.eval.loading import load_for_eval, resolve_target
 from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
 from olmo_ds.eval.loglikelihood import score_requests
 from olmo_ds.eval.perplexity import evaluate_perplexity, load_source, token_byte_lengths, window_batches
 from olmo_ds.eval.tasks import load_task
 from olmo_ds.model import OLMo
 from olmo_ds.model.generate import generate
-from olmo_ds.weights import export_hf, load_weights
+from olmo_ds.weights import export_hf, load_model, load_weights, resolve_weights
 from olmo_ds.tokenizer import load_tokenizer
 
 from eval_testlib import ARC_EASY, C4, NEOX, PIQA
@@ -73,7 +72,7 @@ def test_every_checkpoint_of_a_run_tensorboard_and_comparison(trained_run):
         steps[step] = r
     assert steps[6]["perplexity"]["c4"]["ce_loss"] < steps[3]["perplexity"]["c4"]["ce_loss"]  # training helps
     # One process on the same rows: bitwise the numbers the two ranks produced.
-    one = load_for_eval(trained_run)
+    one = load_model(trained_run)
     tokens = load_source(str(trained_run.parent / "c4" / "val"), one.tokenizer).tokens
     single = evaluate_perplexity(one.model, window_batches(tokens, 64, 4096 // 64), token_byte_lengths(one.tokenizer))
     assert (single.ce_loss, single.bits_per_byte) == (steps[6]["perplexity"]["c4"]["ce_loss"], steps[6]["perplexity"]["c4"]["bits_per_byte"])
@@ -104,13 +103,13 @@ def test_skip_evaluated_leaves_out_checkpoints_with_results(trained_run, tmp_pat
 
 
 def test_run_dir_resolves_to_its_newest_complete_checkpoint(trained_run, tmp_path):
-    assert resolve_target(trained_run) == ("checkpoint", trained_run / "checkpoints" / "step-0000006")
+    assert resolve_weights(trained_run) == ("checkpoint", trained_run / "checkpoints" / "step-0000006")
     broken = trained_run / "checkpoints" / "step-0000009"
     broken.mkdir()
     try:
-        assert resolve_target(trained_run)[1].name == "step-0000006"  # an interrupted save is never picked
+        assert resolve_weights(trained_run)[1].name == "step-0000006"  # an interrupted save is never picked
         with pytest.raises(ValueError, match="incomplete"):
-            resolve_target(broken)
+            resolve_weights(broken)
     finally:
         broken.rmdir()
 
@@ -118,18 +117,19 @@ def test_run_dir_resolves_to_its_newest_complete_checkpoint(trained_run, tmp_pat
 def test_checkpoint_and_its_transformers_export_agree(trained_run, tmp_path):
     ckpt = trained_run / "checkpoints" / "step-0000006"
     export_hf(ckpt, tmp_path / "hf")  # what scripts/export_hf.py runs
-    ours = load_for_eval(ckpt)
-    theirs = load_for_eval(tmp_path / "hf", backend="transformers")
-    assert type(theirs.model).__name__ == "Olmo2ForCausalLM" and ours.step == 6
+    ours = load_model(ckpt)
+    theirs = load_model(tmp_path / "hf", backend="transformers")
+    assert type(theirs.model).__name__ == "Olmo2ForCausalLM" and ours.provenance.step == 6
+    max_len = ours.provenance.cfg.max_seq_len
     tok = ours.tokenizer
     prepared = prepare_tasks(tok, [load_task(PIQA), load_task(ARC_EASY)], limit=8)
     with torch.no_grad():
-        a = score_requests(ours.model, prepared.requests, max_len=ours.max_len)
-        b = score_requests(theirs.model, prepared.requests, max_len=theirs.max_len)
+        a = score_requests(ours.model, prepared.requests, max_len=max_len)
+        b = score_requests(theirs.model, prepared.requests, max_len=theirs.provenance.cfg.max_seq_len)
     assert a.truncated.sum() > 0  # piqa contexts exceed the 64-token window: truncation path included
     np.testing.assert_allclose(a.logprob, b.logprob, rtol=0, atol=1e-4)
-    ra = evaluate_tasks(ours.model, tok, prepared, 0, 1, max_len=ours.max_len).tasks
-    rb = evaluate_tasks(theirs.model, tok, prepared, 0, 1, max_len=theirs.max_len).tasks
+    ra = evaluate_tasks(ours.model, tok, prepared, 0, 1, max_len=max_len).tasks
+    rb = evaluate_tasks(theirs.model, tok, prepared, 0, 1, max_len=theirs.provenance.cfg.max_seq_len).tasks
     assert {t: {m: r[m] for m in ("acc", "acc_per_token", "acc_per_char")} for t, r in ra.items()} == \
            {t: {m: r[m] for m in ("acc", "acc_per_token", "acc_per_char")} for t, r in rb.items()}
 
@@ -146,7 +146,7 @@ def test_scripts_given_a_checkpoint_print_only_their_result(trained_run, tmp_pat
         assert proc.stdout == f"wrote {tmp_path / 'hf'}\n"
     else:  # greedy, so the text is known: the same weights and generate() in this process
         w = load_weights(ckpt)
-        model = OLMo(w.cfg)
+        model = OLMo(w.provenance.cfg)
         model.load_state_dict(w.state_dict)
         tok = load_tokenizer(ckpt / "tokenizer.json")
         new = generate(model.eval(), [tok.encode("The")], 4, eos_id=tok.eos_id)[0]

@@ -273,14 +273,14 @@ def test_resume_from_a_checkpoint_of_another_model_shape(reference, tmp_path):
 
 def test_latest_pointing_at_a_missing_step(reference, tmp_path):
     """`latest` is a convenience: resume and eval pick the newest complete checkpoint by scanning."""
-    from olmo_ds.eval.loading import resolve_target
+    from olmo_ds.weights import resolve_weights
 
     tmp, _, _, _ = reference
     run_dir = tmp_path / "run"
     shutil.copytree(ckpt.checkpoints_dir(tmp / "reference"), ckpt.checkpoints_dir(run_dir))
     (ckpt.checkpoints_dir(run_dir) / ckpt.LATEST).write_text("step-0000999\n")
     newest = ckpt.checkpoints_dir(run_dir) / ckpt.step_tag(MAX_STEPS)
-    picked = (ckpt.resolve_resume("auto", run_dir), resolve_target(run_dir)[1])
+    picked = (ckpt.resolve_resume("auto", run_dir), resolve_weights(run_dir)[1])
     record("bad input: `latest` names a missing step", survived=picked == (newest, newest))
     assert picked == (newest, newest)
     missing = str(ckpt.checkpoints_dir(run_dir) / "step-0000999")

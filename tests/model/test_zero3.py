@@ -34,7 +34,7 @@ def test_zero3_training_step_and_checkpoint_export(tmp_path):
     ckpt = tmp_path / "run" / "checkpoints" / "step-0000001"
 
     loaded = load_weights(ckpt)
-    cfg, state = loaded.cfg, loaded.state_dict
+    cfg, state = loaded.provenance.cfg, loaded.state_dict
     trained = torch.load(tmp_path / "weights.pt")
     assert all(torch.equal(state[k], v) for k, v in trained.items())
 
