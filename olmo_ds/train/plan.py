@@ -5,11 +5,12 @@
 
 In the order it runs: the run dir is claimed (`claim_run_dir`) and the launch checked; the tokenizer and the
 data are opened and checked against the config and each other (`check_run`); the resume point is found (the
-run's own checkpoint wins over `init_from`) and the data loader positioned there; `init_from`'s weights are
-described and checked (`check_init_from`); the DeepSpeed JSON is read once and resolved, with
-`batch.micro_batch_size: auto` chosen between its ZeRO section and its batch fields (`plan_deepspeed`); and
-the checkpoint or optimizer state the run continues is checked against all that (`check_resume`). Both
-checks of a model against the state it takes over follow one rule, `olmo_ds.model.config.model_differences`.
+run's own checkpoint wins over `init_from`); `init_from`'s weights are described and checked
+(`check_init_from`); the DeepSpeed JSON is read once and resolved, with `batch.micro_batch_size: auto` chosen
+between its ZeRO section and its batch fields (`plan_deepspeed`); the checkpoint or optimizer state the run
+continues is checked against all that (`check_resume`); and the data loader is put at the checkpoint's
+position (`restore_data_position`). Both checks of a model against the state it takes over follow one rule,
+`olmo_ds.model.config.model_differences`.
 
 Why a plan: a run that cannot work must fail in seconds, before a process group, a model or a 1,000-GPU
 allocation exists, with a `ConfigError` naming both sides of the mismatch; and what was decided is then one
@@ -95,7 +96,7 @@ def plan_run(cfg: TrainConfig, *, resume: str | None = None, start_over: bool = 
 
     # The run's own checkpoint is where a continued run starts; weights from elsewhere (`init_from`)
     # may only seed a run that has none, so they are consulted after this, never instead.
-    resume_dir, resume_state = find_resume_point(resume, run_dir, loader)
+    resume_dir, resume_state = find_resume_point(resume, run_dir)
     init_from = None
     if cfg.init_from.path and resume_state is not None:
         log.info("resuming %s: init_from %s is not used (a run's own checkpoint wins)", resume_dir, cfg.init_from.path)
@@ -106,6 +107,7 @@ def plan_run(cfg: TrainConfig, *, resume: str | None = None, start_over: bool = 
     cfg, deepspeed = plan_deepspeed(cfg, model, env.world_size, resumed=resume_state.get("ds_config") if resume_state else None)
     if resume_state is not None:
         check_resume(resume_state, model, env.world_size, resume_dir, deepspeed.zero)
+        restore_data_position(loader, resume_dir, resume_state)
     elif load_optimizer:  # the optimizer state must fit as a resume's would
         check_resume(init_from.train_state, model, env.world_size, init_from.directory, deepspeed.zero,
                      frozenset(cfg.init_from.allow_changes))
@@ -185,20 +187,21 @@ def check_run(cfg: TrainConfig, model: ModelConfig, loader: DataLoader, tokenize
         )
 
 
-def find_resume_point(resume: str | None, run_dir: Path, loader: DataLoader) -> tuple[Path | None, dict | None]:
-    """The checkpoint `resume` names ("auto": the run's newest complete one) and its train_state.json, or (None, None)
-    for a new run; the loader is positioned after the last batch that checkpoint trained on."""
+def find_resume_point(resume: str | None, run_dir: Path) -> tuple[Path | None, dict | None]:
+    """The checkpoint `resume` names ("auto": the run's newest complete one) and its train_state.json, or (None, None)."""
     try:
         resume_dir = ckpt.resolve_resume(resume, run_dir)
-        state = ckpt.read_train_state(resume_dir) if resume_dir else None
+        return resume_dir, ckpt.read_train_state(resume_dir) if resume_dir else None
     except (FileNotFoundError, ValueError) as e:  # a bad --resume path, an interrupted save, a damaged train_state.json
         raise ConfigError(str(e)) from None
-    if state is not None:
-        try:
-            loader.load_state_dict(state["data"])
-        except ValueError as e:  # different data or seed: a user decision, not a crash
-            raise ConfigError(f"{resume_dir}: {e}") from None
-    return resume_dir, state
+
+
+def restore_data_position(loader: DataLoader, resume_dir: Path, state: dict) -> None:
+    """Put the loader right after the last batch the checkpoint trained on; other data or another seed is refused."""
+    try:
+        loader.load_state_dict(state["data"])
+    except ValueError as e:  # different data or seed: a user decision, not a crash
+        raise ConfigError(f"{resume_dir}: {e}") from None
 
 
 def check_init_from(cfg: TrainConfig, model: ModelConfig, tokenizer_fingerprint: str | None) -> weights.WeightsInfo:

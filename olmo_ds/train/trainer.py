@@ -156,7 +156,7 @@ class Trainer:
                 f"backwards{cpu}, LM head, embedding and evaluation in {self.cfg.precision}")
 
     def _restore(self) -> None:
-        state = self.resume_state  # the loader is at its data position already (`plan.find_resume_point`)
+        state = self.resume_state  # the loader is at its data position already (`plan.restore_data_position`)
         self._load_engine_state(self.resume_dir, state)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
