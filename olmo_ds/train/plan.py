@@ -19,6 +19,7 @@ typed record that the trainer, the memory estimate and the tools read, instead o
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -216,7 +217,7 @@ def check_init_from(cfg: TrainConfig, model: ModelConfig, tokenizer_fingerprint:
         raise ConfigError(f"{where}: init_from.load_optimizer needs an olmo-ds checkpoint (its optimizer state); a {info.kind} holds "
                           f"weights only. Drop load_optimizer to start with a fresh optimizer")
     found = model_differences(info.cfg, model, allow_changes=set(spec.allow_changes), weights_only=True)
-    fields = set(ModelConfig.__dataclass_fields__)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}  # named model.FIELD; the shapes compared instead, as they are
     diffs = [f"{'model.' + what if what in fields else what}: source {src!r}, this run {this!r}" for what, src, this in found]
     if info.tokenizer_fingerprint and tokenizer_fingerprint and info.tokenizer_fingerprint != tokenizer_fingerprint:
         diffs.append(f"tokenizer: source {info.tokenizer_fingerprint}, this run {tokenizer_fingerprint}")
