@@ -13,6 +13,7 @@ import sys
 from olmo_ds.ranks import LaunchError
 from olmo_ds.train.config import ConfigError, load_config
 from olmo_ds.train.launch import collective_failure, lost_ranks
+from olmo_ds.train.plan import plan_run
 from olmo_ds.train.trainer import CheckpointSaveError, NonFiniteLossError, Trainer
 
 
@@ -32,7 +33,7 @@ def main() -> int:
     args = p.parse_args()
     try:
         overrides = args.overrides + ([f"init_from.path={json.dumps(args.init_from)}"] if args.init_from else [])
-        trainer = Trainer(load_config(args.config, overrides), resume=args.resume, start_over=args.start_over)
+        trainer = Trainer(plan_run(load_config(args.config, overrides), resume=args.resume, start_over=args.start_over))
         trainer.fit()
     except (ConfigError, LaunchError, NonFiniteLossError, CheckpointSaveError) as e:
         print(f"error: {e}", file=sys.stderr)

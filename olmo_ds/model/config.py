@@ -17,9 +17,17 @@ ATTENTION_BACKENDS = (
 )
 COMPILE_MODES = ("auto", "blocks", "eager")
 FLOAT8_RECIPES = ("off", "tensorwise", "rowwise")  # olmo_ds/model/float8.py
+# Which model fields may differ between a run and the state it continues or starts from (`model_differences`):
 # Fields that choose how the model computes (kernels, recomputation, compilation, FP8 matmuls with dynamic
 # scaling, which keep no state), not its weights: a checkpoint resumes under other values of these.
 EXECUTION_FIELDS = frozenset({"attention_backend", "activation_checkpointing", "compile", "float8"})
+# Fields a run may change against the weights it starts from, when `init_from.allow_changes` names them: the
+# context length and RoPE scaling (long-context extension: OLMo 3's YaRN on the full layers).
+INIT_CHANGEABLE = ("max_seq_len", "yarn", "rope_theta")
+# Fields that name rather than shape the weights: the tokenizer's id count (the embedding's padded rows are
+# the shape), the initialisation's spread (loaded weights are not drawn) and the sliding-window pattern as
+# written (the layers it makes sliding are what counts). Free when only the weights are taken (init_from).
+WEIGHTS_ONLY_FREE = frozenset({"init_std", "vocab_size", "sliding_window_pattern"})
 
 
 @dataclass
@@ -222,6 +230,28 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown model config key(s) {unknown}; known keys: {sorted(known)}")
         return cls(**d)
+
+
+def model_differences(source: ModelConfig, target: ModelConfig, *, allow_changes: frozenset[str] | set[str] = frozenset(),
+                      weights_only: bool = False) -> list[tuple[str, object, object]]:
+    """(what, source's, target's) for every way a run with model `target` cannot take over `source`'s state: the
+    one rule for resuming a checkpoint and for starting from weights (`init_from`). A model field is named
+    bare ("d_model"); `EXECUTION_FIELDS` and `allow_changes` never count. `weights_only`: the run takes the
+    weights alone (a fresh schedule and data), so `WEIGHTS_ONLY_FREE` do not count and the shapes they stand
+    for are compared instead: "embedding rows (padded vocab)" and "sliding-window layers" (over the layers
+    both have)."""
+    skip = EXECUTION_FIELDS | set(allow_changes) | (WEIGHTS_ONLY_FREE if weights_only else frozenset())
+    diffs = [(f.name, getattr(source, f.name), getattr(target, f.name)) for f in dataclasses.fields(ModelConfig)
+             if f.name not in skip and getattr(source, f.name) != getattr(target, f.name)]
+    if not weights_only:
+        return diffs
+    if source.padded_vocab_size != target.padded_vocab_size:
+        diffs.append(("embedding rows (padded vocab)", source.padded_vocab_size, target.padded_vocab_size))
+    layers = range(min(source.n_layers, target.n_layers))
+    if [source.layer_is_sliding(i) for i in layers] != [target.layer_is_sliding(i) for i in layers]:
+        diffs.append(("sliding-window layers", [i for i in layers if source.layer_is_sliding(i)],
+                      [i for i in layers if target.layer_is_sliding(i)]))
+    return diffs
 
 
 def _olmo3_pattern() -> list[bool]:

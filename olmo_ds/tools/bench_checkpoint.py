@@ -65,7 +65,7 @@ def run(opts: BenchOptions, saves: int = 3, blocking_saves: int = 1, steps_cap: 
     cfg = build_train_config(opts, work / "data", work)
     cfg.checkpoint.keep_last = 1
     write_bench_shards(opts, work / "data", cfg.model.build(None).vocab_size)
-    trainer = Trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     step = lambda: trainer.train_step(trainer.loader.next_batch())  # noqa: E731
     for _ in range(opts.warmup):
         step()

@@ -211,8 +211,8 @@ def measure_in_loop(opts: EvalBenchOptions, tokenizer, task_paths: list[str], wo
     cfg = build_train_config(opts, tokenizer, task_paths, work)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a fresh run each time: nothing to resume
     t0 = time.perf_counter()
-    trainer = Trainer(cfg)
-    out = {"init_s": time.perf_counter() - t0, "zero_stage": trainer.ds_config["zero_optimization"]["stage"],
+    trainer = Trainer.from_config(cfg)
+    out = {"init_s": time.perf_counter() - t0, "zero_stage": trainer.plan.deepspeed.zero.stage,
            "blocks_compiled": trainer.model_cfg.compiles_blocks(trainer.device.type),
            "batch_tokens": trainer.evaluator.batch_tokens, "max_len": trainer.evaluator.seq_len}
     try:

@@ -284,7 +284,7 @@ def _time_steps(step, loader, opts: BenchOptions, flops: dict, peak: float | Non
 def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> dict:
     """The real pretrain path: `Trainer` (engine, ZeRO config, data loader) and its `train_step`."""
     t0 = time.perf_counter()
-    trainer = Trainer(cfg)
+    trainer = Trainer.from_config(cfg)
     if opts.experiments.deepcompile or opts.experiments.engine_compile:
         trainer.engine.compile(backend=opts.experiments.compile_backend)
     init_s = time.perf_counter() - t0
@@ -295,17 +295,14 @@ def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> d
         trainer.loader.close()
     result["init_s"] = init_s
     result["counters"] = block_counts()
-    zero = trainer.ds_config["zero_optimization"]
-    offload = zero.get("offload_optimizer", {})
+    zero = trainer.plan.deepspeed.zero
     estimate = estimate_peak_memory(
         trainer.model_cfg, micro_batch=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len, precision=cfg.precision,
-        zero_stage=zero["stage"], dp_world_size=1, compiled=trainer.model_cfg.compiles_blocks(trainer.device.type),
-        reduce_bucket_size=int(zero["reduce_bucket_size"]),
-        optimizer_on_host=float(offload.get("ratio", 1.0)) if offload.get("device", "none") in ("cpu", "nvme") else 0.0,
-        params_on_host=zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme"))
+        zero_stage=zero.stage, dp_world_size=1, compiled=trainer.model_cfg.compiles_blocks(trainer.device.type),
+        reduce_bucket_size=zero.reduce_bucket_size, optimizer_on_host=zero.optimizer_on_host, params_on_host=zero.params_on_host)
     result["estimated_peak_gib"] = estimate.total / 2**30  # olmo_ds/train/memory.py, what `micro_batch_size: auto` uses
     result["blocks_compiled"] = trainer.model_cfg.compiles_blocks(trainer.device.type)
-    result["zero_stage"] = trainer.ds_config["zero_optimization"]["stage"]
+    result["zero_stage"] = zero.stage
     result["ds_zero_config"] = trainer.ds_config["zero_optimization"]
     placement = getattr(trainer.engine.optimizer, "subgroup_to_device", None)
     if placement:

@@ -20,7 +20,7 @@ import yaml
 
 from olmo_ds.data.config import DataConfig
 from olmo_ds.data.order import BatchSizeSchedule
-from olmo_ds.model.config import PRESETS, ModelConfig, preset
+from olmo_ds.model.config import INIT_CHANGEABLE, PRESETS, ModelConfig, preset
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
@@ -120,12 +120,6 @@ class EvalConfig:
     task_dirs: list[str] = field(default_factory=list)  # where task names are looked up (default: $OLMO_DS_TASK_DIRS)
     task_limit: int = 200  # first N questions of each task (0 = all)
     batching: str = "packed"  # packed (rows of one shape, compiled blocks) | exact (the earlier eager path, same numbers)
-
-
-# Model fields a run may change against the weights it starts from, when `init_from.allow_changes` names
-# them: the context length and RoPE scaling (long-context extension: OLMo 3's YaRN on the full layers).
-# Everything else shapes the weights or what they compute, and must match.
-INIT_CHANGEABLE = ("max_seq_len", "yarn", "rope_theta")
 
 
 @dataclass

@@ -12,12 +12,13 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from olmo_ds.model.config import ModelConfig
 from olmo_ds.train.config import ConfigError, TrainConfig
-from olmo_ds.train.offload import resolve_offload
+from olmo_ds.train.offload import HostPlan, resolve_offload
 
 log = logging.getLogger("olmo_ds")
 
@@ -150,6 +151,51 @@ class _Resolver:
             )
 
 
+@dataclass(frozen=True)
+class ZeroLayout:
+    """Where a resolved DeepSpeed config puts the model state, read from its `zero_optimization` section here
+    and nowhere else: the micro-batch estimate, the resume checks, the optimizer choice and the tools use this."""
+
+    stage: int | None
+    reduce_bucket_size: int | None
+    optimizer_offloaded: bool  # offload_optimizer.device is "cpu" or "nvme"
+    optimizer_on_host: float  # the share of the optimizer state on the host: offload_optimizer.ratio, 0.0 without offload
+    params_on_host: bool  # offload_param.device is "cpu" or "nvme"
+
+    @classmethod
+    def of(cls, ds: dict) -> ZeroLayout:
+        """The layout of `ds`, a resolved config (the run's, or one a checkpoint saved; missing sections read as none)."""
+        zero = ds.get("zero_optimization") or {}
+        optimizer, params = zero.get("offload_optimizer") or {}, zero.get("offload_param") or {}
+        offloaded = optimizer.get("device", "none") not in ("none", None)
+        bucket = zero.get("reduce_bucket_size")
+        return cls(stage=zero.get("stage"), reduce_bucket_size=int(bucket) if bucket is not None else None, optimizer_offloaded=offloaded,
+                   optimizer_on_host=float(optimizer.get("ratio", 1.0)) if offloaded else 0.0,
+                   params_on_host=params.get("device", "none") not in ("none", None))
+
+    @property
+    def offloaded(self) -> bool:
+        return self.optimizer_offloaded or self.params_on_host
+
+
+def read_ds_config(cfg: TrainConfig, ds: dict | None = None) -> dict:
+    """The run's DeepSpeed JSON (`ds` instead, for tests), copied, with what the train config owns refused:
+    a learning-rate scheduler, and a concrete micro-batch or accumulation while the micro-batch is `auto`."""
+    ds_path = cfg.deepspeed_config
+    ds = copy.deepcopy(ds if ds is not None else load_ds_json(find_ds_config(ds_path, cfg.path)))
+    if "scheduler" in ds:
+        raise ConfigError(
+            f"{ds_path}: has a \"scheduler\" section; the learning-rate schedule lives in the train config "
+            f"(schedule: kind, warmup_steps, ...). Remove it from the JSON."
+        )
+    if cfg.batch.micro_batch_size == AUTO:
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            if ds.get(key, AUTO) != AUTO:
+                raise ConfigError(f"{ds_path}: {key} = {ds[key]} while batch.micro_batch_size is auto in {cfg.source}; "
+                                  f"set {key} to \"auto\" (or give batch.micro_batch_size a number)")
+    return ds
+
+
 def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *, ds: dict | None = None,
                       device: str | None = None, offload_env: dict | None = None, resumed: dict | None = None) -> dict:
     """The concrete DeepSpeed config for this run (no "auto" left), validated against the train config.
@@ -158,23 +204,25 @@ def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, 
     model's `compile: auto` means compiled blocks, on which some ZeRO-3 knobs depend. CPU offload is sized
     to the node (`olmo_ds.train.offload`); `offload_env` overrides what it reads of the machine
     (host_available, ranks, gpu_bytes), for tests; `resumed` (the checkpoint's saved DeepSpeed config)
-    keeps the offload choices of the run being resumed.
+    keeps the offload choices of the run being resumed. A training run resolves it in
+    `olmo_ds.train.plan.plan_deepspeed`, which chooses `batch.micro_batch_size: auto` between the two halves.
     """
+    if cfg.batch.micro_batch_size == AUTO:
+        raise ConfigError(f"{cfg.source}: batch.micro_batch_size auto must be chosen (olmo_ds.train.plan.plan_deepspeed, "
+                          f"as the trainer does) before the DeepSpeed config is resolved")
+    ds = read_ds_config(cfg, ds)
+    host = resolve_zero(ds, cfg, model, dp_world_size, device=device, offload_env=offload_env, resumed=resumed)
+    if host is not None:
+        log.info("%s: %s", cfg.deepspeed_config, host.describe())
+    return fill_train_fields(ds, cfg, dp_world_size)
+
+
+def fill_train_fields(ds: dict, cfg: TrainConfig, dp_world_size: int) -> dict:
+    """Fill, in place, what the train config owns (batch, clipping, precision, optimizer) into `ds`, whose ZeRO
+    section `resolve_zero` resolved, once `batch.micro_batch_size` is a number; returns `ds`, no "auto" left."""
     ds_path = cfg.deepspeed_config
-    ds = copy.deepcopy(ds if ds is not None else load_ds_json(find_ds_config(ds_path, cfg.path)))
     r = _Resolver(ds, ds_path, cfg)
     b, o = cfg.batch, cfg.optim
-
-    if "scheduler" in ds:
-        raise ConfigError(
-            f"{ds_path}: has a \"scheduler\" section; the learning-rate schedule lives in the train config "
-            f"(schedule: kind, warmup_steps, ...). Remove it from the JSON."
-        )
-    if b.micro_batch_size == AUTO:
-        raise ConfigError(f"{cfg.source}: batch.micro_batch_size auto must be chosen (olmo_ds.train.memory.choose_micro_batch, "
-                          f"as the trainer does) before the DeepSpeed config is resolved")
-    resolve_zero(ds, cfg, model, dp_world_size, device=device, offload_env=offload_env, resumed=resumed)
-
     check_batch_divisible(cfg, dp_world_size)
     first = b.size_schedule().at(0)
     r.fill(ds, "train_batch_size", b.global_batch_size, "batch.global_batch_size")
@@ -217,10 +265,10 @@ def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, 
 
 
 def resolve_zero(ds: dict, cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *, device: str | None = None,
-                 offload_env: dict | None = None, resumed: dict | None = None, quiet: bool = False) -> dict:
+                 offload_env: dict | None = None, resumed: dict | None = None) -> HostPlan | None:
     """Fill the `zero_optimization` section's "auto" knobs and offload fields of `ds` in place (see
-    `resolve_ds_config`); returns the section. Needs no batch size, so the micro-batch choice
-    (`olmo_ds.train.memory`) reads the same ZeRO layout the run will have. `quiet`: do not log the offload plan."""
+    `resolve_ds_config`); returns the host-memory plan of CPU offload, None without it. Needs no batch size,
+    so the micro-batch choice (`olmo_ds.train.memory`) reads the ZeRO layout the run will have."""
     ds_path = cfg.deepspeed_config
     zero = ds.get("zero_optimization")
     if not isinstance(zero, dict) or zero.get("stage") not in (1, 2, 3):
@@ -232,12 +280,8 @@ def resolve_zero(ds: dict, cfg: TrainConfig, model: ModelConfig, dp_world_size: 
                 del zero[key]
         elif zero.get(key, AUTO) == AUTO:
             zero[key] = value
-
-    plan = resolve_offload(ds, ds_path, cfg, model, dp_world_size, device=device or device_type(),
+    return resolve_offload(ds, ds_path, cfg, model, dp_world_size, device=device or device_type(),
                            resumed=resumed, **(offload_env or {}))
-    if plan is not None and not quiet:
-        log.info("%s: %s", ds_path, plan.describe())
-    return zero
 
 
 def _find_auto(node: Any, prefix: str = "") -> list[str]:

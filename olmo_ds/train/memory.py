@@ -36,12 +36,12 @@ of the device: 80 %, the 10-20 % docs/training.md tells users to leave for the a
 none of which a peak-allocated figure includes. The 1B at seq 4096 on an H200 (140 GiB) gets 8: 16 would need
 115 GiB of the 112 GiB budget. On CPU the budget is the host's available memory shared by the node's ranks.
 A resumed run keeps the micro-batch its checkpoint ran with (the saved DeepSpeed config holds it) as long as it
-still divides the per-rank batch; an explicit number always wins.
+still divides the per-rank batch; an explicit number always wins. The run's plan (`olmo_ds.train.plan`) calls it
+between resolving the DeepSpeed JSON's ZeRO section and filling its batch fields.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import os
@@ -49,8 +49,8 @@ from dataclasses import dataclass
 
 from olmo_ds.model.config import ModelConfig
 from olmo_ds.model.loss import CHUNK_SIZE as LOSS_CHUNK
-from olmo_ds.train.config import ConfigError, TrainConfig
-from olmo_ds.train.ds_config import AUTO, find_ds_config, load_ds_json, resolve_zero
+from olmo_ds.train.config import TrainConfig
+from olmo_ds.train.ds_config import AUTO, ZeroLayout, device_type
 
 log = logging.getLogger("olmo_ds")
 
@@ -176,40 +176,28 @@ def device_memory(device: str, dp_world_size: int) -> tuple[int | None, str]:
     return available // ranks, f"the host's {available / GiB:.1f} GiB available / {ranks} rank(s) (CPU run)"
 
 
-def choose_micro_batch(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *, device: str | None = None,
-                       memory: tuple[int | None, str] | None = None, resumed: dict | None = None,
-                       offload_env: dict | None = None) -> MicroBatchChoice:
-    """The run's micro-batch: the config's number, or for `auto` the checkpoint's (`resumed`: its saved
-    DeepSpeed config) while it still divides the per-rank batch, else the largest power of two dividing every
+def choose_micro_batch(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, zero: ZeroLayout, *, device: str | None = None,
+                       memory: tuple[int | None, str] | None = None, resumed_micro_batch: int | None = None) -> MicroBatchChoice:
+    """The run's micro-batch: the config's number, or for `auto` the checkpoint's (`resumed_micro_batch`, from its
+    saved DeepSpeed config) while it still divides the per-rank batch, else the largest power of two dividing every
     per-rank batch whose `estimate_peak_memory` fits `MEMORY_FRACTION` of `memory` ((bytes, description);
-    default: `device_memory`). Reads the ZeRO layout (stage, reduce bucket, offload) the run will have."""
+    default: `device_memory`) under `zero`, the ZeRO layout (stage, reduce bucket, offload) the run will have."""
     size = cfg.batch.micro_batch_size
     if size != AUTO:
         return MicroBatchChoice(size=size, chosen_by="config")
-    from olmo_ds.train.ds_config import device_type
-
     device = device or device_type()
-    ds = copy.deepcopy(load_ds_json(find_ds_config(cfg.deepspeed_config, cfg.path)))
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        if ds.get(key, AUTO) != AUTO:
-            raise ConfigError(f"{cfg.deepspeed_config}: {key} = {ds[key]} while batch.micro_batch_size is auto in {cfg.source}; "
-                              f"set {key} to \"auto\" (or give batch.micro_batch_size a number)")
-    zero = resolve_zero(ds, cfg, model, dp_world_size, device=device, offload_env=offload_env, resumed=resumed, quiet=True)
-    on_host = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
-    ratio = zero["offload_optimizer"].get("ratio", 1.0) if on_host else 0.0
-    params_on_host = zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme")
 
     def estimate(m: int) -> MemoryEstimate:
         return estimate_peak_memory(model, micro_batch=m, seq_len=cfg.batch.seq_len, precision=cfg.precision,
-                                    zero_stage=zero["stage"], dp_world_size=dp_world_size, compiled=model.compiles_blocks(device),
-                                    reduce_bucket_size=int(zero["reduce_bucket_size"]), optimizer_on_host=float(ratio),
-                                    params_on_host=params_on_host)
+                                    zero_stage=zero.stage, dp_world_size=dp_world_size, compiled=model.compiles_blocks(device),
+                                    reduce_bucket_size=zero.reduce_bucket_size, optimizer_on_host=zero.optimizer_on_host,
+                                    params_on_host=zero.params_on_host)
 
     total, description = memory or device_memory(device, dp_world_size)
     budget = int(MEMORY_FRACTION * total) if total else None
     rows = per_rank_batches(cfg, dp_world_size)
     divisor = math.gcd(*rows)
-    saved = (resumed or {}).get("train_micro_batch_size_per_gpu")
+    saved = resumed_micro_batch
     if isinstance(saved, int) and saved > 0:
         if divisor % saved == 0:
             return MicroBatchChoice(size=saved, chosen_by="checkpoint", estimate=estimate(saved), budget=budget, device=description,

@@ -1,20 +1,19 @@
-"""The pretraining loop on DeepSpeed: checks, engine, step, checkpoints, progress, preemption.
+"""The pretraining loop on DeepSpeed: engine, step, checkpoints, progress, preemption.
 
-    trainer = Trainer(load_config("configs/demo.yaml"), resume="auto")
+    trainer = Trainer(plan_run(load_config("configs/demo.yaml"), resume="auto"))   # or Trainer.from_config(cfg, resume="auto")
     trainer.fit()                      # or, for a benchmark: trainer.train_step(trainer.loader.next_batch())
 
-Everything that can be wrong with a run is checked before the model is built (`Trainer.__init__`
-raises `ConfigError` naming both sides of a mismatch), so a 1,000-GPU job fails in seconds rather
-than after its first checkpoint. One optimizer step is `train_step`: this rank's rows of the global
-batch are cut into micro-batches, each forward/backward through the engine, and DeepSpeed steps at
-the accumulation boundary; a step whose loss or gradients are not finite is skipped by DeepSpeed
-(its overflow check discards the gradients) and counted here.
+Everything that can be wrong with a run is checked before the model is built, by `olmo_ds.train.plan.plan_run`
+(a `ConfigError` naming both sides of a mismatch), so a 1,000-GPU job fails in seconds rather than after its
+first checkpoint; `Trainer(plan)` builds the engine the plan describes and trains. One optimizer step is
+`train_step`: this rank's rows of the global batch are cut into micro-batches, each forward/backward through
+the engine, and DeepSpeed steps at the accumulation boundary; a step whose loss or gradients are not finite is
+skipped by DeepSpeed (its overflow check discards the gradients) and counted here.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import gc
 import logging
 import math
@@ -32,19 +31,15 @@ from torch.profiler import record_function
 
 from olmo_ds import checkpoint as ckpt
 from olmo_ds.checkpoint.async_save import AsyncSaveError, AsyncSaver, host_copy_fits, snapshot_bytes_estimate
-from olmo_ds.data.loader import DataLoader
-from olmo_ds.model.config import EXECUTION_FIELDS, ModelConfig
 from olmo_ds.model.float8 import MATMULS_PER_BLOCK
 from olmo_ds.model.model import BLOCK_CALLS
 from olmo_ds.ranks import local_world_size
-from olmo_ds.train.config import INIT_CHANGEABLE, ConfigError, TrainConfig
-from olmo_ds.train.ds_config import device_type, resolve_ds_config
-from olmo_ds.train.evaluation import InLoopEvaluator
-from olmo_ds.train.launch import detect_environment, init_distributed, normalize_cuda_arch_list
-from olmo_ds.train.memory import choose_micro_batch
-from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops, setup_console_logging
+from olmo_ds.train.config import TrainConfig
+from olmo_ds.train.ds_config import device_type
+from olmo_ds.train.launch import init_distributed
+from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops
 from olmo_ds.train.optim import param_groups, set_lr
-from olmo_ds.train.preflight import check_launch
+from olmo_ds.train.plan import RunPlan, plan_run
 from olmo_ds.train.schedule import lr_at
 
 log = logging.getLogger("olmo_ds")
@@ -77,207 +72,17 @@ def configure_determinism(deterministic: bool) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def check_run(cfg: TrainConfig, model: ModelConfig, loader: DataLoader, tokenizer, world_size: int) -> None:
-    """Cross-checks between the config, the model, the tokenizer and the data; each error names both sides."""
-    manifest = loader.sources[0].directory / "manifest.json"
-    if tokenizer is not None:
-        if model.vocab_size < tokenizer.vocab_size:
-            raise ConfigError(f"model vocab_size {model.vocab_size} is smaller than tokenizer vocab {tokenizer.vocab_size} ({cfg.tokenizer})")
-        if tokenizer.fingerprint != loader.tokenizer_fingerprint:
-            given = cfg.tokenizer if str(tokenizer.path) == str(cfg.tokenizer) else f"{cfg.tokenizer} (file {tokenizer.path})"
-            prepared_with = loader.sources[0].manifest.extra.get("arguments", {}).get("tokenizer")
-            raise ConfigError(
-                f"tokenizer {given}, content {tokenizer.fingerprint}, is not the tokenizer the data was prepared with: "
-                f"{manifest} records {loader.tokenizer_fingerprint}"
-                + (f" (prepare_data.py --tokenizer {prepared_with})" if prepared_with else "")
-                + "; re-tokenize the data or point `tokenizer` at the file it was prepared with"
-            )
-    if model.vocab_size < loader.vocab_size:
-        raise ConfigError(f"model vocab_size {model.vocab_size} is smaller than tokenizer vocab {loader.vocab_size} ({manifest})")
-    try:
-        loader.check_vocab(model.vocab_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if cfg.batch.seq_len > model.max_seq_len:
-        raise ConfigError(
-            f"batch.seq_len {cfg.batch.seq_len} exceeds model.max_seq_len {model.max_seq_len} "
-            f"(model preset {cfg.model.preset!r}); lower batch.seq_len or set model.max_seq_len"
-        )
-
-
-def check_init_from(cfg: TrainConfig, model: ModelConfig, tokenizer_fingerprint: str | None):
-    """Describe `init_from`'s weights and check this run against them; every mismatch in one error."""
-    from olmo_ds import weights
-
-    spec = cfg.init_from
-    try:
-        info = weights.inspect_weights(spec.path)
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        raise ConfigError(f"{cfg.source}: init_from.path: {e}") from None
-    where = f"{cfg.source}: init_from.path {spec.path} ({info.kind} {info.directory})"
-    if spec.load_optimizer and info.kind != "checkpoint":
-        raise ConfigError(f"{where}: init_from.load_optimizer needs an olmo-ds checkpoint (its optimizer state); a {info.kind} holds "
-                          f"weights only. Drop load_optimizer to start with a fresh optimizer")
-    src = info.cfg
-    skip = EXECUTION_FIELDS | {"init_std", "vocab_size", "sliding_window_pattern"} | set(spec.allow_changes)
-    diffs = [f"model.{f.name}: source {getattr(src, f.name)!r}, this run {getattr(model, f.name)!r}"
-             for f in dataclasses.fields(ModelConfig) if f.name not in skip and getattr(src, f.name) != getattr(model, f.name)]
-    if src.padded_vocab_size != model.padded_vocab_size:
-        diffs.append(f"embedding rows (padded vocab): source {src.padded_vocab_size}, this run {model.padded_vocab_size}")
-    layers = range(min(src.n_layers, model.n_layers))
-    if [src.layer_is_sliding(i) for i in layers] != [model.layer_is_sliding(i) for i in layers]:
-        diffs.append(f"sliding-window layers: source {[i for i in layers if src.layer_is_sliding(i)]}, "
-                     f"this run {[i for i in layers if model.layer_is_sliding(i)]}")
-    if info.tokenizer_fingerprint and tokenizer_fingerprint and info.tokenizer_fingerprint != tokenizer_fingerprint:
-        diffs.append(f"tokenizer: source {info.tokenizer_fingerprint}, this run {tokenizer_fingerprint}")
-    if diffs:
-        changeable = [d for d in diffs if d.split(":")[0].removeprefix("model.") in INIT_CHANGEABLE]
-        raise ConfigError(f"{where} does not match this run: {'; '.join(diffs)}. Set the model section (or the tokenizer) to the "
-                          f"source's" + (f"; a deliberate change of {', '.join(INIT_CHANGEABLE)} goes in init_from.allow_changes"
-                                         if changeable else ""))
-    return info
-
-
-def _file_fingerprint(path: Path) -> str:
-    import hashlib
-
-    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def claim_run_dir(run_dir: Path, resume: str | None, start_over: bool, rank: int) -> None:
-    """Refuse to start a second run in a run directory that holds one, unless told what to do with it.
-
-    A run dir holds a run when it has any checkpoint directory, `metrics.jsonl` or `wandb_id`
-    (`olmo_ds.checkpoint.run_markers`). Then `--resume` continues that run; `--start-over` moves it
-    aside (rank 0, before any rank writes) and starts a new one; neither is an error that changes no file.
-    Two runs therefore never share metrics, a W&B id or checkpoint names.
-    """
-    if start_over and resume not in (None, "none"):
-        raise ConfigError(f"--start-over and --resume {resume} exclude each other: one starts a new run, the other continues one")
-    markers = ckpt.run_markers(run_dir)
-    if not markers:
-        return
-    if start_over:
-        if rank == 0:
-            moved = ckpt.move_run_aside(run_dir)
-            log.info("--start-over: moved the earlier run in %s to %s", run_dir, moved)
-        return
-    held = f"run_dir {run_dir} already holds a run ({', '.join(markers[:4])}{', ...' if len(markers) > 4 else ''})"
-    if resume in (None, "none"):
-        raise ConfigError(f"{held}; continue it with --resume auto, or start a new run there with --start-over "
-                          f"(moves the old one to {run_dir.name}.replaced-<time>, deletes nothing), or choose another run_dir")
-    if resume != "auto" and ckpt.checkpoints_dir(run_dir).resolve() != Path(resume).resolve().parent:
-        raise ConfigError(f"--resume {resume}: a checkpoint of another run, and {held}; resume it into a new run_dir, "
-                          f"or start over here with --start-over (and without --resume)")
-
-
-def _offloaded(ds_config: dict) -> bool:
-    zero = ds_config.get("zero_optimization", {})
-    return any(zero.get(k, {}).get("device", "none") not in ("none", None) for k in ("offload_optimizer", "offload_param"))
-
-
-def check_resume(state: dict, model: ModelConfig, world_size: int, ckpt_dir: Path, ds_config: dict,
-                 allow_changes: frozenset[str] = frozenset()) -> None:
-    """The checkpoint fits this run; a different data-parallel size is fine unless it cannot be converted.
-    `allow_changes`: model fields a run started from this checkpoint's optimizer state may change (init_from)."""
-    saved, current = ModelConfig.from_dict(state["model"]).to_dict(), model.to_dict()
-    # Fields that choose kernels, not weights or math (attention backend, checkpointing, compile) may change.
-    diffs = [f"{k}: checkpoint {v!r}, config {current[k]!r}" for k, v in saved.items()
-             if current[k] != v and k not in EXECUTION_FIELDS | allow_changes]
-    if diffs:
-        raise ConfigError(f"{ckpt_dir}: the checkpoint's model differs from the configured one ({'; '.join(diffs)})")
-    if state["world_size"] == world_size:
-        return
-    where = f"{ckpt_dir} was written by {state['world_size']} data-parallel ranks, this run has {world_size}"
-    saved_stage, stage = state.get("zero_stage"), ds_config["zero_optimization"]["stage"]
-    if saved_stage != stage:
-        raise ConfigError(f"{where} and ZeRO stage {stage} (the checkpoint's is {saved_stage}); "
-                          f"resume on another number of ranks with the checkpoint's ZeRO stage")
-    if _offloaded(state.get("ds_config", {})) or _offloaded(ds_config):
-        # Refused rather than tried: loading DeepSpeed's universal form into the offloaded optimizer
-        # (DeepSpeedCPUAdam, whose bias correction lives in C++ state) is not verified to resume correctly.
-        raise ConfigError(f"{where}; a CPU-offloaded ZeRO run resumes only on its checkpoint's number of ranks "
-                          f"(the universal-checkpoint conversion used for another size is not supported with offload)")
-
-
-def exact_resume_optimizer(ds_config: dict) -> dict:
-    """On the CPU accelerator, train with torch's AdamW instead of DeepSpeed's CPU FusedAdam.
-
-    DeepSpeed's CPU Adam kernel keeps beta**step in C++ state, multiplying it by beta once per step,
-    and recomputes it with pow() after a restart, so the first update after a resume differs in the
-    last bits and the run drifts from the uninterrupted one. torch's AdamW derives the bias correction
-    from the step count in the optimizer state, which the checkpoint holds, so resume is bitwise exact.
-    (GPUs use DeepSpeed's CUDA FusedAdam, which also computes it from the step; CPU offload must keep
-    DeepSpeedCPUAdam, which DeepSpeed requires there.)
-    """
-    from deepspeed.accelerator import get_accelerator
-
-    zero = ds_config["zero_optimization"]
-    offloaded = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
-    if get_accelerator().device_name() == "cpu" and not offloaded:
-        ds_config["optimizer"]["params"].setdefault("torch_adam", True)
-    return ds_config
-
-
 class Trainer:
     """See the module docstring."""
 
-    def __init__(self, cfg: TrainConfig, *, resume: str | None = None, start_over: bool = False):
-        from olmo_ds.tokenizer import load_tokenizer
-
-        self.cfg = cfg
-        env = detect_environment()
-        self.rank, self.world_size = env.rank, env.world_size
-        setup_console_logging(self.rank)
-        normalize_cuda_arch_list()  # before DeepSpeed builds any op; logs what it changed
-        for warning in cfg.warnings():
-            log.warning(warning)
-        self.run_dir = Path(cfg.run_dir)
-        claim_run_dir(self.run_dir, resume, start_over, self.rank)
-
-        # Everything below up to the engine is cheap and checks the run before any heavy work.
-        check_launch(cfg, env.rank, env.local_rank, self.world_size)
-        try:
-            self.tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
-        except (FileNotFoundError, ValueError) as e:
-            raise ConfigError(f"{cfg.source}: tokenizer: {e}") from None
-        try:
-            self.loader = DataLoader(
-                cfg.data, seq_len=cfg.batch.seq_len, global_batch_size=cfg.batch.size_schedule(),
-                dp_rank=self.rank, dp_world_size=self.world_size,
-            )
-        except (FileNotFoundError, ValueError) as e:
-            raise ConfigError(f"{cfg.source}: data: {e}") from None
-        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.loader.vocab_size
-        self.model_cfg = cfg.model.build(vocab_size=vocab)
-        check_run(cfg, self.model_cfg, self.loader, self.tokenizer, self.world_size)
-        # The run's own checkpoint is where a continued run starts; weights from elsewhere (a later
-        # `init_from`) may only seed a run that has none, so they are consulted after this, never instead.
-        try:
-            self.resume_dir = ckpt.resolve_resume(resume, cfg.run_dir)
-            self.resume_state = ckpt.read_train_state(self.resume_dir) if self.resume_dir else None
-        except (FileNotFoundError, ValueError) as e:  # a bad --resume path, an interrupted save, a damaged train_state.json
-            raise ConfigError(str(e)) from None
-        self.init_info = None  # the weights this run starts from, when it starts (not resumes)
+    def __init__(self, plan: RunPlan):
+        self.plan = plan
+        self.cfg = cfg = plan.cfg
+        self.rank, self.world_size, self.run_dir = plan.rank, plan.world_size, plan.run_dir
+        self.model_cfg, self.tokenizer, self.loader, self.evaluator = plan.model, plan.tokenizer, plan.loader, plan.evaluator
+        self.ds_config, self.micro_batch = plan.deepspeed.config, plan.deepspeed.micro_batch
+        self.resume_dir, self.resume_state, self.init_info = plan.resume_dir, plan.resume_state, plan.init_from
         self.init_record = self.resume_state.get("init_from") if self.resume_state else None
-        if cfg.init_from.path and self.resume_state is not None:
-            log.info("resuming %s: init_from %s is not used (a run's own checkpoint wins)", self.resume_dir, cfg.init_from.path)
-        elif cfg.init_from.path:
-            run_fingerprint = self.tokenizer.fingerprint if self.tokenizer is not None else self.loader.tokenizer_fingerprint
-            self.init_info = check_init_from(cfg, self.model_cfg, run_fingerprint)
-        saved_ds = self.resume_state.get("ds_config") if self.resume_state else None
-        # `batch.micro_batch_size: auto` becomes a number here, before anything reads it (olmo_ds/train/memory.py).
-        self.micro_batch = choose_micro_batch(cfg, self.model_cfg, self.world_size, resumed=saved_ds)
-        if self.micro_batch.chosen_by != "config":
-            log.info("%s", self.micro_batch.describe())
-            self.cfg = cfg = cfg.with_micro_batch_size(self.micro_batch.size)
-        self.ds_config = exact_resume_optimizer(resolve_ds_config(cfg, self.model_cfg, self.world_size, resumed=saved_ds))
-        if self.resume_state is not None:
-            check_resume(self.resume_state, self.model_cfg, self.world_size, self.resume_dir, self.ds_config)
-        elif self.init_info is not None and cfg.init_from.load_optimizer:  # the optimizer state must fit as a resume's would
-            check_resume(self.init_info.train_state, self.model_cfg, self.world_size, self.init_info.directory, self.ds_config,
-                         frozenset(cfg.init_from.allow_changes))
-        self.evaluator = InLoopEvaluator(cfg, self.tokenizer, vocab, self.rank, self.world_size) if cfg.eval.every else None
 
         configure_determinism(cfg.deterministic)
         init_distributed()
@@ -299,8 +104,13 @@ class Trainer:
         else:
             if self.init_info is not None and cfg.init_from.load_optimizer:
                 self._load_engine_state(self.init_info.directory, self.init_info.train_state)
-                self._record_init(fingerprint=_file_fingerprint(self.init_info.directory / ckpt.TRAIN_STATE))
+                self._record_init(fingerprint=plan.init_state_fingerprint)
             seed_everything(cfg.seed + self.rank)  # per-rank streams for anything stochastic after init
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, *, resume: str | None = None, start_over: bool = False) -> Trainer:
+        """`Trainer(plan_run(cfg, resume=resume, start_over=start_over))`."""
+        return cls(plan_run(cfg, resume=resume, start_over=start_over))
 
     # --- construction ----------------------------------------------------------------------------
 
@@ -311,7 +121,7 @@ class Trainer:
         from olmo_ds.model import OLMo
         from olmo_ds.model.model import Block
 
-        stage = self.ds_config["zero_optimization"]["stage"]
+        stage = self.plan.deepspeed.zero.stage
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config, enabled=stage == 3):
             model = OLMo(self.model_cfg)
         if self.init_info is not None and not self.cfg.init_from.load_optimizer:
@@ -327,7 +137,7 @@ class Trainer:
         if placement:
             log.info("optimizer offload: %d of %d sub-groups' state on the host (offload_optimizer.ratio %s)",
                      sum(d == "cpu" for d in placement.values()), len(placement),
-                     self.ds_config["zero_optimization"]["offload_optimizer"].get("ratio", 1.0))
+                     self.plan.deepspeed.zero.optimizer_on_host)
         log.info(
             "model: %s (%s parameters, %s non-embedding), ZeRO stage %d, %s, %d ranks, %s, blocks %s%s",
             self.cfg.model.preset, f"{self.model_cfg.num_params():,}", f"{self.model_cfg.num_params(False):,}",
@@ -346,12 +156,8 @@ class Trainer:
                 f"backwards{cpu}, LM head, embedding and evaluation in {self.cfg.precision}")
 
     def _restore(self) -> None:
-        state = self.resume_state
+        state = self.resume_state  # the loader is at its data position already (`plan.restore_data_position`)
         self._load_engine_state(self.resume_dir, state)
-        try:
-            self.loader.load_state_dict(state["data"])
-        except ValueError as e:  # different data or seed: a user decision, not a crash
-            raise ConfigError(f"{self.resume_dir}: {e}") from None
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.nonfinite_total = state.get("nonfinite_total", 0)
@@ -515,7 +321,7 @@ class Trainer:
             "init_from": self.init_record,
             "tokenizer_fingerprint": self.loader.tokenizer_fingerprint,
             "world_size": self.world_size,
-            "zero_stage": self.ds_config["zero_optimization"]["stage"],
+            "zero_stage": self.plan.deepspeed.zero.stage,
             "micro_batch": self.micro_batch.record(),
         }
 

@@ -20,7 +20,7 @@ from olmo_ds.train.config import load_config
 from olmo_ds.train.trainer import Trainer
 
 config, steps = sys.argv[1], int(sys.argv[2])
-trainer = Trainer(load_config(config))
+trainer = Trainer.from_config(load_config(config))
 metrics = [trainer.train_step(trainer.loader.next_batch()) for _ in range(steps)]
 block_calls = dict(BLOCK_CALLS)
 with torch.no_grad():  # evaluation runs blocks eagerly; with leaf blocks the block's own hooks gather the weights

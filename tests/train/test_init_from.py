@@ -100,7 +100,7 @@ def test_first_step_loss_equals_transformers(kind, ranks, tmp_path, data):
 
 def fails(cfg: dict, message: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=message):
-        Trainer(config_from_dict(cfg, source=str(tmp_path / "run.yaml")))
+        Trainer.from_config(config_from_dict(cfg, source=str(tmp_path / "run.yaml")))
     assert not torch.distributed.is_initialized(), "the check ran after the process group was created"
 
 

@@ -13,7 +13,8 @@ import pytest
 from olmo_ds.model.config import YarnConfig, preset
 from olmo_ds.train.config import ConfigError, config_from_dict
 from olmo_ds.train.ds_config import check_batch_divisible, resolve_ds_config
-from olmo_ds.train.memory import GiB, MEMORY_FRACTION, choose_micro_batch, estimate_peak_memory
+from olmo_ds.train.memory import GiB, MEMORY_FRACTION, estimate_peak_memory
+from olmo_ds.train.plan import plan_deepspeed
 
 H200 = 140.4 * GiB  # torch's total_memory of an H200 (143,771 MiB)
 WINDOW = dict(sliding_window=4096, sliding_window_pattern=[True, True, True, False])
@@ -57,8 +58,10 @@ def run_config(model: dict, global_batch: int, seq_len: int, micro="auto", **ext
                             source="run.yaml")
 
 
-def choose(cfg, world: int = 1, memory: float = H200, **kw):
-    return choose_micro_batch(cfg, cfg.model.build(), world, device="cuda", memory=(int(memory), "an H200's 140.4 GiB"), **kw)
+def choose(cfg, world: int = 1, memory: float = H200, resumed: dict | None = None):
+    """The run's micro-batch as its plan chooses it, on an H200 (or `memory` bytes)."""
+    _, deepspeed = plan_deepspeed(cfg, cfg.model.build(), world, device="cuda", memory=(int(memory), "an H200's 140.4 GiB"), resumed=resumed)
+    return deepspeed.micro_batch
 
 
 @pytest.mark.parametrize("memory", [H200, 139 * GiB])

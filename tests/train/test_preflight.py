@@ -11,7 +11,9 @@ import torch
 from olmo_ds.model.config import preset
 from olmo_ds.tokenizer import load_tokenizer
 from olmo_ds.train.config import ConfigError, config_from_dict
-from olmo_ds.train.trainer import Trainer, check_resume
+from olmo_ds.train.ds_config import ZeroLayout
+from olmo_ds.train.plan import check_resume
+from olmo_ds.train.trainer import Trainer
 
 from train_testlib import ROOT, SHARED, tiny_config, write_markov_shards
 
@@ -36,7 +38,7 @@ def one_rank(monkeypatch):
 
 def fails(cfg: dict, message: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=message):
-        Trainer(config_from_dict(cfg, source=str(tmp_path / "run.yaml")))
+        Trainer.from_config(config_from_dict(cfg, source=str(tmp_path / "run.yaml")))
     assert not torch.distributed.is_initialized(), "the check ran after the process group was created"
 
 
@@ -66,7 +68,7 @@ def test_shape_batch_and_deepspeed_checks(tmp_path, one_rank):
                                           r"\(SOURCE/val/, which `prepare_data.py --val-fraction 0.01` writes\).*--set eval.every=0", tmp_path)
     fails({**base, "data": {"sources": [{"path": str(tmp_path / "missing")}]}}, rf"run.yaml: data: data source {tmp_path}/missing: no such directory", tmp_path)
     with pytest.raises(ConfigError, match=r"--resume .*nope: no such checkpoint directory"):
-        Trainer(config_from_dict(base, source="run.yaml"), resume=str(tmp_path / "nope"))
+        Trainer.from_config(config_from_dict(base, source="run.yaml"), resume=str(tmp_path / "nope"))
     one_rank.setenv("WORLD_SIZE", "3")
     fails(base, r"global batch size 8 is not divisible by batch.micro_batch_size 2 x data-parallel size 3 = 6", tmp_path)
 
@@ -78,16 +80,16 @@ def test_resume_refuses_another_model_or_world_size(tmp_path):
     offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     saved = {"model": preset("tiny", vocab_size=256, n_layers=3).to_dict(), "world_size": 2, "zero_stage": 3, "ds_config": zero3}
     with pytest.raises(ConfigError, match=r"n_layers: checkpoint 3, config 2"):
-        check_resume(saved, model, 2, tmp_path, zero3)
+        check_resume(saved, model, 2, tmp_path, ZeroLayout.of(zero3))
     same_model = {**saved, "model": model.to_dict(), "world_size": 4}
-    check_resume(same_model, model, 2, tmp_path, zero3)  # converted on load
+    check_resume(same_model, model, 2, tmp_path, ZeroLayout.of(zero3))  # converted on load
     # Kernel choices are not the model: a run compiled on GPUs resumes eagerly, with checkpointing, etc.
     check_resume(same_model, preset("tiny", vocab_size=256, compile="eager", activation_checkpointing=True,
-                                    attention_backend="sdpa_math"), 2, tmp_path, zero3)
+                                    attention_backend="sdpa_math"), 2, tmp_path, ZeroLayout.of(zero3))
     with pytest.raises(ConfigError, match=r"written by 4 data-parallel ranks, this run has 2 and ZeRO stage 2 \(the checkpoint's is 3\)"):
-        check_resume(same_model, model, 2, tmp_path, {"zero_optimization": {"stage": 2}})
+        check_resume(same_model, model, 2, tmp_path, ZeroLayout.of({"zero_optimization": {"stage": 2}}))
     with pytest.raises(ConfigError, match=r"this run has 2; a CPU-offloaded ZeRO run resumes only on its checkpoint's number of ranks"):
-        check_resume(same_model, model, 2, tmp_path, offload)
+        check_resume(same_model, model, 2, tmp_path, ZeroLayout.of(offload))
     with pytest.raises(ConfigError, match=r"CPU-offloaded ZeRO run"):
-        check_resume({**same_model, "ds_config": offload}, model, 2, tmp_path, zero3)
-    check_resume({**same_model, "world_size": 2, "ds_config": offload}, model, 2, tmp_path, offload)  # same size: as saved
+        check_resume({**same_model, "ds_config": offload}, model, 2, tmp_path, ZeroLayout.of(zero3))
+    check_resume({**same_model, "world_size": 2, "ds_config": offload}, model, 2, tmp_path, ZeroLayout.of(offload))  # same size: as saved

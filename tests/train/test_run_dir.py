@@ -13,7 +13,7 @@ import torch
 
 from olmo_ds import checkpoint as ckpt
 from olmo_ds.train.config import ConfigError
-from olmo_ds.train.trainer import claim_run_dir
+from olmo_ds.train.plan import claim_run_dir
 
 from train_testlib import ROOT, launch_env, tiny_config, write_config, write_markov_shards
 

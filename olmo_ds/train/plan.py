@@ -1,0 +1,301 @@
+"""Everything a run decides before a DeepSpeed engine exists: `plan_run(cfg, resume=..., start_over=...) -> RunPlan`.
+
+    plan = plan_run(load_config("configs/demo.yaml"), resume="auto")   # every refusal happens here
+    Trainer(plan).fit()                                                # olmo_ds/train/trainer.py
+
+In the order it runs: the run dir is claimed (`claim_run_dir`) and the launch checked; the tokenizer and the
+data are opened and checked against the config and each other (`check_run`); the resume point is found (the
+run's own checkpoint wins over `init_from`); `init_from`'s weights are described and checked
+(`check_init_from`); the DeepSpeed JSON is read once and resolved, with `batch.micro_batch_size: auto` chosen
+between its ZeRO section and its batch fields (`plan_deepspeed`); the checkpoint or optimizer state the run
+continues is checked against all that (`check_resume`); and the data loader is put at the checkpoint's
+position (`restore_data_position`). Both checks of a model against the state it takes over follow one rule,
+`olmo_ds.model.config.model_differences`.
+
+Why a plan: a run that cannot work must fail in seconds, before a process group, a model or a 1,000-GPU
+allocation exists, with a `ConfigError` naming both sides of the mismatch; and what was decided is then one
+typed record that the trainer, the memory estimate and the tools read, instead of each re-reading the JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from olmo_ds import checkpoint as ckpt
+from olmo_ds import weights
+from olmo_ds.data.loader import DataLoader
+from olmo_ds.model.config import INIT_CHANGEABLE, ModelConfig, model_differences
+from olmo_ds.tokenizer import Tokenizer, load_tokenizer
+from olmo_ds.train.config import ConfigError, TrainConfig
+from olmo_ds.train.ds_config import ZeroLayout, device_type, fill_train_fields, read_ds_config, resolve_zero
+from olmo_ds.train.evaluation import InLoopEvaluator
+from olmo_ds.train.launch import DistEnv, detect_environment, normalize_cuda_arch_list
+from olmo_ds.train.memory import MicroBatchChoice, choose_micro_batch
+from olmo_ds.train.metrics import setup_console_logging
+from olmo_ds.train.preflight import check_launch
+
+log = logging.getLogger("olmo_ds")
+
+
+@dataclass(frozen=True)
+class DeepSpeedPlan:
+    """The run's DeepSpeed config, resolved once (`plan_deepspeed`): `config` is the dict DeepSpeed is given and
+    every checkpoint records; the rest is what olmo-ds itself reads of it."""
+
+    config: dict
+    zero: ZeroLayout  # ZeRO stage, reduce bucket, what CPU offload puts on the host
+    micro_batch: MicroBatchChoice
+    accumulation_steps: int  # at step 0 (a batch-size schedule raises it later)
+    precision: str
+
+
+@dataclass
+class RunPlan:
+    """What `plan_run` decided: everything `Trainer(plan)` needs besides the engine it builds."""
+
+    cfg: TrainConfig  # batch.micro_batch_size is a number here
+    env: DistEnv
+    run_dir: Path
+    model: ModelConfig
+    tokenizer: Tokenizer | None
+    loader: DataLoader  # at the resume point's data position, or at the start
+    deepspeed: DeepSpeedPlan
+    resume_dir: Path | None  # the checkpoint this run continues; None for a new run
+    resume_state: dict | None  # its train_state.json
+    init_from: weights.WeightsInfo | None  # the weights a new run starts from (`init_from`); None when resuming
+    init_state_fingerprint: str | None  # with init_from.load_optimizer: the source's train_state.json's, recorded by the run
+    evaluator: InLoopEvaluator | None
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+
+def plan_run(cfg: TrainConfig, *, resume: str | None = None, start_over: bool = False, env: DistEnv | None = None) -> RunPlan:
+    """Check and decide everything about the run `cfg` describes that needs no engine (module docstring).
+    `resume`: None, "auto" or a checkpoint directory (`--resume`); `env`: rank and world size (default: the launcher's)."""
+    env = env or detect_environment()
+    setup_console_logging(env.rank)
+    normalize_cuda_arch_list()  # before DeepSpeed builds any op; logs what it changed
+    for warning in cfg.warnings():
+        log.warning(warning)
+    run_dir = Path(cfg.run_dir)
+    claim_run_dir(run_dir, resume, start_over, env.rank)
+    check_launch(cfg, env.rank, env.local_rank, env.world_size)
+    tokenizer, loader = open_tokenizer_and_data(cfg, env)
+    vocab = tokenizer.vocab_size if tokenizer is not None else loader.vocab_size
+    model = cfg.model.build(vocab_size=vocab)
+    check_run(cfg, model, loader, tokenizer, env.world_size)
+
+    # The run's own checkpoint is where a continued run starts; weights from elsewhere (`init_from`)
+    # may only seed a run that has none, so they are consulted after this, never instead.
+    resume_dir, resume_state = find_resume_point(resume, run_dir)
+    init_from = None
+    if cfg.init_from.path and resume_state is not None:
+        log.info("resuming %s: init_from %s is not used (a run's own checkpoint wins)", resume_dir, cfg.init_from.path)
+    elif cfg.init_from.path:
+        init_from = check_init_from(cfg, model, tokenizer.fingerprint if tokenizer is not None else loader.tokenizer_fingerprint)
+    load_optimizer = init_from is not None and cfg.init_from.load_optimizer
+
+    cfg, deepspeed = plan_deepspeed(cfg, model, env.world_size, resumed=resume_state.get("ds_config") if resume_state else None)
+    if resume_state is not None:
+        check_resume(resume_state, model, env.world_size, resume_dir, deepspeed.zero)
+        restore_data_position(loader, resume_dir, resume_state)
+    elif load_optimizer:  # the optimizer state must fit as a resume's would
+        check_resume(init_from.train_state, model, env.world_size, init_from.directory, deepspeed.zero,
+                     frozenset(cfg.init_from.allow_changes))
+    evaluator = InLoopEvaluator(cfg, tokenizer, vocab, env.rank, env.world_size) if cfg.eval.every else None
+    return RunPlan(cfg=cfg, env=env, run_dir=run_dir, model=model, tokenizer=tokenizer, loader=loader, deepspeed=deepspeed,
+                   resume_dir=resume_dir, resume_state=resume_state, init_from=init_from,
+                   init_state_fingerprint=_file_fingerprint(init_from.directory / ckpt.TRAIN_STATE) if load_optimizer else None,
+                   evaluator=evaluator)
+
+
+def claim_run_dir(run_dir: Path, resume: str | None, start_over: bool, rank: int) -> None:
+    """Refuse to start a second run in a run directory that holds one, unless told what to do with it.
+
+    A run dir holds a run when it has any checkpoint directory, `metrics.jsonl` or `wandb_id`
+    (`olmo_ds.checkpoint.run_markers`). Then `--resume` continues that run; `--start-over` moves it
+    aside (rank 0, before any rank writes) and starts a new one; neither is an error that changes no file.
+    Two runs therefore never share metrics, a W&B id or checkpoint names.
+    """
+    if start_over and resume not in (None, "none"):
+        raise ConfigError(f"--start-over and --resume {resume} exclude each other: one starts a new run, the other continues one")
+    markers = ckpt.run_markers(run_dir)
+    if not markers:
+        return
+    if start_over:
+        if rank == 0:
+            moved = ckpt.move_run_aside(run_dir)
+            log.info("--start-over: moved the earlier run in %s to %s", run_dir, moved)
+        return
+    held = f"run_dir {run_dir} already holds a run ({', '.join(markers[:4])}{', ...' if len(markers) > 4 else ''})"
+    if resume in (None, "none"):
+        raise ConfigError(f"{held}; continue it with --resume auto, or start a new run there with --start-over "
+                          f"(moves the old one to {run_dir.name}.replaced-<time>, deletes nothing), or choose another run_dir")
+    if resume != "auto" and ckpt.checkpoints_dir(run_dir).resolve() != Path(resume).resolve().parent:
+        raise ConfigError(f"--resume {resume}: a checkpoint of another run, and {held}; resume it into a new run_dir, "
+                          f"or start over here with --start-over (and without --resume)")
+
+
+def open_tokenizer_and_data(cfg: TrainConfig, env: DistEnv) -> tuple[Tokenizer | None, DataLoader]:
+    """The run's tokenizer (None without `tokenizer`) and this rank's data loader; a missing or bad file is a ConfigError."""
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{cfg.source}: tokenizer: {e}") from None
+    try:
+        loader = DataLoader(cfg.data, seq_len=cfg.batch.seq_len, global_batch_size=cfg.batch.size_schedule(),
+                            dp_rank=env.rank, dp_world_size=env.world_size)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{cfg.source}: data: {e}") from None
+    return tokenizer, loader
+
+
+def check_run(cfg: TrainConfig, model: ModelConfig, loader: DataLoader, tokenizer: Tokenizer | None, world_size: int) -> None:
+    """Cross-checks between the config, the model, the tokenizer and the data; each error names both sides."""
+    manifest = loader.sources[0].directory / "manifest.json"
+    if tokenizer is not None:
+        if model.vocab_size < tokenizer.vocab_size:
+            raise ConfigError(f"model vocab_size {model.vocab_size} is smaller than tokenizer vocab {tokenizer.vocab_size} ({cfg.tokenizer})")
+        if tokenizer.fingerprint != loader.tokenizer_fingerprint:
+            given = cfg.tokenizer if str(tokenizer.path) == str(cfg.tokenizer) else f"{cfg.tokenizer} (file {tokenizer.path})"
+            prepared_with = loader.sources[0].manifest.extra.get("arguments", {}).get("tokenizer")
+            raise ConfigError(
+                f"tokenizer {given}, content {tokenizer.fingerprint}, is not the tokenizer the data was prepared with: "
+                f"{manifest} records {loader.tokenizer_fingerprint}"
+                + (f" (prepare_data.py --tokenizer {prepared_with})" if prepared_with else "")
+                + "; re-tokenize the data or point `tokenizer` at the file it was prepared with"
+            )
+    if model.vocab_size < loader.vocab_size:
+        raise ConfigError(f"model vocab_size {model.vocab_size} is smaller than tokenizer vocab {loader.vocab_size} ({manifest})")
+    try:
+        loader.check_vocab(model.vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.batch.seq_len > model.max_seq_len:
+        raise ConfigError(
+            f"batch.seq_len {cfg.batch.seq_len} exceeds model.max_seq_len {model.max_seq_len} "
+            f"(model preset {cfg.model.preset!r}); lower batch.seq_len or set model.max_seq_len"
+        )
+
+
+def find_resume_point(resume: str | None, run_dir: Path) -> tuple[Path | None, dict | None]:
+    """The checkpoint `resume` names ("auto": the run's newest complete one) and its train_state.json, or (None, None)."""
+    try:
+        resume_dir = ckpt.resolve_resume(resume, run_dir)
+        return resume_dir, ckpt.read_train_state(resume_dir) if resume_dir else None
+    except (FileNotFoundError, ValueError) as e:  # a bad --resume path, an interrupted save, a damaged train_state.json
+        raise ConfigError(str(e)) from None
+
+
+def restore_data_position(loader: DataLoader, resume_dir: Path, state: dict) -> None:
+    """Put the loader right after the last batch the checkpoint trained on; other data or another seed is refused."""
+    try:
+        loader.load_state_dict(state["data"])
+    except ValueError as e:  # different data or seed: a user decision, not a crash
+        raise ConfigError(f"{resume_dir}: {e}") from None
+
+
+def check_init_from(cfg: TrainConfig, model: ModelConfig, tokenizer_fingerprint: str | None) -> weights.WeightsInfo:
+    """Describe `init_from`'s weights and check this run against them; every mismatch in one error."""
+    spec = cfg.init_from
+    try:
+        info = weights.inspect_weights(spec.path)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise ConfigError(f"{cfg.source}: init_from.path: {e}") from None
+    where = f"{cfg.source}: init_from.path {spec.path} ({info.kind} {info.directory})"
+    if spec.load_optimizer and info.kind != "checkpoint":
+        raise ConfigError(f"{where}: init_from.load_optimizer needs an olmo-ds checkpoint (its optimizer state); a {info.kind} holds "
+                          f"weights only. Drop load_optimizer to start with a fresh optimizer")
+    found = model_differences(info.cfg, model, allow_changes=set(spec.allow_changes), weights_only=True)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}  # named model.FIELD; the shapes compared instead, as they are
+    diffs = [f"{'model.' + what if what in fields else what}: source {src!r}, this run {this!r}" for what, src, this in found]
+    if info.tokenizer_fingerprint and tokenizer_fingerprint and info.tokenizer_fingerprint != tokenizer_fingerprint:
+        diffs.append(f"tokenizer: source {info.tokenizer_fingerprint}, this run {tokenizer_fingerprint}")
+    if diffs:
+        changeable = any(what in INIT_CHANGEABLE for what, _, _ in found)
+        raise ConfigError(f"{where} does not match this run: {'; '.join(diffs)}. Set the model section (or the tokenizer) to the "
+                          f"source's" + (f"; a deliberate change of {', '.join(INIT_CHANGEABLE)} goes in init_from.allow_changes"
+                                         if changeable else ""))
+    return info
+
+
+def plan_deepspeed(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *, ds: dict | None = None, device: str | None = None,
+                   resumed: dict | None = None, memory: tuple[int | None, str] | None = None,
+                   offload_env: dict | None = None) -> tuple[TrainConfig, DeepSpeedPlan]:
+    """The DeepSpeed JSON read once and resolved for this run, and `cfg` with its micro-batch a number.
+
+    The ZeRO section is resolved first (stage, buckets, offload sized to the node: `ds_config.resolve_zero`),
+    so that `batch.micro_batch_size: auto` is chosen for the layout the run will have (`memory.choose_micro_batch`);
+    then the batch fields are filled from the chosen number. `ds` replaces the file, `device` the run's device type,
+    `memory` the device's (bytes, description) and `offload_env` what offload reads of the machine (tests);
+    `resumed`: the DeepSpeed config the checkpoint being resumed saved (its offload choices and micro-batch are kept).
+    """
+    device = device or device_type()
+    ds = read_ds_config(cfg, ds)
+    host = resolve_zero(ds, cfg, model, dp_world_size, device=device, offload_env=offload_env, resumed=resumed)
+    zero = ZeroLayout.of(ds)
+    # `batch.micro_batch_size: auto` becomes a number here, before anything reads it (olmo_ds/train/memory.py).
+    micro_batch = choose_micro_batch(cfg, model, dp_world_size, zero, device=device, memory=memory,
+                                     resumed_micro_batch=(resumed or {}).get("train_micro_batch_size_per_gpu"))
+    if micro_batch.chosen_by != "config":
+        log.info("%s", micro_batch.describe())
+        cfg = cfg.with_micro_batch_size(micro_batch.size)
+    if host is not None:
+        log.info("%s: %s", cfg.deepspeed_config, host.describe())
+    ds = exact_resume_optimizer(fill_train_fields(ds, cfg, dp_world_size), zero, device)
+    return cfg, DeepSpeedPlan(config=ds, zero=zero, micro_batch=micro_batch, accumulation_steps=ds["gradient_accumulation_steps"],
+                              precision=cfg.precision)
+
+
+def exact_resume_optimizer(ds_config: dict, zero: ZeroLayout, device: str) -> dict:
+    """On the CPU accelerator, train with torch's AdamW instead of DeepSpeed's CPU FusedAdam.
+
+    DeepSpeed's CPU Adam kernel keeps beta**step in C++ state, multiplying it by beta once per step,
+    and recomputes it with pow() after a restart, so the first update after a resume differs in the
+    last bits and the run drifts from the uninterrupted one. torch's AdamW derives the bias correction
+    from the step count in the optimizer state, which the checkpoint holds, so resume is bitwise exact.
+    (GPUs use DeepSpeed's CUDA FusedAdam, which also computes it from the step; CPU offload must keep
+    DeepSpeedCPUAdam, which DeepSpeed requires there.)
+    """
+    if device == "cpu" and not zero.optimizer_offloaded:
+        ds_config["optimizer"]["params"].setdefault("torch_adam", True)
+    return ds_config
+
+
+def check_resume(state: dict, model: ModelConfig, world_size: int, ckpt_dir: Path, zero: ZeroLayout,
+                 allow_changes: frozenset[str] = frozenset()) -> None:
+    """The checkpoint (its train_state.json, `state`) fits this run, whose ZeRO layout is `zero`; a different
+    data-parallel size is fine unless it cannot be converted. `allow_changes`: model fields a run started from
+    this checkpoint's optimizer state may change (init_from)."""
+    saved = ModelConfig.from_dict(state["model"])
+    saved_values, values = saved.to_dict(), model.to_dict()
+    diffs = [f"{what}: checkpoint {saved_values[what]!r}, config {values[what]!r}"
+             for what, _, _ in model_differences(saved, model, allow_changes=allow_changes)]
+    if diffs:
+        raise ConfigError(f"{ckpt_dir}: the checkpoint's model differs from the configured one ({'; '.join(diffs)})")
+    if state["world_size"] == world_size:
+        return
+    where = f"{ckpt_dir} was written by {state['world_size']} data-parallel ranks, this run has {world_size}"
+    saved_stage = state.get("zero_stage")
+    if saved_stage != zero.stage:
+        raise ConfigError(f"{where} and ZeRO stage {zero.stage} (the checkpoint's is {saved_stage}); "
+                          f"resume on another number of ranks with the checkpoint's ZeRO stage")
+    if ZeroLayout.of(state.get("ds_config", {})).offloaded or zero.offloaded:
+        # Refused rather than tried: loading DeepSpeed's universal form into the offloaded optimizer
+        # (DeepSpeedCPUAdam, whose bias correction lives in C++ state) is not verified to resume correctly.
+        raise ConfigError(f"{where}; a CPU-offloaded ZeRO run resumes only on its checkpoint's number of ranks "
+                          f"(the universal-checkpoint conversion used for another size is not supported with offload)")
+
+
+def _file_fingerprint(path: Path) -> str:
+    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
