@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+import olmo_ds
 from olmo_ds.atomic import atomic_write_bytes, atomic_write_json, fsync_path
 from olmo_ds.checkpoint.layout import LATEST, TOKENIZER_COPY, TRAIN_STATE, checkpoints_dir, is_complete, list_checkpoints, rng_file, step_tag
 
@@ -41,8 +42,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def versions() -> dict[str, str]:
     import deepspeed
-
-    import olmo_ds
 
     return {
         "olmo_ds": olmo_ds.__version__,

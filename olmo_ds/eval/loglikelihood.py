@@ -32,6 +32,7 @@ import torch
 from olmo_ds.eval.packing import plan_packed
 from olmo_ds.eval.scoring import (DistContext, check_batching, length_batches, logits_of, model_device, olmo_of, pad_rows,
                                   run_split, target_logprobs)
+from olmo_ds.model import KVCache
 
 
 @dataclass
@@ -230,7 +231,6 @@ def _score_shared_contexts(model, olmo, requests, idx: list[int], batch_tokens: 
     length, longest first. Every batch is two forward passes, also when no continuation has a
     second token, to keep ZeRO-3 ranks in step.
     """
-    from olmo_ds.model import KVCache
 
     contexts: dict[tuple[int, ...], int] = {}
     continuations: list[dict[tuple[int, ...], int]] = []

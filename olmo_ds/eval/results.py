@@ -20,6 +20,7 @@ import math
 import platform
 from pathlib import Path
 
+import olmo_ds
 from olmo_ds.atomic import atomic_write_bytes, atomic_write_json
 
 RESULTS = "results.json"
@@ -34,8 +35,6 @@ def versions() -> dict[str, str]:
     import numpy
     import tokenizers
     import torch
-
-    import olmo_ds
 
     found = {"olmo_ds": olmo_ds.__version__, "torch": torch.__version__, "numpy": numpy.__version__,
              "tokenizers": tokenizers.__version__, "python": platform.python_version(), "cuda": torch.version.cuda or "none"}

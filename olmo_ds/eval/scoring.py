@@ -21,6 +21,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from olmo_ds.model import OLMo
+
 # Positions per log-softmax chunk: 1024 x 100,352 float32 = 400 MB at most, whatever the batch.
 LOGSOFTMAX_CHUNK = 1024
 
@@ -38,7 +40,6 @@ def check_batching(batching: str) -> str:
 
 def olmo_of(model):
     """Our OLMo behind `model` (itself, or a DeepSpeed engine's module), else None."""
-    from olmo_ds.model import OLMo
 
     inner = getattr(model, "module", model)
     return inner if isinstance(inner, OLMo) else None

@@ -16,6 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from olmo_ds.data.config import SourceConfig
+from olmo_ds.data.loader import validation_batches
+from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
+from olmo_ds.eval.perplexity import evaluate_perplexity, token_byte_lengths
+from olmo_ds.eval.tasks import load_task, resolve_task
 from olmo_ds.train.config import ConfigError, TrainConfig
 
 def _val_sources(cfg: TrainConfig) -> list[SourceConfig]:
@@ -30,11 +34,6 @@ class InLoopEvaluator:
     """Called every `eval.every` steps with the engine; returns flat metrics like `eval/<source>/ppl`."""
 
     def __init__(self, cfg: TrainConfig, tokenizer, vocab_size: int, rank: int, world_size: int):
-        from olmo_ds.data.loader import validation_batches
-        from olmo_ds.eval.multiple_choice import prepare_tasks
-        from olmo_ds.eval.perplexity import token_byte_lengths
-        from olmo_ds.eval.tasks import load_task, resolve_task
-
         e = cfg.eval
         self.seq_len = cfg.batch.seq_len
         self.batching = e.batching
@@ -72,9 +71,6 @@ class InLoopEvaluator:
     def __call__(self, engine) -> dict[str, float]:
         """Metrics, and how fast they came: `eval/<source>/{tokens_per_s,forward_tokens_per_s}` per
         validation source, `eval/tasks/{requests_per_s,request_tokens_per_s,forward_tokens_per_s,seconds}`."""
-        from olmo_ds.eval.multiple_choice import evaluate_tasks
-        from olmo_ds.eval.perplexity import evaluate_perplexity
-
         metrics: dict[str, float] = {}
         for name, batches in self.val:
             r = evaluate_perplexity(engine, batches, self.token_bytes, split=False, batching=self.batching)

@@ -15,6 +15,8 @@ import socket
 import time
 from dataclasses import dataclass
 
+from olmo_ds.ranks import rendezvous
+
 log = logging.getLogger("olmo_ds")
 
 
@@ -115,8 +117,6 @@ def init_distributed() -> DistEnv:
     """
     import deepspeed
     import torch
-
-    from olmo_ds.ranks import rendezvous
 
     normalize_cuda_arch_list()
     dist_env = detect_environment()

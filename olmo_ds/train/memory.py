@@ -51,6 +51,7 @@ from olmo_ds.model.config import ModelConfig
 from olmo_ds.model.loss import CHUNK_SIZE as LOSS_CHUNK
 from olmo_ds.train.config import TrainConfig
 from olmo_ds.train.ds_config import AUTO, ZeroLayout, device_type
+from olmo_ds.train.offload import gpu_memory, host_memory_available, local_ranks
 
 log = logging.getLogger("olmo_ds")
 
@@ -163,7 +164,6 @@ def per_rank_batches(cfg: TrainConfig, dp_world_size: int) -> list[int]:
 def device_memory(device: str, dp_world_size: int) -> tuple[int | None, str]:
     """(bytes the micro-batch must fit, what they are): this rank's GPU's total memory, or on CPU the host's
     available memory shared by the node's ranks."""
-    from olmo_ds.train.offload import gpu_memory, host_memory_available, local_ranks
 
     if device == "cuda":
         import torch

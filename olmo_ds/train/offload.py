@@ -35,8 +35,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from olmo_ds.model import OLMo
 from olmo_ds.model.config import ModelConfig
 from olmo_ds.train.config import ConfigError, TrainConfig
+from olmo_ds.train.optim import param_groups
 
 AUTO = "auto"
 GiB = 2**30
@@ -93,9 +95,6 @@ def sub_group_numels(model: ModelConfig, cfg: TrainConfig, dp_world_size: int, s
     """Per optimizer parameter group, the element counts of this rank's sub-groups, as DeepSpeed forms them
     (parameters in group order, a sub-group closes once it reaches `sub_group_size`)."""
     import torch
-
-    from olmo_ds.model import OLMo
-    from olmo_ds.train.optim import param_groups
 
     with torch.device("meta"):
         groups = param_groups(OLMo(model), cfg.optim)

@@ -15,7 +15,7 @@ import os
 from olmo_ds.model import float8 as fp8
 from olmo_ds.ranks import check_host
 from olmo_ds.train.config import ConfigError, TrainConfig
-from olmo_ds.train.ds_config import check_batch_divisible
+from olmo_ds.train.ds_config import check_batch_divisible, device_type
 
 
 def check_float8(cfg: TrainConfig, device: str, capability: tuple[int, int] | None = None, name: str | None = None) -> None:
@@ -38,7 +38,6 @@ def check_launch(cfg: TrainConfig, rank: int, local_rank: int, world_size: int, 
     env = os.environ if env is None else env
     float8 = cfg.model.build().float8 != "off"
     if device is None and (visible_gpus is None or float8):
-        from olmo_ds.train.ds_config import device_type
 
         device = device_type()
     if visible_gpus is None and device == "cuda":

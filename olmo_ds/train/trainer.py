@@ -30,9 +30,11 @@ import torch
 from torch.profiler import record_function
 
 from olmo_ds import checkpoint as ckpt
+from olmo_ds import weights
 from olmo_ds.checkpoint.async_save import AsyncSaveError, AsyncSaver, host_copy_fits, snapshot_bytes_estimate
+from olmo_ds.model import OLMo
 from olmo_ds.model.float8 import MATMULS_PER_BLOCK
-from olmo_ds.model.model import BLOCK_CALLS
+from olmo_ds.model.model import BLOCK_CALLS, Block
 from olmo_ds.ranks import local_world_size
 from olmo_ds.train.config import TrainConfig
 from olmo_ds.train.ds_config import device_type
@@ -118,9 +120,6 @@ class Trainer:
         import deepspeed
         from deepspeed.utils import set_z3_leaf_modules
 
-        from olmo_ds.model import OLMo
-        from olmo_ds.model.model import Block
-
         stage = self.plan.deepspeed.zero.stage
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config, enabled=stage == 3):
             model = OLMo(self.model_cfg)
@@ -191,8 +190,6 @@ class Trainer:
         """The weights of `init_from` into the (partitioned) model, before DeepSpeed makes its fp32 master
         copies from them. Only rank 0 reads the files; each rank receives only its own partitions."""
         import torch.distributed as dist
-
-        from olmo_ds import weights
 
         state = weights.load_weights(self.init_info.directory).state_dict if self.rank == 0 else None
         fingerprint = [weights.weights_fingerprint(state) if self.rank == 0 else None]
