@@ -356,7 +356,7 @@ class ChatEncoder:
         for j, part in enumerate(_SENTINEL.split(skeleton)):
             if j % 2:  # a field's number: the field goes back in, as text
                 k = int(part)
-                field_starts[k] = pos
+                field_starts.setdefault(k, pos)
                 current.append(fields[k])
                 pos += len(fields[k])
                 continue
@@ -383,6 +383,8 @@ class ChatEncoder:
         marker_pos = [p for p, _, _ in plan.markers]
         for i in self._trained_messages(messages):
             k = content_field[i]
+            if k not in field_starts:  # the template does not render this message's content: nothing to train
+                continue
             start, end = field_starts[k], field_starts[k] + len(fields[k])
             n = bisect.bisect_left(marker_pos, end)  # the first marker at or after the content's end: the turn's closer
             stop = marker_pos[n] + len(plan.markers[n][2]) if n < len(marker_pos) else len(real)
@@ -428,6 +430,8 @@ class ChatEncoder:
         if escaped:
             raise ChatError(f"content holds special-token text, and this template ({self.template.source}) changes "
                             "content, so it cannot be kept as text")
+        if self.mask == "all":
+            raise ChatError(f"mask='all' needs a template that renders content as given; {self.template.source} changes it")
         self._tok.encode_special_tokens = False
         try:
             ids = np.asarray(self._tok.encode(real, add_special_tokens=False).ids, dtype=np.uint32)
