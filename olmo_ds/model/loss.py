@@ -12,6 +12,16 @@ Definitions (as OLMo): over the N tokens whose label is not -100,
     z_loss = z_loss_coef * mean(logsumexp(logits)^2)
     loss   = ce + z_loss
 The softmax runs over every padded-vocabulary row, as in OLMo and in the exported transformers model.
+
+Fine-tuning divides by another N (`divisor=`): the trained tokens of the whole global batch, across
+micro-batches and data-parallel ranks, so that each token weighs the same however the step is split
+(shared/docs/SFT-FORMATS.md §5: a mean of micro-batch means weighs a token of a sparse micro-batch
+up to 100x more). The call then returns (and back-propagates) its micro-batch's summed loss over N,
+and summing those over the step gives the step's token mean. `count_targets`, `global_target_count`
+and `token_mean_divisor` give that N, and the N to pass under DeepSpeed, which divides the loss by
+its accumulation steps and averages gradients over ranks. `labels_from_mask` turns OLMo-core's
+per-token bool `label_mask` into these labels. Without `divisor` nothing changes: pretraining's
+loss and gradients are bit for bit what they were.
 """
 
 from __future__ import annotations
@@ -24,12 +34,15 @@ CHUNK_SIZE = 2048  # tokens per chunk: 2048 x 100,352 fp32 logits = 0.8 GB at a 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, z_loss_coef: float, chunk_size: int):
+    def forward(ctx, hidden, weight, labels, z_loss_coef: float, chunk_size: int, divisor):
         ctx.weight_dtype = weight.dtype
         # Softmax statistics in at least fp32 (bf16 logits would lose the loss's precision).
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
-        # A tensor, not a Python number: no host-device sync on the token count.
-        denom = (labels != IGNORE_INDEX).sum().clamp(min=1).to(acc_dtype)
+        if divisor is None:
+            # A tensor, not a Python number: no host-device sync on the token count.
+            denom = (labels != IGNORE_INDEX).sum().clamp(min=1).to(acc_dtype)
+        else:
+            denom = torch.as_tensor(divisor, device=hidden.device).to(acc_dtype)
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = None
@@ -73,20 +86,70 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def fused_linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, z_loss_coef: float = 0.0,
-    chunk_size: int = CHUNK_SIZE,
+    chunk_size: int = CHUNK_SIZE, divisor: float | torch.Tensor | None = None,
+    target_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, ce_loss, z_loss) of `hidden @ weight.T` against `labels`; only `loss` carries gradients.
 
-    hidden [..., d], weight [V, d], labels [...] int64 with -100 ignored.
+    hidden [..., d], weight [V, d], labels [...] int64 with -100 ignored; `target_mask` [...] bool, if
+    given, ignores the positions where it is False as well. `divisor` None: the mean over this call's
+    targets (pretraining). A number or 0-d tensor N: the sums over this call's targets divided by N
+    (fine-tuning's global target count, `token_mean_divisor`); `divisor=1` gives the plain sums.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     if labels.shape[0] != hidden.shape[0]:
         raise ValueError(f"labels have {labels.shape[0]} tokens but hidden states have {hidden.shape[0]}")
-    return _FusedLinearCrossEntropy.apply(hidden, weight, labels, float(z_loss_coef), int(chunk_size))
+    if target_mask is not None:
+        target_mask = target_mask.reshape(-1)
+        if target_mask.shape != labels.shape or target_mask.dtype != torch.bool:
+            raise ValueError(f"target_mask must be bool with the labels' {labels.shape[0]} tokens, got {target_mask.dtype} {tuple(target_mask.shape)}")
+        labels = labels.masked_fill(~target_mask, IGNORE_INDEX)
+    return _FusedLinearCrossEntropy.apply(hidden, weight, labels, float(z_loss_coef), int(chunk_size), divisor)
+
+
+def labels_from_mask(input_ids: torch.Tensor, label_mask: torch.Tensor) -> torch.Tensor:
+    """Next-token labels [B, T] from input_ids [B, T] and a bool label_mask [B, T] (True = this token
+    is a training target; open-instruct / OLMo-core `labels_mask`): OLMo-core's `get_labels`
+    (src/olmo_core/data/utils.py l.590), -100 where the mask is False, shifted left one place, -100
+    appended. Position t is trained to predict token t + 1 exactly when `label_mask[t + 1]`."""
+    if input_ids.shape != label_mask.shape or label_mask.dtype != torch.bool:
+        raise ValueError(f"label_mask must be bool with input_ids' shape {tuple(input_ids.shape)}, "
+                         f"got {label_mask.dtype} {tuple(label_mask.shape)}")
+    labels = input_ids.long().masked_fill(~label_mask, IGNORE_INDEX)
+    return torch.cat([labels[..., 1:], labels.new_full((*labels.shape[:-1], 1), IGNORE_INDEX)], dim=-1)
+
+
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The number of positions trained (labels != -100), an int64 0-d tensor on the labels' device."""
+    return (labels != IGNORE_INDEX).sum()
+
+
+def global_target_count(labels: torch.Tensor | list[torch.Tensor], group=None) -> torch.Tensor:
+    """The trained positions of a whole step: summed over this rank's micro-batches (`labels` of the
+    step, or a list of them) and, when torch.distributed is initialised, over the ranks of `group`
+    (data-parallel ranks; default: the world). Every rank gets the same int64 0-d tensor. Call it
+    once per step, before the first forward; every rank must call it."""
+    parts = labels if isinstance(labels, (list, tuple)) else [labels]
+    count = sum((count_targets(p) for p in parts), torch.zeros((), dtype=torch.int64, device=parts[0].device))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(count, group=group)
+    return count
+
+
+def token_mean_divisor(global_targets: int | torch.Tensor, world_size: int = 1, accumulation_steps: int = 1):
+    """The `divisor` that makes a step's gradient the mean over its `global_targets` trained tokens when
+    every micro-batch's loss is back-propagated through DeepSpeed: `engine.backward` divides the loss by
+    the accumulation steps and the gradients are averaged over the data-parallel ranks, so each
+    micro-batch passes N / (world_size * accumulation_steps). The loss values it returns, averaged
+    over micro-batches and ranks as the trainer logs them today, are then the step's token mean.
+    A step without targets gets N = 1 (its losses and gradients are zero)."""
+    if isinstance(global_targets, torch.Tensor):
+        return global_targets.clamp(min=1).double() / (world_size * accumulation_steps)
+    return max(int(global_targets), 1) / (world_size * accumulation_steps)
 
