@@ -146,7 +146,7 @@ def _targets(path: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="scripts/verify_checkpoint.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="python scripts/verify_checkpoint.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", help="a checkpoint directory (RUN/checkpoints/step-NNNNNNN) or a run directory (all of its checkpoints)")
     p.add_argument("--level", choices=["sizes", "auto", "full"], default="full", help="default full: every file's checksum")
