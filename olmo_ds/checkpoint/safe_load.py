@@ -32,12 +32,14 @@ _TORCH_LOAD = torch.load  # the real one, whatever `weights_only_loads` puts in 
 
 
 def _deepspeed_types() -> list:
-    """The classes DeepSpeed's checkpoint states hold besides tensors and plain data (ZeRO's stage enum and
-    its loss scalers, in every optimizer-states file), found by their names so that no other is allowed."""
+    """The classes DeepSpeed's checkpoint states hold besides tensors and plain data, named one by one: ZeRO's
+    stage enum and its loss scalers (every optimizer-states file), and the (numel, start) records of ZeRO-1/2's
+    and the bf16 optimizer's parameter slices. Each is built from its fields; none runs code when loaded."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum]
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 def _numpy_rng_types() -> list:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import io
+import logging
+import os
 import platform
 import random
 import shutil
@@ -26,6 +28,8 @@ import olmo_ds
 from olmo_ds.atomic import atomic_write_bytes, atomic_write_json, fsync_path
 from olmo_ds.checkpoint.layout import LATEST, TOKENIZER_COPY, TRAIN_STATE, checkpoints_dir, is_complete, list_checkpoints, rng_file, step_tag
 from olmo_ds.checkpoint.manifest import entry_of_bytes, merge_parts, relative_name, write_part, write_torch
+
+log = logging.getLogger("olmo_ds")
 
 
 def rng_state() -> dict[str, Any]:
@@ -111,13 +115,21 @@ class _RecordingEngine:
 
 
 def prepare_checkpoint_dir(run_dir: str | Path, step: int, rank: int) -> Path:
-    """Collective: the empty directory of step `step` (a leftover of an interrupted save of the same step
-    is removed first: two saves are never mixed)."""
+    """Collective: the empty directory of step `step`. A leftover of an interrupted save of the same step is
+    removed first (two saves are never mixed); a complete checkpoint of that step (one `--resume auto` passed
+    over as damaged, or one newer than the checkpoint resumed explicitly) is moved to
+    `step-NNNNNNN.replaced-<UTC time>`, deleting nothing."""
     root = checkpoints_dir(run_dir)
     ckpt = root / step_tag(step)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        if ckpt.exists():
+        if is_complete(ckpt):
+            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+            aside = root / f"{ckpt.name}.replaced-{stamp}"
+            os.rename(ckpt, aside)
+            log.warning("%s existed already (complete): moved to %s before saving this step again; delete it when it is not needed",
+                        ckpt, aside.name)
+        elif ckpt.exists():
             shutil.rmtree(ckpt)
     barrier()
     return ckpt

@@ -116,8 +116,8 @@ def resolve_resume(resume: str | None, run_dir: str | Path, level: str | None = 
                 skipped.append((ckpt_dir, result.problems[0]))
                 continue
             if skipped:
-                log.warning("--resume auto: resuming from %s, the newest checkpoint that verifies (%d newer skipped; "
-                            "left on disk as they are)", ckpt_dir, len(skipped))
+                log.warning("--resume auto: resuming from %s, the newest checkpoint that verifies (%d newer skipped: they stay "
+                            "on disk; a save of the same step moves one to step-NNNNNNN.replaced-<time>)", ckpt_dir, len(skipped))
             if result.legacy:
                 log.info("%s: no %s (written by an earlier olmo-ds): file sizes and checksums are not checked", ckpt_dir, MANIFEST)
             return ckpt_dir

@@ -265,17 +265,21 @@ def test_a_damaged_newest_checkpoint_resume_auto_falls_back_and_every_tool_names
 def test_resume_auto_end_to_end_continues_from_the_previous_checkpoint(run, fault):
     """`scripts/pretrain.py --resume auto` as a user runs it: the payload in the newest checkpoint's RNG file
     (the reported case) or its truncated model file; the run resumes at step 2, trains to 4 and saves a
-    good step 4 in place of the bad one."""
+    good step 4, having moved the bad one aside whole."""
     marker = run.parent / "payload-ran"
     if fault == "payload":
         plant(step_dir(run, 4) / RNG, marker)
     else:
         damage(step_dir(run, 4) / MODEL, "truncated")
+    bad_bytes = dir_bytes(step_dir(run, 4))
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--config", str(run.parent / "run.yaml"), "--resume", "auto"],
                           cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     ok = (proc.returncode == 0 and not marker.exists() and f"resumed from {step_dir(run, 2)} at step 2" in out
           and "--resume auto: skipping step-0000004: " in out and ckpt.verify_checkpoint(step_dir(run, 4), "full").ok)
-    record(PAYLOAD_FAULT if fault == "payload" else "damaged checkpoint: truncated model file", survived=ok)
+    kept = list((run / "checkpoints").glob("step-0000004.replaced-*"))  # the bad one, moved aside whole by the new save of step 4
+    record(PAYLOAD_FAULT if fault == "payload" else "damaged checkpoint: truncated model file", survived=ok,
+           data_lost=len(kept) != 1 or dir_bytes(kept[0]) != bad_bytes)
+    assert len(kept) == 1 and dir_bytes(kept[0]) == bad_bytes
     assert not marker.exists(), out[-3000:]
     assert ok, out[-3000:]
