@@ -14,7 +14,7 @@ then a raw write of as many bytes as the checkpoint holds (one buffer, `write` +
 own speed there) and the steady state (background saves after the first) against the targets of
 issue 25: blocked <= 3 s, complete <= 1.3x the raw write. The table is printed last.
 
-`--checksum-gb G` (default 2, a 1B model's optimizer-state file per rank on 8 ranks) also measures what
+`--checksum-gb G` (e.g. 2, a 1B model's optimizer-state file per rank on 8 ranks) also measures what
 the manifest's checksum costs a save: one tensor of G GB written by `checkpoint.manifest.write_torch`
 (hashed as its bytes pass to the file) against the same writer with a hash that does nothing and against
 `torch.save` to the file name (the save before manifests), each fsynced, interleaved, best of three; and
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocking-saves", type=int, default=1, help="blocking saves first, for comparison")
     p.add_argument("--work-dir", default="out/bench-checkpoint", help="generated data and the run's checkpoints (on the disk to measure)")
     p.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
-    p.add_argument("--checksum-gb", type=float, default=2.0, help="size of the tensor the checksum's cost is measured on (0: skip)")
+    p.add_argument("--checksum-gb", type=float, default=0.0, help="also measure the manifest checksum's cost on one tensor of this many GB (e.g. 2)")
     args = p.parse_args(argv)
     steps_cap = 200
     opts = BenchOptions(preset=args.preset, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, ds_config=args.ds_config,
