@@ -22,6 +22,11 @@ The kinds of weights:
 - a transformers directory of an Olmo2/Olmo3 model (config.json + safetensors, as `export_hf` writes or
   `save_pretrained` saves), converted exactly by `olmo_ds.model.hf`.
 Every kind is checked against its config: names and shapes exactly those of `OLMo(cfg)`.
+
+No code runs from weight files: the model directory and transformers kinds are read as safetensors only
+(a pickled `.bin`/`.pt` beside them is never opened), and a checkpoint is verified against its manifest
+(sizes, checksums, no pickled code) and read weights-only (`olmo_ds.checkpoint.safe_load`). A damaged or
+unsafe file is a `CheckpointFileError` (a ValueError) naming it.
 """
 
 from __future__ import annotations
@@ -146,6 +151,7 @@ def describe_weights(path: str | Path) -> Provenance:
     kind, directory = resolve_weights(path)
     tokenizer = tokenizer_beside(directory)
     if kind == "checkpoint":
+        ckpt.check_checkpoint(directory)  # sizes, small files' checksums, no pickled code: a CheckpointFileError names the file
         train_state = ckpt.read_train_state(directory)
         return Provenance(kind, directory, ModelConfig.from_dict(train_state["model"]), tokenizer, train_state)
     if kind == "model_dir":
@@ -208,7 +214,8 @@ def load_model(source: str | Path | Provenance, *, device: str | torch.device = 
     if backend == "transformers":
         import transformers  # optional, and seconds to import: only for this check of agreement
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+        # safetensors only: a pickled pytorch_model.bin beside an export is never read
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, use_safetensors=True)
     else:
         model = OLMo(cfg)
         model.load_state_dict(load_weights(provenance).state_dict)

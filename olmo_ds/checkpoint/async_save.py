@@ -7,7 +7,8 @@ copy, so it runs at the speed of the link: each file's tensors land in one block
 (`HostArena`) allocated at the first save and reused by every later one, page-locked on CUDA so the
 device-to-host copies are DMA, issued without waiting and synchronised once. A writer thread then
 `torch.save`s the files (without zip CRC-32s, which `torch.load` never checks and which cost a core
-about 0.2 s per GB), fsyncs them, and each rank marks its part written (`rank-NNNNN.written`).
+about 0.2 s per GB; the manifest's checksum is computed as the bytes are written instead), fsyncs them,
+records them in its part of the manifest, and each rank marks its part written (`rank-NNNNN.written`).
 
 Completion keeps the blocking save's rule: rank 0 writes `train_state.json` (and moves `latest`) only
 once every rank's marker is there, so a checkpoint is complete exactly when `train_state.json` exists
@@ -40,6 +41,8 @@ import torch
 
 from olmo_ds.atomic import atomic_write_bytes, fsync_path
 from olmo_ds.checkpoint.layout import checkpoints_dir, step_tag
+from olmo_ds.checkpoint.manifest import relative_name, write_part, write_torch
+from olmo_ds.checkpoint.safe_load import load_file
 from olmo_ds.checkpoint.save import barrier, finalize_checkpoint, prepare_checkpoint_dir, write_rng
 
 log = logging.getLogger("olmo_ds")
@@ -140,7 +143,7 @@ class HostSnapshotEngine:
     `take()` hands the queued (path, snapshot) pairs to the writer. The snapshots live in `HostArena`s,
     one per file in DeepSpeed's order, reused while the file's tensors keep their shapes and dtypes:
     a snapshot must be written before the next one is taken (`AsyncSaver` waits for that).
-    Loading is plain `torch.load`.
+    Loading is `safe_load.load_file` (weights only).
     """
 
     name = "olmo_ds.HostSnapshotEngine"
@@ -171,7 +174,7 @@ class HostSnapshotEngine:
         self.pending.append((str(path), _map(state_dict, copy)))
 
     def load(self, path: str, map_location=None):
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return load_file(path, map_location=map_location)
 
     def commit(self, info) -> bool:
         if torch.cuda.is_available():
@@ -301,23 +304,25 @@ class AsyncSaver:
             self.engine.save_checkpoint(str(checkpoints_dir(self.run_dir)), tag=step_tag(step), save_latest=False)
         finally:
             self.engine.checkpoint_engine = previous
-        write_rng(ckpt_dir, self.rank)
+        rng_entry = write_rng(ckpt_dir, self.rank)
         files = self.snapshots.take()
         self._error = None
-        self._thread = threading.Thread(target=self._write, args=(files, ckpt_dir), name=f"olmo_ds-save-{step}", daemon=True)
+        self._thread = threading.Thread(target=self._write, args=(files, ckpt_dir, rng_entry), name=f"olmo_ds-save-{step}", daemon=True)
         self._thread.start()
         self._in_flight = {"ckpt_dir": ckpt_dir, "step": step, "train_state": train_state, "tokenizer_path": tokenizer_path,
                            "started": t0, "blocked": time.perf_counter() - t0, "alloc": self.snapshots.alloc_s}
         return ckpt_dir
 
-    def _write(self, files: list[tuple[str, object]], ckpt_dir: Path) -> None:
+    def _write(self, files: list[tuple[str, object]], ckpt_dir: Path, entries: dict[str, dict]) -> None:
         try:
+            entries = dict(entries)
             with _without_crc32():
                 for path, state in files:
-                    torch.save(state, path)
-                    fsync_path(path)  # on disk before the marker says so, as the marker itself is
+                    # hashed as written, fsynced: on disk before the marker says so, as the marker itself is
+                    entries[relative_name(path, ckpt_dir)] = write_torch(state, path)
             for directory in {Path(path).parent for path, _ in files}:
                 fsync_path(directory)
+            write_part(ckpt_dir, self.rank, entries)
             atomic_write_bytes(written_marker(ckpt_dir, self.rank), b"")
         except BaseException as e:  # reported at the next collective point; the previous checkpoint stays latest
             self._error = e

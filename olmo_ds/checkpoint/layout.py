@@ -64,20 +64,6 @@ def latest_checkpoint(root: Path) -> Path | None:
     return complete[-1][1] if complete else None
 
 
-def resolve_resume(resume: str | None, run_dir: str | Path) -> Path | None:
-    """`--resume auto` -> newest complete checkpoint of the run (None on a fresh run); a path -> that one."""
-    if not resume or resume == "none":
-        return None
-    if resume == "auto":
-        return latest_checkpoint(checkpoints_dir(run_dir))
-    path = Path(resume)
-    if not path.is_dir():
-        raise FileNotFoundError(f"--resume {resume}: no such checkpoint directory")
-    if not is_complete(path):
-        raise ValueError(f"--resume {resume}: incomplete checkpoint (no {TRAIN_STATE}; the save was interrupted)")
-    return path
-
-
 def read_train_state(ckpt_dir: str | Path) -> dict:
     path = Path(ckpt_dir) / TRAIN_STATE
     if not path.is_file():

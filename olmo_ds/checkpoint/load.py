@@ -1,5 +1,8 @@
 """Reading a checkpoint back: RNG streams, DeepSpeed's universal form for another world size, and
 consolidated fp32 weights without the GPUs (or the number of ranks) the run used.
+
+Every file is read weights-only and checked against the checkpoint's manifest (`safe_load`, `manifest`):
+DeepSpeed's readers run inside `weights_only_loads`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import numpy as np
 import torch
 
 from olmo_ds.checkpoint.layout import UNIVERSAL, read_train_state, rng_file
+from olmo_ds.checkpoint.safe_load import load_file, weights_only_loads
 from olmo_ds.checkpoint.save import barrier, set_rng_state
+from olmo_ds.checkpoint.verify import check_checkpoint
 from olmo_ds.model.config import ModelConfig
 
 
@@ -25,7 +30,7 @@ def load_rng(ckpt_dir: Path, rank: int, *, seed: int, step: int) -> None:
     seeded from (seed, step, rank), so a resume on more ranks is still repeatable."""
     path = rng_file(ckpt_dir, rank)
     if path.is_file():
-        set_rng_state(torch.load(path, weights_only=False))
+        set_rng_state(load_file(path, numpy_rng=True))  # numpy_rng: a previous version's file holds numpy's state array
         return
     derived = int(np.random.SeedSequence([seed, step, rank]).generate_state(1, np.uint64)[0])
     random.seed(derived)
@@ -49,8 +54,9 @@ def universal_checkpoint(ckpt_dir: Path, rank: int) -> Path:
         tmp = Path(ckpt_dir) / f"{UNIVERSAL}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         # One worker: the conversion runs inside a training rank, where forking a process pool is unwelcome.
-        ds_to_universal.main(Namespace(input_folder=str(ckpt_dir), output_folder=str(tmp), num_extract_workers=1,
-                                       num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+        with weights_only_loads():
+            ds_to_universal.main(Namespace(input_folder=str(ckpt_dir), output_folder=str(tmp), num_extract_workers=1,
+                                           num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
         # ds_to_universal also points a `latest_universal` file at its output folder, i.e. at the temporary name.
         (Path(ckpt_dir) / "latest_universal").unlink(missing_ok=True)
         os.replace(tmp, target)
@@ -80,15 +86,17 @@ def _deepspeed_output_to_stderr():
 def load_model_state(ckpt_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
     """Consolidated fp32 weights of a checkpoint, on CPU, from any ZeRO stage and any world size.
 
-    No GPU, no process group: DeepSpeed's zero_to_fp32 stitches the per-rank partitions together.
-    Returns (model config, state dict keyed like `OLMo(cfg).state_dict()`, train_state).
+    No GPU, no process group: DeepSpeed's zero_to_fp32 stitches the per-rank partitions together, every
+    file read weights-only after the checkpoint verified (`verify.check_checkpoint`; a problem raises a
+    CheckpointFileError naming the file). Returns (model config, state dict keyed like `OLMo(cfg).state_dict()`, train_state).
     """
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"checkpoint directory {ckpt_dir} does not exist")
     train_state = read_train_state(ckpt_dir)
     model_cfg = ModelConfig.from_dict(train_state["model"])
-    with _deepspeed_output_to_stderr():
+    check_checkpoint(ckpt_dir)
+    with _deepspeed_output_to_stderr(), weights_only_loads():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state_dict = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir.parent), tag=ckpt_dir.name)

@@ -1,7 +1,9 @@
 """Writing a checkpoint so that it survives anything: atomic completion, `latest`, retention, RNG streams.
 
 Rank 0 writes `train_state.json` (atomically) only after a barrier that every rank reaches once its own
-files are on disk (fsynced, not only in the page cache), then switches `latest` (atomically). A crash at
+files are on disk (fsynced, not only in the page cache), then switches `latest` (atomically). Each file's
+size and checksum, computed as its bytes are written, go into the checkpoint's `manifest.json` first
+(`olmo_ds.checkpoint.manifest`), so every reader can tell a damaged or partial copy from the checkpoint. A crash at
 any moment therefore leaves either the new checkpoint complete or the previous one untouched and still
 named by `latest`; resume never picks a half-written directory.
 """
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import io
+import logging
+import os
 import platform
 import random
 import shutil
@@ -23,18 +27,33 @@ import torch
 import olmo_ds
 from olmo_ds.atomic import atomic_write_bytes, atomic_write_json, fsync_path
 from olmo_ds.checkpoint.layout import LATEST, TOKENIZER_COPY, TRAIN_STATE, checkpoints_dir, is_complete, list_checkpoints, rng_file, step_tag
+from olmo_ds.checkpoint.manifest import entry_of_bytes, merge_parts, relative_name, write_part, write_torch
+
+log = logging.getLogger("olmo_ds")
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG streams as tensors and plain values, so that the file loads with weights_only=True
+    (format 2; format 1 pickled numpy's state tuple, an ndarray, which `set_rng_state` still takes)."""
+    version, internal, gauss = random.getstate()
+    algorithm, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"format": 2, "python": [version, list(internal), gauss],
+             "numpy": {"algorithm": algorithm, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore what `rng_state` returned, in either format."""
+    python, numpy_state = state["python"], state["numpy"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    if isinstance(numpy_state, dict):
+        numpy_state = (numpy_state["algorithm"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -62,18 +81,18 @@ def save_checkpoint(engine, run_dir: str | Path, step: int, train_state: dict, *
     """Collective, blocking: every rank calls it. Returns the checkpoint directory once it is complete.
     (`olmo_ds.checkpoint.async_save.AsyncSaver` does the same with the writing off the training path.)"""
     ckpt = prepare_checkpoint_dir(run_dir, step, rank)
-    recorder = _RecordingEngine(engine.checkpoint_engine)
+    recorder = _RecordingEngine(engine.checkpoint_engine, ckpt)
     engine.checkpoint_engine = recorder
     try:
         engine.save_checkpoint(str(checkpoints_dir(run_dir)), tag=step_tag(step), save_latest=False)
     finally:
         engine.checkpoint_engine = recorder.inner
-    for path in recorder.paths:  # torch.save leaves them in the page cache; a power loss must not cost them
-        fsync_path(path)
-    for directory in {Path(p).parent for p in recorder.paths}:
+    for directory in {Path(p).parent for p in recorder.paths}:  # the files themselves were fsynced as written
         fsync_path(directory)
-    write_rng(ckpt, rank)
-    barrier()  # every rank's ZeRO shard and RNG file is on disk
+    files = dict(recorder.files)
+    files.update(write_rng(ckpt, rank))
+    write_part(ckpt, rank, files)
+    barrier()  # every rank's ZeRO shard, RNG file and part of the manifest is on disk
     if rank == 0:
         finalize_checkpoint(ckpt, step, train_state, tokenizer_path=tokenizer_path)
     barrier()
@@ -81,42 +100,58 @@ def save_checkpoint(engine, run_dir: str | Path, step: int, train_state: dict, *
 
 
 class _RecordingEngine:
-    """DeepSpeed's checkpoint engine as it is, noting the path of every file it saves (this rank's)."""
+    """DeepSpeed's checkpoint engine, except that each file it saves is written by `manifest.write_torch`
+    (hashed while written, fsynced); notes every file's path and manifest entry (this rank's)."""
 
-    def __init__(self, inner):
-        self.inner, self.paths = inner, []
+    def __init__(self, inner, ckpt_dir: Path):
+        self.inner, self.ckpt_dir, self.paths, self.files = inner, Path(ckpt_dir), [], {}
 
     def save(self, state_dict, path):
-        result = self.inner.save(state_dict, path)
+        self.files[relative_name(path, self.ckpt_dir)] = write_torch(state_dict, path)
         self.paths.append(str(path))
-        return result
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
 
 def prepare_checkpoint_dir(run_dir: str | Path, step: int, rank: int) -> Path:
-    """Collective: the empty directory of step `step` (a leftover of an interrupted save of the same step
-    is removed first: two saves are never mixed)."""
+    """Collective: the empty directory of step `step`. A leftover of an interrupted save of the same step is
+    removed first (two saves are never mixed); a complete checkpoint of that step (one `--resume auto` passed
+    over as damaged, or one newer than the checkpoint resumed explicitly) is moved to
+    `step-NNNNNNN.replaced-<UTC time>`, deleting nothing."""
     root = checkpoints_dir(run_dir)
     ckpt = root / step_tag(step)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        if ckpt.exists():
+        if is_complete(ckpt):
+            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+            aside = root / f"{ckpt.name}.replaced-{stamp}"
+            os.rename(ckpt, aside)
+            log.warning("%s existed already (complete): moved to %s before saving this step again; delete it when it is not needed",
+                        ckpt, aside.name)
+        elif ckpt.exists():
             shutil.rmtree(ckpt)
     barrier()
     return ckpt
 
 
-def write_rng(ckpt_dir: Path, rank: int) -> None:
-    atomic_write_bytes(rng_file(ckpt_dir, rank), _torch_bytes(rng_state()))
+def write_rng(ckpt_dir: Path, rank: int) -> dict[str, dict]:
+    """This rank's RNG file; its manifest entry ({name: entry})."""
+    data = _torch_bytes(rng_state())
+    path = rng_file(ckpt_dir, rank)
+    atomic_write_bytes(path, data)
+    return {path.name: entry_of_bytes(data)}
 
 
 def finalize_checkpoint(ckpt: Path, step: int, train_state: dict, *, tokenizer_path: str | Path | None) -> None:
-    """Rank 0, once every rank's files are on disk: the tokenizer copy, `train_state.json` (which makes
-    the checkpoint complete) and `latest`, each atomically."""
+    """Rank 0, once every rank's files and part of the manifest are on disk: the tokenizer copy, `manifest.json`,
+    `train_state.json` (which makes the checkpoint complete) and `latest`, each atomically."""
+    extra = {}
     if tokenizer_path:
-        atomic_write_bytes(ckpt / TOKENIZER_COPY, Path(tokenizer_path).read_bytes())
+        data = Path(tokenizer_path).read_bytes()
+        atomic_write_bytes(ckpt / TOKENIZER_COPY, data)
+        extra[TOKENIZER_COPY] = entry_of_bytes(data)
+    merge_parts(ckpt, extra)
     state = dict(train_state)
     state["step"] = step
     state["tag"] = step_tag(step)

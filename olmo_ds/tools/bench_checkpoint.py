@@ -14,6 +14,12 @@ then a raw write of as many bytes as the checkpoint holds (one buffer, `write` +
 own speed there) and the steady state (background saves after the first) against the targets of
 issue 25: blocked <= 3 s, complete <= 1.3x the raw write. The table is printed last.
 
+`--checksum-gb G` (e.g. 2, a 1B model's optimizer-state file per rank on 8 ranks) also measures what
+the manifest's checksum costs a save: one tensor of G GB written by `checkpoint.manifest.write_torch`
+(hashed as its bytes pass to the file) against the same writer with a hash that does nothing and against
+`torch.save` to the file name (the save before manifests), each fsynced, interleaved, best of three; and
+the hash alone over the bytes in memory.
+
 The model runs eagerly (`model.compile=eager`): its kernels do not change what a checkpoint holds, and
 compiling would add a minute.
 """
@@ -31,6 +37,7 @@ from pathlib import Path
 import torch
 
 from olmo_ds import checkpoint as ckpt
+from olmo_ds.checkpoint import manifest
 from olmo_ds.tools.harness import BenchOptions, build_train_config, write_bench_shards
 from olmo_ds.train.config import ConfigError
 from olmo_ds.train.trainer import Trainer
@@ -56,6 +63,59 @@ def raw_write(directory: Path, nbytes: int, chunk: int = 1 << 28) -> float:
     seconds = time.perf_counter() - t0
     path.unlink()
     return seconds
+
+
+def checksum_cost(directory: Path, gb: float) -> dict:
+    """Seconds to save one tensor of `gb` GB with and without the checksum computed while writing (see the docstring)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    t = torch.empty(int(gb * 1e9) // 4, dtype=torch.float32).uniform_()
+    path = directory / "checksum-bench.pt"
+
+    def by_path() -> None:  # what a save did before the manifest: torch.save to the file name, then fsync
+        torch.save({"w": t}, path)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+
+    def unhashed() -> None:  # write_torch's writer with a hash that does nothing: the checksum's cost alone is the difference
+        with open(path, "wb") as f:
+            writer = manifest.HashingWriter(f)
+            writer.hash = _NoHash()
+            torch.save({"w": t}, writer)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def hashed() -> None:
+        manifest.write_torch({"w": t}, path)
+
+    best = {}
+    for name, fn in [("path", by_path), ("plain", unhashed), ("hashed", hashed)] * 3:
+        t0 = time.perf_counter()
+        fn()
+        best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+        path.unlink()
+    h = manifest.new_hash()
+    t0 = time.perf_counter()
+    h.update(memoryview(t.numpy()).cast("B"))
+    hash_s = time.perf_counter() - t0
+    return {"bytes": t.numel() * 4, "algorithm": manifest.algorithm(), "path_s": best["path"], "plain_s": best["plain"],
+            "hashed_s": best["hashed"], "hash_only_s": hash_s}
+
+
+class _NoHash:
+    def update(self, data) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return ""
+
+
+def format_checksum(c: dict) -> str:
+    gb = c["bytes"] / 1e9
+    extra = c["hashed_s"] - c["plain_s"]
+    return (f"checksum while writing ({c['algorithm']}), one {gb:.2f} GB tensor, torch.save + fsync: {c['plain_s']:.2f} s through "
+            f"the writer without the hash, {c['hashed_s']:.2f} s with it ({extra:+.2f} s, {100 * extra / c['plain_s']:+.1f}%); "
+            f"torch.save to the path (the save before manifests) {c['path_s']:.2f} s; the hash alone over the bytes in memory "
+            f"{c['hash_only_s']:.2f} s ({gb / c['hash_only_s']:.1f} GB/s)")
 
 
 def run(opts: BenchOptions, saves: int = 3, blocking_saves: int = 1, steps_cap: int = 200) -> dict:
@@ -143,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocking-saves", type=int, default=1, help="blocking saves first, for comparison")
     p.add_argument("--work-dir", default="out/bench-checkpoint", help="generated data and the run's checkpoints (on the disk to measure)")
     p.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
+    p.add_argument("--checksum-gb", type=float, default=0.0, help="also measure the manifest checksum's cost on one tensor of this many GB (e.g. 2)")
     args = p.parse_args(argv)
     steps_cap = 200
     opts = BenchOptions(preset=args.preset, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, ds_config=args.ds_config,
@@ -153,10 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.checksum_gb > 0:
+        result["checksum"] = checksum_cost(Path(args.work_dir) / "checksum", args.checksum_gb)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     sys.stderr.flush()
-    print(format_report(result), flush=True)
+    print(format_report(result) + (f"\n{format_checksum(result['checksum'])}" if "checksum" in result else ""), flush=True)
     return 0
 
 

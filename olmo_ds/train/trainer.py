@@ -36,7 +36,7 @@ from olmo_ds.model import OLMo
 from olmo_ds.model.float8 import MATMULS_PER_BLOCK
 from olmo_ds.model.model import BLOCK_CALLS, Block
 from olmo_ds.ranks import local_world_size
-from olmo_ds.train.config import TrainConfig
+from olmo_ds.train.config import ConfigError, TrainConfig
 from olmo_ds.train.ds_config import device_type
 from olmo_ds.train.launch import init_distributed
 from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops
@@ -160,7 +160,10 @@ class Trainer:
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.nonfinite_total = state.get("nonfinite_total", 0)
-        ckpt.load_rng(self.resume_dir, self.rank, seed=self.cfg.seed, step=self.step)
+        try:
+            ckpt.load_rng(self.resume_dir, self.rank, seed=self.cfg.seed, step=self.step)
+        except ckpt.CheckpointFileError as e:
+            raise ConfigError(f"{self.resume_dir}: cannot be loaded: {e}") from None
         log.info("resumed from %s at step %d (%s tokens seen)", self.resume_dir, self.step, f"{self.tokens_seen:,}")
 
     def _load_engine_state(self, ckpt_dir: Path, state: dict) -> None:
@@ -177,9 +180,13 @@ class Trainer:
         self.engine._config.load_universal_checkpoint = universal
         groups = self.engine.optimizer.optimizer.param_groups
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        load_path, _ = self.engine.load_checkpoint(
-            str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
-        )
+        try:  # weights only, every file checked against the manifest (olmo_ds.checkpoint.safe_load)
+            with ckpt.safe_engine(self.engine):
+                load_path, _ = self.engine.load_checkpoint(
+                    str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
+                )
+        except ckpt.CheckpointFileError as e:
+            raise ConfigError(f"{ckpt_dir}: cannot be loaded: {e}") from None
         if universal:
             self.engine._config.load_universal_checkpoint = False
             self._repair_universal_load(groups, hyper)

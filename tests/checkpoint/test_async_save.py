@@ -6,7 +6,9 @@ real run's background save: tests/faults.)"""
 
 from __future__ import annotations
 
+import collections
 import errno
+import json
 import threading
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import torch
 
 from olmo_ds import checkpoint as ckpt
 from olmo_ds.checkpoint.async_save import AsyncSaveError, AsyncSaver, HostSnapshotEngine, host_copy_fits, written_marker
+from olmo_ds.checkpoint.manifest import algorithm, file_checksum
 from olmo_ds.weights import resolve_weights
 
 
@@ -28,7 +31,7 @@ class Gate:
         if Gate.fail:
             raise OSError(errno.ENOSPC, "No space left on device")
         assert Gate.release.wait(30), "test never released the write"
-        return (int, (7,))
+        return (collections.OrderedDict, ())  # a type weights-only loading allows, so the file verifies
 
 
 class FakeEngine:
@@ -88,8 +91,11 @@ def test_a_snapshot_file_holds_only_its_tensors_and_loads_like_the_blocking_save
     saver = AsyncSaver(FakeEngine(torch.ones(3)), tmp_path, rank=0, world_size=1)
     saver.snapshots.save(state, str(tmp_path / "background.pt"))
     Gate.fail = False
-    saver._write(saver.snapshots.take(), tmp_path)
+    saver._write(saver.snapshots.take(), tmp_path, {})
     assert written_marker(tmp_path, 0).exists()
+    part = json.loads((tmp_path / "manifest-rank00000.json").read_text())["files"]  # its size and checksum, computed while written
+    assert part["background.pt"] == {"size": (tmp_path / "background.pt").stat().st_size,
+                                     "checksum": file_checksum(tmp_path / "background.pt", algorithm())}
     loaded = torch.load(tmp_path / "background.pt", weights_only=False)
     assert loaded["n"] == 5 and all(torch.equal(loaded[k], state[k]) and loaded[k].dtype == state[k].dtype for k in ("a", "b"))
     assert abs((tmp_path / "background.pt").stat().st_size - (tmp_path / "blocking.pt").stat().st_size) < 1024

@@ -1,6 +1,7 @@
 """Checkpoint bookkeeping on disk: which directories count as complete, resume choice, retention."""
 
 import pytest
+import torch
 
 from olmo_ds.checkpoint import TRAIN_STATE, latest_checkpoint, list_checkpoints, prune_checkpoints, resolve_resume, step_tag
 
@@ -8,7 +9,7 @@ from olmo_ds.checkpoint import TRAIN_STATE, latest_checkpoint, list_checkpoints,
 def make(root, step, complete=True):
     d = root / "checkpoints" / step_tag(step)
     d.mkdir(parents=True)
-    (d / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"x")
+    torch.save({"module": {"w": torch.zeros(2)}}, d / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     if complete:
         (d / TRAIN_STATE).write_text("{}")
     return d
