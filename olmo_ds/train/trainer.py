@@ -43,7 +43,7 @@ from olmo_ds.ranks import local_world_size
 from olmo_ds.train.config import TrainConfig
 from olmo_ds.train.ds_config import device_type
 from olmo_ds.train.launch import init_distributed, launcher_gone
-from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops
+from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops, tensorboard_purge_step
 from olmo_ds.train.nonfinite import nonfinite_report
 from olmo_ds.train.optim import param_groups, set_lr
 from olmo_ds.train.plan import RunPlan, plan_run
@@ -460,7 +460,8 @@ class Trainer:
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         logger = MetricsLogger(self.run_dir, enabled=self.rank == 0, tensorboard=cfg.logging.tensorboard,
-                               wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
+                               wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, config=cfg.to_dict(),
+                               purge_step=tensorboard_purge_step(self.run_dir, self.step))
         peak = peak_tflops(cfg.logging.peak_tflops)
         log.info("%s; %s", self.model_cfg.flops_formula(cfg.batch.seq_len),
                  f"MFU against {peak:g} TFLOP/s per device" if peak else "MFU not reported (unknown device peak; set logging.peak_tflops)")
