@@ -186,7 +186,8 @@ def collective_failure(e: BaseException) -> bool:
 # process-group timeout.
 LAUNCHER_GRACE_ENV = "OLMO_DS_LAUNCHER_GRACE_S"
 LAUNCHER_GRACE_S = 300.0
-_launcher_gone: str | None = None  # what `watch_launcher` saw exit, once it has
+_watched: list[tuple[int, str]] = []  # what `watch_launcher` watches: (pid, command line), parent first
+_launcher_gone: str | None = None  # what of it exited, once it has
 
 
 def _proc_ppid(pid: int) -> int | None:
@@ -239,34 +240,36 @@ def watch_launcher(environ: dict | None = None, *, poll_s: float = 1.0) -> list[
     the default action ends the process. A rank that has not exited `OLMO_DS_LAUNCHER_GRACE_S` seconds (300)
     later, e.g. blocked in a collective with a rank that died too, exits without saving. Returns what is watched.
     """
+    global _watched
     chain = launcher_processes(environ)
-    if chain:
+    if chain and not _watched:
+        _watched = chain
         grace = float(os.environ.get(LAUNCHER_GRACE_ENV, LAUNCHER_GRACE_S))
-        threading.Thread(target=_watch, args=(chain, poll_s, grace), name="olmo_ds-launcher-watch", daemon=True).start()
+        threading.Thread(target=_watch, args=(poll_s, grace), name="olmo_ds-launcher-watch", daemon=True).start()
     return chain
 
 
-def _watch(chain: list[tuple[int, str]], poll_s: float, grace_s: float) -> None:
-    global _launcher_gone
-    parent = chain[0][0]
-    while True:
+def _watch(poll_s: float, grace_s: float) -> None:
+    while launcher_gone() is None:
         time.sleep(poll_s)
-        if os.getppid() != parent:
-            gone = chain[0]
-        elif len(chain) > 1 and _proc_ppid(parent) not in (chain[1][0], None):
-            gone = chain[1]
-        else:
-            continue
-        break
-    pid, cmd = gone
-    _launcher_gone = f"the launcher (pid {pid}: {cmd[:120]}) exited"
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
-    print(f"error: rank {os.environ.get('RANK', '0')}: {_launcher_gone} and this rank had not stopped {grace_s:g} s later; "
+    print(f"error: rank {os.environ.get('RANK', '0')}: {launcher_gone()} and this rank had not stopped {grace_s:g} s later; "
           f"exiting without a checkpoint (${LAUNCHER_GRACE_ENV} sets the wait)", file=sys.stderr, flush=True)
     os._exit(3)
 
 
 def launcher_gone() -> str | None:
-    """What `watch_launcher` saw exit ("the launcher (pid N: ...) exited"), or None while the launcher is there."""
+    """What of the processes `watch_launcher` watches has exited ("the launcher (pid N: ...) exited"), or None while
+    they are there (or none are watched). Checked now, not at the watcher's last poll: another rank may have seen it first."""
+    global _launcher_gone
+    if _launcher_gone is None and _watched:
+        parent = _watched[0][0]
+        gone = None
+        if os.getppid() != parent:  # a dead parent's children are re-parented
+            gone = _watched[0]
+        elif len(_watched) > 1 and _proc_ppid(parent) not in (_watched[1][0], None):
+            gone = _watched[1]
+        if gone is not None:
+            _launcher_gone = f"the launcher (pid {gone[0]}: {gone[1][:120]}) exited"
     return _launcher_gone
