@@ -60,7 +60,7 @@ def test_a_run_that_diverges_keeps_its_last_finite_checkpoint_newest(tmp_path, s
     error = result.stderr.strip().splitlines()[-1]
     newest = ckpt.checkpoints_dir(run_dir) / ckpt.step_tag(1)
     assert error.startswith("error: step 3: the loss or gradient norm is not finite"), error
-    assert f"2 steps since step 1, the last finite one; the run reached max_steps 3 on it" in error
+    assert "2 steps since step 1, the last finite one; the run reached max_steps 3 on it" in error
     assert f"the newest checkpoint, {newest}, is from a finite step" in error
     # The config value first, then the learning rate as a cause; resuming is what to do once fixed.
     assert re.search(r"\(1\) config values outside their usual range in \S+: optim.lr = 1e\+30 .*\(2\) the learning rate: "
