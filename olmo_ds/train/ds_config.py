@@ -134,8 +134,10 @@ class _Resolver:
         self.ds_path = ds_path
         self.cfg = cfg
 
-    def fill(self, node: dict, key: str, value: Any, train_key: str, dotted: str | None = None) -> None:
-        """Set node[key] to `value` if "auto" or absent; else require that it equals `value`."""
+    def fill(self, node: dict, key: str, value: Any, train_key: str, dotted: str | None = None, *,
+             train_value: Any = None) -> None:
+        """Set node[key] to `value` if "auto" or absent; else require that it equals `value`. `train_value`: what
+        the train config says, when that is not `value` itself (`precision: fp32` means `bf16.enabled: false`)."""
         dotted = dotted or key
         current = node.get(key, AUTO)
         if current == AUTO:
@@ -145,9 +147,11 @@ class _Resolver:
         if isinstance(value, (list, tuple)) and isinstance(current, (list, tuple)):
             same = list(current) == list(value)
         if not same:
+            means = "" if train_value is None else f" (which means {dotted} = {json.dumps(value)})"
+            shown = value if train_value is None else train_value
             raise ConfigError(
-                f"{self.ds_path}: {dotted} = {json.dumps(current)} contradicts {train_key} = {json.dumps(value)} "
-                f"in {self.cfg.source}; set {dotted} to \"auto\" so the train config decides"
+                f"{self.ds_path}: {dotted} = {json.dumps(current)} contradicts {train_key} = {json.dumps(shown)} "
+                f"in {self.cfg.source}{means}; set {dotted} to \"auto\" so the train config decides"
             )
 
 
@@ -237,7 +241,7 @@ def fill_train_fields(ds: dict, cfg: TrainConfig, dp_world_size: int) -> dict:
 
     for name in ("bf16", "fp16"):
         section = ds.setdefault(name, {})
-        r.fill(section, "enabled", cfg.precision == name, "precision", f"{name}.enabled")
+        r.fill(section, "enabled", cfg.precision == name, "precision", f"{name}.enabled", train_value=cfg.precision)
     if cfg.precision == "fp16":
         ds["fp16"].setdefault("loss_scale", 0)  # 0 = dynamic loss scaling
 

@@ -3,7 +3,8 @@
 The deepspeed launcher and torchrun export RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT;
 `srun` exports SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS / SLURM_JOB_NODELIST instead, so those are
 translated; a bare `python scripts/pretrain.py` becomes a one-rank group. Also fixes up the
-environment before DeepSpeed JIT-builds its ops (see `normalize_cuda_arch_list`).
+environment before DeepSpeed JIT-builds its ops (see `normalize_cuda_arch_list`), and makes a rank stop
+when the launcher that started it is gone (`watch_launcher`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from olmo_ds.ranks import rendezvous
 
@@ -174,3 +179,97 @@ def collective_failure(e: BaseException) -> bool:
 
     text = str(e)
     return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "NCCL", "Connection reset", "Connection closed"))
+
+
+# How long a rank whose launcher is gone may take to save and exit (the SIGTERM path) before it ends itself
+# without a save: a collective with a rank that died too would otherwise hold it, and its GPU, for the
+# process-group timeout.
+LAUNCHER_GRACE_ENV = "OLMO_DS_LAUNCHER_GRACE_S"
+LAUNCHER_GRACE_S = 300.0
+_watched: list[tuple[int, str]] = []  # what `watch_launcher` watches: (pid, command line), parent first
+_launcher_gone: str | None = None  # what of it exited, once it has
+
+
+def _proc_ppid(pid: int) -> int | None:
+    """The parent of `pid` (from /proc), or None when it is gone or /proc cannot say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the command name in (...) may hold spaces
+
+
+def _proc_cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def launcher_processes(environ: dict | None = None) -> list[tuple[int, str]]:
+    """The processes whose exit ends this rank's launch, as (pid, command line): empty unless a launcher set RANK.
+
+    Read before `detect_environment` fills RANK in. Under torchrun, and under the deepspeed launcher on another
+    node, that is the parent. On the node where `deepspeed` itself runs, the ranks' parent is DeepSpeed's per-node
+    `python -m deepspeed.launcher.launch`, and `kill <deepspeed pid>` ends only the `deepspeed` runner above it
+    (which forwards no signal on one node): so the runner is watched too. A plain `python scripts/pretrain.py`
+    watches nothing (its parent is a shell, which `nohup` is meant to outlive), nor does srun's task, whose
+    step daemon ends it when the step ends.
+    """
+    env = os.environ if environ is None else environ
+    if not ("RANK" in env and "WORLD_SIZE" in env):
+        return []
+    parent = os.getppid()
+    if parent <= 1:
+        return []
+    chain = [(parent, _proc_cmdline(parent))]
+    if "deepspeed.launcher.launch" in chain[0][1]:
+        runner = _proc_ppid(parent)
+        if runner and runner > 1 and "deepspeed" in (cmd := _proc_cmdline(runner)):
+            chain.append((runner, cmd))
+    return chain
+
+
+def watch_launcher(environ: dict | None = None, *, poll_s: float = 1.0) -> list[tuple[int, str]]:
+    """Stop this rank when a process of `launcher_processes` exits, so no rank trains on as an orphan.
+
+    A daemon thread checks every `poll_s` seconds that this process's parent is unchanged (a dead parent's
+    children are re-parented) and that the watched runner is still the launcher's parent; pids are never
+    compared to pids that might be reused. When one is gone it sends SIGTERM to this process: in training
+    that is the preemption path (a checkpoint, then exit; `launcher_gone` names what exited), before training
+    the default action ends the process. A rank that has not exited `OLMO_DS_LAUNCHER_GRACE_S` seconds (300)
+    later, e.g. blocked in a collective with a rank that died too, exits without saving. Returns what is watched.
+    """
+    global _watched
+    chain = launcher_processes(environ)
+    if chain and not _watched:
+        _watched = chain
+        grace = float(os.environ.get(LAUNCHER_GRACE_ENV, LAUNCHER_GRACE_S))
+        threading.Thread(target=_watch, args=(poll_s, grace), name="olmo_ds-launcher-watch", daemon=True).start()
+    return chain
+
+
+def _watch(poll_s: float, grace_s: float) -> None:
+    while launcher_gone() is None:
+        time.sleep(poll_s)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace_s)
+    print(f"error: rank {os.environ.get('RANK', '0')}: {launcher_gone()} and this rank had not stopped {grace_s:g} s later; "
+          f"exiting without a checkpoint (${LAUNCHER_GRACE_ENV} sets the wait)", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
+def launcher_gone() -> str | None:
+    """What of the processes `watch_launcher` watches has exited ("the launcher (pid N: ...) exited"), or None while
+    they are there (or none are watched). Checked now, not at the watcher's last poll: another rank may have seen it first."""
+    global _launcher_gone
+    if _launcher_gone is None and _watched:
+        parent = _watched[0][0]
+        gone = None
+        if os.getppid() != parent:  # a dead parent's children are re-parented
+            gone = _watched[0]
+        elif len(_watched) > 1 and _proc_ppid(parent) not in (_watched[1][0], None):
+            gone = _watched[1]
+        if gone is not None:
+            _launcher_gone = f"the launcher (pid {gone[0]}: {gone[1][:120]}) exited"
+    return _launcher_gone

@@ -1,5 +1,10 @@
 """Progress reporting on rank 0: a console line with ETA, metrics.jsonl, TensorBoard, optional W&B.
 
+Every step is logged once: a run that continues from a checkpoint at step S first moves the metrics.jsonl lines
+of steps after S (logged by the process that went on past its last checkpoint, then died) aside
+(`roll_back_metrics`), and its TensorBoard writer hides the old event files' steps from S + 1 on
+(`purge_step`); the steps are then logged again by the resumed run.
+
 Throughput figures follow one FLOP formula (`ModelConfig.flops_per_token`: 6 x every parameter but
 the input embedding (output head included) + 12 x layers x d_model x seq_len per token, fwd + bwd),
 printed once at start so MFU numbers can be compared with other trainers' on the same footing.
@@ -7,6 +12,7 @@ printed once at start so MFU numbers can be compared with other trainers' on the
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import math
@@ -105,10 +111,73 @@ def start_wandb(run_dir: Path, project: str, config: dict, others: str):
         return None
 
 
-class MetricsLogger:
-    """Writes scalars on rank 0 only; other ranks hold a disabled instance."""
+def _line_step(line: bytes) -> int | None:
+    """The step of a whole metrics.jsonl line; None for a line cut off by a kill (or not ours)."""
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) else None
 
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, wandb: bool, wandb_project: str, config: dict):
+
+def roll_back_metrics(run_dir: Path, step: int) -> tuple[Path, int, str] | None:
+    """Move the lines of RUN/metrics.jsonl logged after `step`, the step the run continues from (0: from the start),
+    to RUN/metrics.jsonl.after-step-<step>-<UTC time>, so that the continued run logs each step once.
+
+    A line cut off by a kill goes with them. Nothing is deleted: the moved lines are the record of what the
+    process that died had trained past its last checkpoint. Both files are complete at every moment (the kept
+    lines are written to a temporary file renamed over metrics.jsonl). Returns (the file the lines went to,
+    how many, "steps A-B"), or None when no line is past `step` (then nothing is read but the file's tail).
+    """
+    path = run_dir / METRICS
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:  # the common case, a clean stop: the last line is of the checkpoint's step (steps only rise)
+        f.seek(max(f.seek(0, os.SEEK_END) - 65536, 0))
+        tail = f.read().splitlines(keepends=True)
+    last = _line_step(tail[-1]) if tail else 0
+    if last is not None and last <= step:
+        return None
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    aside, n = run_dir / f"{METRICS}.after-step-{step}-{stamp}", 1
+    while aside.exists():  # two resumes within a second
+        aside, n = run_dir / f"{METRICS}.after-step-{step}-{stamp}-{n}", n + 1
+    kept_tmp = path.with_name(path.name + ".tmp")
+    moved, steps = 0, []
+    with open(path, "rb") as src, open(kept_tmp, "wb") as kept, open(aside, "xb") as gone:
+        for line in src:
+            line_step = _line_step(line)
+            if line_step is not None and line_step <= step:
+                kept.write(line)
+            else:
+                gone.write(line if line.endswith(b"\n") else line + b"\n")
+                moved += 1
+                steps += [line_step] if line_step is not None else []
+        for f in (kept, gone):
+            f.flush()
+            os.fsync(f.fileno())
+    if not moved:
+        os.unlink(kept_tmp)
+        os.unlink(aside)
+        return None
+    os.replace(kept_tmp, path)
+    return aside, moved, f"steps {min(steps)}-{max(steps)}" if steps else "a line cut off by a kill"
+
+
+def tensorboard_purge_step(run_dir: Path, step: int) -> int | None:
+    """The `purge_step` for a TensorBoard writer of a run continuing from `step`: step + 1 when RUN/tb/ already holds
+    event files (their steps from there on are hidden: the continued run logs them again), else None."""
+    tb = run_dir / "tb"
+    return step + 1 if tb.is_dir() and any(tb.glob("events.out.tfevents.*")) else None
+
+
+class MetricsLogger:
+    """Writes scalars on rank 0 only; other ranks hold a disabled instance. `purge_step`: see `tensorboard_purge_step`."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, wandb: bool, wandb_project: str, config: dict,
+                 purge_step: int | None = None):
         self.enabled = enabled
         self.tb = None
         self.wandb = None
@@ -120,7 +189,7 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tb"))
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge_step)
         self.others = "metrics.jsonl and TensorBoard" if tensorboard else "metrics.jsonl"
         if wandb:
             self.wandb = start_wandb(run_dir, wandb_project, config, self.others)

@@ -3,7 +3,8 @@
     plan = plan_run(load_config("configs/demo.yaml"), resume="auto")   # every refusal happens here
     Trainer(plan).fit()                                                # olmo_ds/train/trainer.py
 
-In the order it runs: the run dir is claimed (`claim_run_dir`) and the launch checked; the tokenizer and the
+In the order it runs: the run dir is claimed and, on rank 0, locked for the process's life (`claim_run_dir`:
+one live run per run dir) and the launch checked; the tokenizer and the
 data are opened and checked against the config and each other (`check_run`); the resume point is found (the
 run's own checkpoint wins over `init_from`); `init_from`'s weights are described and checked
 (`check_init_from`); the DeepSpeed JSON is read once and resolved, with `batch.micro_batch_size: auto` chosen
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from olmo_ds import checkpoint as ckpt
+from olmo_ds.checkpoint import METRICS
 from olmo_ds import weights
 from olmo_ds.data.loader import DataLoader
 from olmo_ds.model.config import INIT_CHANGEABLE, ModelConfig, model_differences
@@ -35,8 +37,9 @@ from olmo_ds.train.ds_config import ZeroLayout, device_type, fill_train_fields, 
 from olmo_ds.train.evaluation import InLoopEvaluator
 from olmo_ds.train.launch import DistEnv, detect_environment, normalize_cuda_arch_list
 from olmo_ds.train.memory import MicroBatchChoice, choose_micro_batch
-from olmo_ds.train.metrics import setup_console_logging
+from olmo_ds.train.metrics import roll_back_metrics, setup_console_logging
 from olmo_ds.train.preflight import check_launch
+from olmo_ds.train.run_lock import RunDirLock, lock_run_dir
 
 log = logging.getLogger("olmo_ds")
 
@@ -69,6 +72,7 @@ class RunPlan:
     init_from: weights.WeightsInfo | None  # the weights a new run starts from (`init_from`); None when resuming
     init_state_fingerprint: str | None  # with init_from.load_optimizer: the source's train_state.json's, recorded by the run
     evaluator: InLoopEvaluator | None
+    run_lock: RunDirLock | None = None  # rank 0's lock on the run dir (`claim_run_dir`), held while the process lives
 
     @property
     def rank(self) -> int:
@@ -88,7 +92,7 @@ def plan_run(cfg: TrainConfig, *, resume: str | None = None, start_over: bool = 
     for warning in cfg.warnings():
         log.warning(warning)
     run_dir = Path(cfg.run_dir)
-    claim_run_dir(run_dir, resume, start_over, env.rank)
+    run_lock = claim_run_dir(run_dir, resume, start_over, env.rank)
     check_launch(cfg, env.rank, env.local_rank, env.world_size)
     tokenizer, loader = open_tokenizer_and_data(cfg, env)
     vocab = tokenizer.vocab_size if tokenizer is not None else loader.vocab_size
@@ -113,30 +117,52 @@ def plan_run(cfg: TrainConfig, *, resume: str | None = None, start_over: bool = 
         check_resume(init_from.train_state, model, env.world_size, init_from.directory, deepspeed.zero,
                      frozenset(cfg.init_from.allow_changes))
     evaluator = InLoopEvaluator(cfg, tokenizer, vocab, env.rank, env.world_size) if cfg.eval.every else None
+    if env.rank == 0 and resume not in (None, "none"):  # last: a refused resume moves nothing
+        continue_metrics(run_dir, resume_state["step"] if resume_state else 0, resume_dir)
     return RunPlan(cfg=cfg, env=env, run_dir=run_dir, model=model, tokenizer=tokenizer, loader=loader, deepspeed=deepspeed,
                    resume_dir=resume_dir, resume_state=resume_state, init_from=init_from,
                    init_state_fingerprint=_file_fingerprint(init_from.directory / ckpt.TRAIN_STATE) if load_optimizer else None,
-                   evaluator=evaluator)
+                   evaluator=evaluator, run_lock=run_lock)
 
 
-def claim_run_dir(run_dir: Path, resume: str | None, start_over: bool, rank: int) -> None:
-    """Refuse to start a second run in a run directory that holds one, unless told what to do with it.
+def claim_run_dir(run_dir: Path, resume: str | None, start_over: bool, rank: int) -> RunDirLock | None:
+    """Refuse to start a second run in a run directory that holds one, unless told what to do with it; on rank 0,
+    lock it for this process's life (`olmo_ds.train.run_lock`), so that no second start or resume runs beside a live one.
 
     A run dir holds a run when it has any checkpoint directory, `metrics.jsonl` or `wandb_id`
     (`olmo_ds.checkpoint.run_markers`). Then `--resume` continues that run; `--start-over` moves it
     aside (rank 0, before any rank writes) and starts a new one; neither is an error that changes no file.
-    Two runs therefore never share metrics, a W&B id or checkpoint names.
+    Two runs therefore never share metrics, a W&B id or checkpoint names. A live run's lock is checked first,
+    so a dir in use is refused as such (naming the holder) whatever the flags; `--start-over` moves a run
+    aside only under the lock. Returns rank 0's lock (None on other ranks).
     """
     if start_over and resume not in (None, "none"):
         raise ConfigError(f"--start-over and --resume {resume} exclude each other: one starts a new run, the other continues one")
+    lock = lock_run_dir(run_dir) if rank == 0 else None
+    try:
+        if _claim(run_dir, resume, start_over, rank) and lock is not None:
+            lock.release()  # it moved aside with the old run; the new run dir gets its own
+            lock = lock_run_dir(run_dir)
+    except BaseException:
+        if lock is not None:
+            lock.release()  # a refused start leaves the lock file as it found it
+        raise
+    if lock is not None:
+        lock.record()
+    return lock
+
+
+def _claim(run_dir: Path, resume: str | None, start_over: bool, rank: int) -> bool:
+    """`claim_run_dir`'s decision; True when rank 0 moved an earlier run aside."""
     markers = ckpt.run_markers(run_dir)
     if not markers:
-        return
+        return False
     if start_over:
         if rank == 0:
             moved = ckpt.move_run_aside(run_dir)
             log.info("--start-over: moved the earlier run in %s to %s", run_dir, moved)
-        return
+            return True
+        return False
     held = f"run_dir {run_dir} already holds a run ({', '.join(markers[:4])}{', ...' if len(markers) > 4 else ''})"
     if resume in (None, "none"):
         raise ConfigError(f"{held}; continue it with --resume auto, or start a new run there with --start-over "
@@ -144,6 +170,18 @@ def claim_run_dir(run_dir: Path, resume: str | None, start_over: bool, rank: int
     if resume != "auto" and ckpt.checkpoints_dir(run_dir).resolve() != Path(resume).resolve().parent:
         raise ConfigError(f"--resume {resume}: a checkpoint of another run, and {held}; resume it into a new run_dir, "
                           f"or start over here with --start-over (and without --resume)")
+    return False
+
+
+def continue_metrics(run_dir: Path, step: int, resume_dir: Path | None) -> None:
+    """A run continued from `step` (0: `--resume auto` found no checkpoint) logs each step once: metrics.jsonl lines
+    past it, from a process that went on after its last checkpoint, are moved aside (`metrics.roll_back_metrics`)."""
+    rolled = roll_back_metrics(run_dir, step)
+    if rolled is not None:
+        aside, lines, steps = rolled
+        log.info("%s: %d line%s (%s) logged after %s moved to %s; the run logs those steps again", run_dir / METRICS, lines,
+                 "s" if lines != 1 else "", steps, f"{resume_dir.name}, where the run continues" if resume_dir else
+                 "its start (no complete checkpoint: the run starts again at step 1)", aside.name)
 
 
 def open_tokenizer_and_data(cfg: TrainConfig, env: DistEnv) -> tuple[Tokenizer | None, DataLoader]:

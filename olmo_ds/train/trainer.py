@@ -8,7 +8,11 @@ Everything that can be wrong with a run is checked before the model is built, by
 first checkpoint; `Trainer(plan)` builds the engine the plan describes and trains. One optimizer step is
 `train_step`: this rank's rows of the global batch are cut into micro-batches, each forward/backward through
 the engine, and DeepSpeed steps at the accumulation boundary; a step whose loss or gradients are not finite is
-skipped by DeepSpeed (its overflow check discards the gradients) and counted here.
+skipped by DeepSpeed (its overflow check discards the gradients) and counted here, and never saved
+(`olmo_ds.train.nonfinite` says why it probably happened when the run stops on it).
+
+SIGTERM, SIGUSR1 (preemption), SIGINT (Ctrl-C) and the launcher's exit (`launch.watch_launcher`) all stop the
+run the same way: the ranks agree at the next step's start, save a checkpoint and exit.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ from olmo_ds.model.model import BLOCK_CALLS, Block
 from olmo_ds.ranks import local_world_size
 from olmo_ds.train.config import ConfigError, TrainConfig
 from olmo_ds.train.ds_config import device_type
-from olmo_ds.train.launch import init_distributed
-from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops
+from olmo_ds.train.launch import init_distributed, launcher_gone
+from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops, tensorboard_purge_step
+from olmo_ds.train.nonfinite import nonfinite_report
 from olmo_ds.train.optim import param_groups, set_lr
 from olmo_ds.train.plan import RunPlan, plan_run
 from olmo_ds.train.schedule import lr_at
@@ -52,7 +57,13 @@ warnings.filterwarnings("ignore", message=r".*(reduce_scatter_tensor|all_gather_
 
 
 class NonFiniteLossError(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient: the run has diverged."""
+    """The run stopped on a non-finite loss or gradient (too many in a row, or at its last step); nothing non-finite was saved."""
+
+
+# Why a run stops early, as the number the ranks agree on (`_stop_requested`, the largest wins): the signal's,
+# and one past every signal for the launcher's exit, which outranks them (it names the cause).
+LAUNCHER_GONE = 128
+STOP_STATUS = {signal.SIGINT: "interrupted"}  # the others: "preempted"
 
 
 class CheckpointSaveError(RuntimeError):
@@ -99,6 +110,8 @@ class Trainer:
         self.tokens_seen = 0
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
+        self.last_finite_step: int | None = None  # this process's last step with a finite loss and gradient norm
+        self.last_metrics: dict = {}
         self.flops_per_token = self.model_cfg.flops_per_token(cfg.batch.seq_len)
         self._stop_signal: int | None = None
         if self.resume_state is not None:
@@ -160,6 +173,7 @@ class Trainer:
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.nonfinite_total = state.get("nonfinite_total", 0)
+        self.last_finite_step = self.step  # a checkpoint holds a finite step (`save`)
         try:
             ckpt.load_rng(self.resume_dir, self.rank, seed=self.cfg.seed, step=self.step)
         except ckpt.CheckpointFileError as e:
@@ -271,28 +285,38 @@ class Trainer:
                 engine.step()  # applies the update only at the accumulation boundary
         torch.distributed.all_reduce(sums)
         ce_loss, z_loss = (sums[:2] / (n_micro * self.world_size)).tolist()
-        finite = bool(sums[2].item() == 0) and engine.was_step_applied()
+        finite = bool(sums[2].item() == 0) and engine.was_step_applied()  # DeepSpeed skips a step whose gradients overflow
         grad_norm = engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
 
         self.step += 1
         tokens = global_batch * cfg.batch.seq_len
         self.tokens_seen += tokens
+        self.last_metrics = {"loss": ce_loss, "grad_norm": grad_norm}
+        applied = engine.was_step_applied()
+        finite = finite and (grad_norm is None or math.isfinite(grad_norm))
         if finite:
             self.nonfinite_in_a_row = 0
+            self.last_finite_step = self.step
         else:
             self.nonfinite_in_a_row += 1
             self.nonfinite_total += 1
-            log.warning("step %d: non-finite loss or gradient (loss %s, grad norm %s); step skipped (%d in a row)",
-                        self.step, ce_loss, grad_norm, self.nonfinite_in_a_row)
+            log.warning("step %d: non-finite loss or gradient (loss %s, grad norm %s); step %s (%d in a row)", self.step, ce_loss,
+                        grad_norm, "skipped" if not applied else "applied by DeepSpeed, never saved", self.nonfinite_in_a_row)
             if self.nonfinite_in_a_row >= cfg.optim.max_nonfinite_in_a_row:
-                raise NonFiniteLossError(
-                    f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient (last at step {self.step}); "
-                    f"the run has diverged. Resume from the last checkpoint with a lower optim.lr or more schedule.warmup_steps "
-                    f"(optim.max_nonfinite_in_a_row = {cfg.optim.max_nonfinite_in_a_row})"
-                )
+                raise NonFiniteLossError(self.nonfinite_report(
+                    f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient "
+                    f"(optim.max_nonfinite_in_a_row = {cfg.optim.max_nonfinite_in_a_row}), so the run stops"))
         return {"loss": ce_loss, "z_loss": z_loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                 "global_batch_size": global_batch, "skipped": not finite}
+
+    def nonfinite_report(self, why_stopped: str) -> str:
+        """The message of the `NonFiniteLossError` that stops the run at this step (`olmo_ds.train.nonfinite`)."""
+        newest = ckpt.latest_checkpoint(ckpt.checkpoints_dir(self.run_dir))
+        return nonfinite_report(self.cfg, self.model_cfg, step=self.step, loss=self.last_metrics.get("loss", float("nan")),
+                                grad_norm=self.last_metrics.get("grad_norm"), in_a_row=self.nonfinite_in_a_row,
+                                last_finite_step=self.last_finite_step, newest_checkpoint=str(newest) if newest else None,
+                                why_stopped=why_stopped)
 
     # --- checkpoints -----------------------------------------------------------------------------
 
@@ -329,10 +353,20 @@ class Trainer:
             "micro_batch": self.micro_batch.record(),
         }
 
-    def save(self, *, final: bool = False) -> Path:
+    def save(self, *, final: bool = False) -> Path | None:
         """Collective: checkpoint this step. In the background where allowed (`checkpoint.async_save`):
         then training is blocked only for the copy to host memory and the checkpoint completes later
-        (`_saved`); `final` waits for it. A save still in flight completes before the next one starts."""
+        (`_saved`); `final` waits for it. A save still in flight completes before the next one starts.
+
+        A step whose loss or gradient norm was not finite is not saved (None): its weights are the last
+        step's (DeepSpeed skipped the update), but a model that computes non-finite losses is no checkpoint
+        to resume or evaluate; the previous one stays the newest. Every rank decides alike (the check is on
+        all-reduced numbers)."""
+        if self.nonfinite_in_a_row:
+            newest = ckpt.latest_checkpoint(ckpt.checkpoints_dir(self.run_dir))
+            log.warning("step %d: no checkpoint saved: this step's loss or gradient norm is not finite (%d in a row); "
+                        "the newest checkpoint stays %s", self.step, self.nonfinite_in_a_row, newest or "none")
+            return None
         if not self.weights_finite():
             raise NonFiniteLossError(f"step {self.step}: the weights hold non-finite values; refusing to save them over good checkpoints")
         tokenizer_path = self.tokenizer.path if self.tokenizer else None
@@ -409,21 +443,32 @@ class Trainer:
     # --- the loop --------------------------------------------------------------------------------
 
     def _on_signal(self, signum, frame) -> None:
-        self._stop_signal = signum
+        # The first reason stays: under the deepspeed launcher a Ctrl-C brings SIGINT, then launch.py's SIGTERM.
+        if self._stop_signal is None:
+            self._stop_signal = LAUNCHER_GONE if signum == signal.SIGTERM and launcher_gone() else signum
 
-    def _stop_requested(self) -> bool:
-        """Whether any rank got SIGTERM/SIGUSR1 (all ranks must agree before a collective save)."""
-        flag = torch.tensor(float(self._stop_signal is not None), device=self.device)
+    def _stop_requested(self) -> int:
+        """Why the run stops now (0: it does not): the largest of the ranks' reasons (`LAUNCHER_GONE` or a signal
+        number), so that all ranks agree before their collective save, whichever of them got the signal."""
+        flag = torch.tensor(float(self._stop_signal or 0), device=self.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+        return int(flag.item())
+
+    @staticmethod
+    def _stop_reason(code: int) -> str:
+        if code == LAUNCHER_GONE:
+            return launcher_gone() or "another rank's launcher exited"
+        return f"{signal.Signals(code).name} received"
 
     def fit(self) -> str:
-        """Train to max_steps. Returns "done" or "preempted" (checkpoint saved either way)."""
+        """Train to max_steps. Returns "done", or "preempted" (SIGTERM, SIGUSR1, the launcher's exit) or "interrupted"
+        (SIGINT) with a checkpoint saved. Stops with `NonFiniteLossError` on non-finite steps, saving none of them."""
         cfg = self.cfg
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         logger = MetricsLogger(self.run_dir, enabled=self.rank == 0, tensorboard=cfg.logging.tensorboard,
-                               wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, config=cfg.to_dict())
+                               wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, config=cfg.to_dict(),
+                               purge_step=tensorboard_purge_step(self.run_dir, self.step))
         peak = peak_tflops(cfg.logging.peak_tflops)
         log.info("%s; %s", self.model_cfg.flops_formula(cfg.batch.seq_len),
                  f"MFU against {peak:g} TFLOP/s per device" if peak else "MFU not reported (unknown device peak; set logging.peak_tflops)")
@@ -433,11 +478,11 @@ class Trainer:
         status = "done"
         try:
             while self.step < cfg.max_steps:
-                if self._stop_requested():
+                if stop := self._stop_requested():
                     in_flight = self.saver.in_flight
-                    log.info("signal received: saving a checkpoint at step %d and exiting%s", self.step,
+                    log.info("%s: saving a checkpoint at step %d and exiting%s", self._stop_reason(stop), self.step,
                              f"; the background save of {in_flight.name} completes first" if in_flight else "")
-                    status = "preempted"
+                    status = STOP_STATUS.get(stop, "preempted")
                     break
                 m = self.train_step(self.loader.next_batch())
                 window["tokens"] += m["tokens"]
@@ -449,24 +494,30 @@ class Trainer:
                 paused, calls_before = time.perf_counter(), collections.Counter(BLOCK_CALLS)
                 if self.evaluator is not None and (self.step % cfg.eval.every == 0 or self.step == cfg.max_steps):
                     self.evaluate(logger)
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    self.save()
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.save() is not None:
                     last_saved = self.step
                 self._saved(self.saver.poll())
                 window["t"] += time.perf_counter() - paused  # throughput and ETA count training time only
                 window["calls"] += collections.Counter(BLOCK_CALLS) - calls_before  # and block counts training's blocks
-            if (status == "preempted" or cfg.checkpoint.save_final) and last_saved != self.step:
-                self.save(final=True)
-            else:  # preemption too: a save in flight completes before the process exits
-                try:
-                    self._saved(self.saver.wait())
-                except AsyncSaveError as e:
-                    raise self._save_failed(e.ckpt_dir, e.cause) from e
+            if self.nonfinite_in_a_row and status == "done":
+                raise NonFiniteLossError(self.nonfinite_report(f"the run reached max_steps {cfg.max_steps} on it"))
+            final = (status != "done" or cfg.checkpoint.save_final) and last_saved != self.step
+            if not (final and self.save(final=True) is not None):  # a save in flight completes before the process exits
+                self._finish_saves()
+        except NonFiniteLossError:
+            self._finish_saves()  # a background save of an earlier, finite step completes
+            raise
         finally:
             self.loader.close()
             logger.close()
             self.remover.wait()
         return status
+
+    def _finish_saves(self) -> None:
+        try:
+            self._saved(self.saver.wait())
+        except AsyncSaveError as e:
+            raise self._save_failed(e.ckpt_dir, e.cause) from e
 
     def evaluate(self, logger: MetricsLogger) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -52,6 +52,14 @@ OWNER_TESTS: dict[str, list[str]] = {
         "tests/train/test_ds_config.py::test_concrete_value_that_agrees_is_kept_and_one_that_disagrees_names_both",
         "tests/train/test_ds_config.py::test_structural_errors",
     ],
+    "a second start or resume beside a live run": [
+        "tests/train/test_run_lock.py::test_a_held_run_dir_is_refused_naming_the_holder_and_freed_by_its_death",
+        "tests/train/test_run_lock.py::test_second_start_beside_a_live_run_is_refused_and_a_restart_after_sigkill_logs_each_step_once",
+    ],
+    "non-finite loss or gradient: never saved, run stops naming causes": [
+        "tests/train/test_nonfinite.py::test_a_loss_nan_from_the_first_step_saves_nothing_and_names_the_config_value",
+        "tests/train/test_nonfinite.py::test_a_run_that_diverges_keeps_its_last_finite_checkpoint_newest",
+    ],
     "bad input: model/vocab/batch cross-checks": [
         "tests/train/test_preflight.py::test_vocab_and_tokenizer_checks",
         "tests/train/test_preflight.py::test_shape_batch_and_deepspeed_checks",

@@ -90,8 +90,12 @@ def test_concrete_value_that_agrees_is_kept_and_one_that_disagrees_names_both(tm
         resolve_ds_config(cfg, model, 2, ds=ds)
     ds["train_micro_batch_size_per_gpu"] = "auto"
     ds["bf16"]["enabled"] = True
-    with pytest.raises(ConfigError, match=r"bf16.enabled = true contradicts precision = false"):
-        resolve_ds_config(train_config("precision=fp32"), model, 2, ds=ds)
+    fp32 = train_config("precision=fp32")
+    with pytest.raises(ConfigError) as refused:
+        resolve_ds_config(fp32, model, 2, ds=ds)
+    # The JSON file, its key and value, and the train config's own value of `precision` (issue 35: "precision = false").
+    assert str(refused.value) == (f"{fp32.deepspeed_config}: bf16.enabled = true contradicts precision = \"fp32\" in {fp32.source} "
+                                  f"(which means bf16.enabled = false); set bf16.enabled to \"auto\" so the train config decides")
     ds["bf16"]["enabled"] = "auto"
     ds["optimizer"]["params"]["lr"] = 1e-3
     with pytest.raises(ConfigError, match=r"optimizer.params.lr = 0.001 contradicts optim.lr = 0.0006"):

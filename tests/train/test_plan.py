@@ -69,7 +69,7 @@ def test_a_new_run_is_planned_from_its_config_and_the_deepspeed_json(tmp_path, d
     assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (8, 2, 4)
     assert config["fp16"]["enabled"] is False and config["bf16"]["enabled"] is False and AUTO not in json.dumps(config)
     assert config["optimizer"]["params"]["torch_adam"] is True  # CPU without offload: torch's AdamW, for exact resume
-    assert not made.run_dir.exists()  # planning writes nothing
+    assert [p.name for p in made.run_dir.iterdir()] == ["run.lock"]  # planning writes nothing but rank 0's lock on the run dir
 
 
 def test_auto_micro_batch_becomes_a_number_in_the_config_and_the_json(tmp_path, data):
@@ -106,7 +106,7 @@ def test_a_held_run_dir_is_refused_without_resume_or_start_over(tmp_path, data):
     refused(tmp_path, data, r"already holds a run \(checkpoints/step-0000002\); continue it with --resume auto")
     refused(tmp_path, data, r"--start-over and --resume auto exclude each other", resume="auto", start_over=True)
     made = plan(tmp_path, data, start_over=True)
-    assert made.resume_dir is None and not made.run_dir.exists()  # moved aside, whole
+    assert made.resume_dir is None and [p.name for p in made.run_dir.iterdir()] == ["run.lock"]  # moved aside, whole; a new lock
     assert len(list(tmp_path.glob("run.replaced-*/checkpoints/step-0000002"))) == 1
 
 
@@ -158,3 +158,22 @@ def test_init_from_weights_only_compares_shapes_not_names(tmp_path, data):
     assert made.init_from is not None and made.init_state_fingerprint is None
     refused(tmp_path, data, r"the checkpoint's model differs from the configured one \(init_std: checkpoint 0.01, config 0.02\)",
             init_from={"path": str(source_run / "run"), "load_optimizer": True})
+
+
+def test_resume_logs_each_step_once_moving_later_metrics_lines_aside(tmp_path, data):
+    """A resume continues metrics.jsonl at its checkpoint's step; lines past it (and, with --resume auto and no
+    checkpoint, every line: the run starts again at step 1) are moved aside, not appended to again (issue 35, defect 4)."""
+    first = plan(tmp_path, data)
+    log = first.run_dir / "metrics.jsonl"
+    lines = "".join(json.dumps({"step": s, "time": 1.0}) + "\n" for s in range(1, 6))
+    log.write_text(lines)
+    refused(tmp_path, data, r"already holds a run", resume=None)  # a refused start moves nothing
+    assert log.read_text() == lines
+    restarted = plan(tmp_path, data, resume="auto")  # no checkpoint: from the start
+    aside = list(first.run_dir.glob("metrics.jsonl.after-step-0-*"))
+    assert log.read_text() == "" and len(aside) == 1 and aside[0].read_text() == lines
+    fake_checkpoint(restarted, 3)
+    log.write_text(lines)  # the restarted run logged 5 steps, saved at 3, and died
+    plan(tmp_path, data, resume="auto")
+    assert log.read_text() == "".join(lines.splitlines(keepends=True)[:3])
+    assert [p.read_text() for p in first.run_dir.glob("metrics.jsonl.after-step-3-*")] == ["".join(lines.splitlines(keepends=True)[3:])]

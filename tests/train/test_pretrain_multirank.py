@@ -98,11 +98,12 @@ def test_zero_stage_trains_and_resumes_exactly(stage, tmp_path, data_dir):
         assert sorted(evals) == [4, 8] and evals[8] < evals[4] and again_evals == {8: evals[8]}
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, *, skip: int = 0, timeout: float = 600) -> int:
-    """Wait until metrics.jsonl, past its first `skip` lines, logs `step` or later."""
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, *, since: float = 0.0, timeout: float = 600) -> int:
+    """Wait until metrics.jsonl logs `step` or later in a line written at or after the time `since` (a launch's start:
+    a resumed launch moves the lines past its checkpoint aside, so line counts do not tell launches apart)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        seen = [m["step"] for m in read_metrics(run_dir)][skip:]
+        seen = [m["step"] for m in read_metrics(run_dir) if m["time"] >= since]
         if seen and seen[-1] >= step:
             return seen[-1]
         assert proc.poll() is None, f"run ended early: {proc.communicate()}"
@@ -140,11 +141,12 @@ def test_hard_kill_then_preemption_signal(tmp_path, data_dir):
     assert (run_dir / "checkpoints" / LATEST).read_text().strip() == f"step-{last_complete:07d}"
 
     # Resume after the crash, then preempt it: every rank gets SIGTERM, as Slurm and Kubernetes do.
-    before = len(read_metrics(run_dir))
+    started = time.time() - 0.01  # the lines' times are rounded to ms
     proc = subprocess.Popen(cmd, env=launch_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_for_step(run_dir, last_complete + 2, proc, skip=before)
-        assert read_metrics(run_dir)[before]["step"] == last_complete + 1, "resume did not continue after the newest complete checkpoint"
+        _wait_for_step(run_dir, last_complete + 2, proc, since=started)
+        resumed = [m["step"] for m in read_metrics(run_dir) if m["time"] >= started]
+        assert resumed[0] == last_complete + 1, "resume did not continue after the newest complete checkpoint"
         for w in _workers(proc):
             w.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
@@ -153,7 +155,7 @@ def test_hard_kill_then_preemption_signal(tmp_path, data_dir):
             kill_all(proc)
     assert proc.returncode == 0, out.decode()[-3000:]
     stopped = read_metrics(run_dir)[-1]["step"]
-    assert stopped < 400
+    assert stopped < 400 and [m["step"] for m in read_metrics(run_dir)] == list(range(1, stopped + 1))  # each step once
     newest = list_checkpoints(run_dir / "checkpoints")[-1]
     assert newest[0] == stopped and read_train_state(newest[1])["step"] == stopped
     assert (run_dir / "checkpoints" / LATEST).read_text().strip() == f"step-{stopped:07d}"

@@ -14,13 +14,15 @@ import torch
 from olmo_ds import checkpoint as ckpt
 from olmo_ds.train.config import ConfigError
 from olmo_ds.train.plan import claim_run_dir
+from olmo_ds.train.run_lock import LOCK_FILE
 
 from train_testlib import ROOT, launch_env, tiny_config, write_config, write_markov_shards
 
 
 def tree(directory: Path) -> dict[str, str]:
+    """Every file and its content but the run dir's lock (`olmo_ds.train.run_lock`), which each accepted start rewrites."""
     return {p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(directory.rglob("*"))}
+            for p in sorted(directory.rglob("*")) if p.name != LOCK_FILE}
 
 
 @pytest.mark.parametrize("marker", ["checkpoints/step-0000004", "metrics.jsonl", "wandb_id"])
@@ -51,7 +53,7 @@ def test_start_over_moves_the_old_run_aside_whole(tmp_path):
     assert tree(run) == before
     claim_run_dir(run, None, True, rank=0)
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
-    assert not run.exists() and len(aside) == 1 and tree(aside[0]) == before
+    assert [p.name for p in run.iterdir()] == [LOCK_FILE] and len(aside) == 1 and tree(aside[0]) == before  # the new run's lock
 
 
 def test_resume_of_another_runs_checkpoint_into_a_held_dir_is_refused(tmp_path):
