@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+from olmo_ds.data.dataset import DataError
 from olmo_ds.ranks import LaunchError
 from olmo_ds.train.config import ConfigError, load_config
 from olmo_ds.train.launch import collective_failure, lost_ranks
@@ -35,7 +36,7 @@ def main() -> int:
         overrides = args.overrides + ([f"init_from.path={json.dumps(args.init_from)}"] if args.init_from else [])
         trainer = Trainer(plan_run(load_config(args.config, overrides), resume=args.resume, start_over=args.start_over))
         trainer.fit()
-    except (ConfigError, LaunchError, NonFiniteLossError, CheckpointSaveError) as e:
+    except (ConfigError, DataError, LaunchError, NonFiniteLossError, CheckpointSaveError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
