@@ -460,3 +460,89 @@ def test_an_id_beyond_the_vocabulary_ends_a_training_run_with_one_line_before_it
     assert len(errors) == 1 and f"{shards.bin_path(d, shard)} holds token id 300" in errors[0], run.stderr[-3000:]
     assert "Traceback" not in run.stderr and "IndexError" not in run.stderr
     assert sorted(losses_by_step(cfg["run_dir"])) == list(range(1, bad_step)), "trained on the bad batch or stopped early"
+
+
+# Open files (issue 36, item 3): the loader keeps no descriptor per shard file.
+FD_CHILD = r"""
+import os, resource, sys
+import numpy as np
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # soft and hard: nothing can raise it back
+from olmo_ds.data import shards
+from olmo_ds.data.config import DataConfig, SourceConfig
+from olmo_ds.data.loader import DataLoader, validation_batches
+from olmo_ds.data.validate import validate_directory
+
+d, seq, files = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+before = len(os.listdir("/proc/self/fd"))
+ld = DataLoader(DataConfig(sources=[SourceConfig(path=d)], document_masking=True, prefetch=2),
+                seq_len=seq, global_batch_size=100, dp_rank=0, dp_world_size=1)
+names = ld.sources[0].manifest.shards
+read = set()
+for step in range(files // 100):  # one epoch: instance i is shard i, whole
+    batch = ld.next_batch()
+    for row, (_, start) in zip(batch["input_ids"].numpy(), ld.global_batch_instances(step)):
+        k = start // seq
+        assert (row == np.fromfile(os.path.join(d, names[k]), dtype=ld.sources[0].dtype)).all(), names[k]
+        read.add(k)
+held = len(os.listdir("/proc/self/fd")) - before
+ld.close()
+assert read == set(range(files)), len(read)
+val = sum(int((b["labels"] != -100).sum()) for b in validation_batches(d, seq, 50, 0, 1, document_masking=True))
+report = validate_directory(d, workers=2)
+assert report.ok, [s.errors for s in report.shards if not s.ok][:3] + report.errors
+print(f"files {files} read {len(read)} held_fds {held} val_tokens {val} validated {len(report.shards)}")
+"""
+
+
+@pytest.fixture(scope="module")
+def many_files(tmp_path_factory):
+    """2,000 shards of 64 random ids (uint16) in documents that end in EOS, as validate_shards wants them."""
+    d = tmp_path_factory.mktemp("many") / "src"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    metas = []
+    for i in range(2000):
+        offsets = np.concatenate([[0], np.unique(rng.integers(1, 64, 3)), [64]])
+        ids = rng.integers(1, 50280, 64).astype(np.uint16)
+        ids[offsets[1:] - 1] = 0
+        metas.append(shards.write_shard(d, i, ids, offsets, vocab_size=50280, eos_id=0))
+    shards.Manifest(num_tokens=2000 * 64, num_docs=sum(m.num_docs for m in metas), shards=[m.bin for m in metas], dtype="uint16",
+                    vocab_size=50280, eos_id=0, tokenizer_fingerprint="sha256:synthetic").save(d)
+    return d
+
+
+def test_2000_shard_files_train_validate_and_check_under_ulimit_256(many_files):
+    """Every shard file read whole into a training batch, a validation pass and validate_shards, in a
+    process whose open-file limit is 256 (soft and hard); the old loader held two descriptors per file."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", FD_CHILD, str(many_files), "64", "2000"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    stats = dict(zip(*[iter(run.stdout.split())] * 2))
+    assert stats["read"] == stats["validated"] == "2000", run.stdout
+    assert int(stats["held_fds"]) <= 4, run.stdout  # the prefetch thread's and numpy's own, not one per file
+    assert int(stats["val_tokens"]) == 2000 * 64 - 2000  # every instance's labels but its last position
+
+
+RLIMIT_CHILD = r"""
+import logging, resource, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+from olmo_ds.data.dataset import TokenSource
+TokenSource(sys.argv[1]); TokenSource(sys.argv[1])
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard)
+"""
+
+
+def test_the_soft_open_file_limit_is_raised_to_the_hard_one_once_logged(source):
+    import resource
+    import subprocess
+    import sys
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] in (resource.RLIM_INFINITY, 64):
+        pytest.skip("the hard open-file limit is unlimited or 64 here: nothing to raise to")
+    run = subprocess.run([sys.executable, "-c", RLIMIT_CHILD, str(source)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr[-3000:]
+    assert run.stderr.count("open-file limit raised from 64 to the hard limit") == 1, run.stderr
