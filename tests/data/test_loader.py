@@ -353,6 +353,15 @@ def test_bench_data_measures_on_generated_shards(tmp_path):
     assert result["tokens_per_s"] > 0 and 0 <= result["wait_fraction"] < 1
 
 
+def test_bench_data_compares_file_counts_holding_no_descriptor_per_file(tmp_path):
+    from olmo_ds.tools.bench_data import compare_file_counts
+
+    result = compare_file_counts(tmp_path, [2, 40], 1 << 16, seq_len=256, rows_per_rank=2, world_size=2, steps=5, rounds=2, document_masking=True)
+    assert [f["shards"] for f in result["files"].values()] == [2, 40]
+    assert all(f["open_fds_after_opening"] == 0 and f["tokens_per_s_median"] > 0 for f in result["files"].values())
+    assert result["files"]["2"]["ratio_to_first"] == 1.0
+
+
 def test_a_read_error_in_the_prefetch_thread_reaches_the_trainer(source, monkeypatch):
     from olmo_ds.data.dataset import TokenSource
 
