@@ -14,6 +14,7 @@ import json
 import os
 import sys
 
+from olmo_ds.data.dataset import DataError
 from olmo_ds.ranks import LaunchError
 from olmo_ds.train.config import ConfigError, load_config
 from olmo_ds.train.launch import collective_failure, lost_ranks, watch_launcher
@@ -40,7 +41,7 @@ def main() -> int:
         overrides = args.overrides + ([f"init_from.path={json.dumps(args.init_from)}"] if args.init_from else [])
         trainer = Trainer(plan_run(load_config(args.config, overrides), resume=args.resume, start_over=args.start_over))
         status = trainer.fit()
-    except (ConfigError, LaunchError, NonFiniteLossError, CheckpointSaveError) as e:
+    except (ConfigError, DataError, LaunchError, NonFiniteLossError, CheckpointSaveError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the training loop took SIGINT over: nothing trained, nothing to save

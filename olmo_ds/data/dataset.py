@@ -6,8 +6,10 @@ document and shard boundaries; only the stream's one tail that does not fill a w
 dropped (and counted, so the report says how much). This differs from OLMo-core's classic numpy
 dataset, which cuts each file into instances separately and drops every file's tail, so the same
 files give other instances there. The shards may be ours or OLMo's own token files registered in
-place (`prepare/token_files.py`: the metadata's `bin` then points at the file). Nothing is copied at open time: shards are `np.memmap`s and an instance is
-read straight from the page cache into the caller's batch buffer.
+place (`prepare/token_files.py`: the metadata's `bin` then points at the file). Nothing is copied at
+open time: a shard's ids and offsets are memory maps that hold no file descriptor (`shards.map_file`),
+so a source of any number of files keeps none open, and an instance is read straight from the page
+cache into the caller's batch buffer.
 
 Every inconsistency the loader can detect without reading the data is raised here, naming the file,
 before training starts: a missing shard, a truncated `.bin`, a document index that does not span its
@@ -17,8 +19,10 @@ data cannot fill even once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +30,68 @@ import numpy as np
 
 from olmo_ds.data import shards
 from olmo_ds.data.shards import MANIFEST, Manifest, ShardMeta
+
+log = logging.getLogger("olmo_ds")
+
+
+@functools.cache
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise this process's soft limit on open files to its hard limit, once; returns (soft, hard) as they are now.
+
+    The loader itself keeps no descriptor per shard (`shards.map_file`), but DeepSpeed, PyTorch and
+    the checkpoint writers open files and sockets of their own, and the soft limit (often 1,024) is
+    only a default that a process may raise to the hard one without privileges. Logged once when
+    raised; where the platform has no such limits, or lowering the hard one is forbidden, nothing changes.
+    """
+    try:
+        import resource
+    except ImportError:
+        return (-1, -1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft == hard or (soft != resource.RLIM_INFINITY and soft > hard):
+        return soft, hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as e:
+        log.info("open-file limit stays %d (raising it to the hard limit %d failed: %s)", soft, hard, e)
+        return soft, hard
+    log.info("open-file limit raised from %d to the hard limit %d (ulimit -n)", soft, hard)
+    return hard, hard
+
+
+class DataError(ValueError):
+    """Data found unfit for training while it is read (a shard changed after its metadata was
+    written); the message names the source, the file and the place in it."""
+
+
+def check_ids(input_ids: np.ndarray, sources: list["TokenSource"], rows: list[tuple[int, int]], model_vocab_size: int | None = None) -> None:
+    """Raise `DataError` if a row of `input_ids` holds an id its source's vocabulary does not have.
+
+    Row b holds the tokens of `sources[s]` from stream position `p`, (s, p) = rows[b]. The check
+    costs one max over the batch (the batch is already in memory); only a failing batch is searched
+    for the place to name. Shards whose ids exceed their metadata's `max_token_id` pass every check
+    made when the data is opened, and an embedding lookup with such an id fails deep in the forward
+    (an IndexError on CPU, a device-side assert on a GPU) naming no file; this names it, before the forward.
+    """
+    limit = min(src.vocab_size for src in sources)
+    if model_vocab_size is not None:
+        limit = min(limit, model_vocab_size)
+    if input_ids.size == 0 or int(input_ids.max()) < limit:
+        return
+    for b, (s, start) in enumerate(rows):
+        src = sources[s]
+        vocab = min(src.vocab_size, model_vocab_size or src.vocab_size)
+        bad = np.flatnonzero(input_ids[b] >= vocab)
+        if len(bad):
+            token_id = int(input_ids[b, bad[0]])
+            file, offset, doc = src.locate(start + int(bad[0]))
+            model = f"; the model's is {model_vocab_size}" if model_vocab_size is not None else ""
+            raise DataError(
+                f"data source {src.name!r} ({src.directory}): {file} holds token id {token_id} at token {offset} "
+                f"(document {doc} of that shard), beyond the vocabulary (the data's vocab_size is {src.vocab_size}{model}); its metadata says "
+                f"max_token_id {src.metas[src.shard_of(start + int(bad[0]))].max_token_id}, so the file changed after it was written. "
+                f"Check the source with scripts/validate_shards.py {src.directory} and prepare it again"
+            )
 
 
 @dataclass(frozen=True)
@@ -41,6 +107,7 @@ class TokenSource:
     """The concatenated token stream of one shard directory (see the module docstring)."""
 
     def __init__(self, path: str | Path, name: str | None = None) -> None:
+        raise_open_file_limit()
         self.directory = Path(path)
         if not self.directory.is_dir():
             raise FileNotFoundError(f"data source {self.directory}: no such directory (expected shards written by scripts/prepare_data.py)")
@@ -53,6 +120,7 @@ class TokenSource:
         self.metas: list[ShardMeta] = []
         self.shard_info: list[ShardInfo] = []
         self._tokens: list[np.ndarray] = []
+        self._bin_files: list[Path] = []
         self._offset_files: list[Path] = []
         for listed in self.manifest.shards:
             stem = listed[: -len(".bin")] if listed.endswith(".bin") else listed
@@ -75,6 +143,7 @@ class TokenSource:
             if meta.max_token_id >= meta.vocab_size:
                 raise ValueError(f"{meta_file}: max_token_id {meta.max_token_id} >= vocab_size {meta.vocab_size}; the shard is corrupt or mislabelled")
             self._tokens.append(shards.open_tokens(bin_file, meta))  # raises on a truncated .bin
+            self._bin_files.append(bin_file)
             self._offset_files.append(offsets_file)
             self.metas.append(meta)
             # The listed name, not `meta.bin`: the same for shards we wrote, and for in-place token files
@@ -139,6 +208,17 @@ class TokenSource:
             filled += take
             pos += take
             k += 1
+
+    def shard_of(self, position: int) -> int:
+        """The index of the shard holding stream position `position`."""
+        return int(np.searchsorted(self.starts, position, side="right")) - 1
+
+    def locate(self, position: int) -> tuple[Path, int, int]:
+        """Where stream position `position` lies on disk: (the shard's token file, the token's index
+        in that file, the index of the document holding it in the shard's offsets)."""
+        k = self.shard_of(position)
+        local = position - int(self.starts[k])
+        return self._bin_files[k], local, int(np.searchsorted(self._offsets[k], local, side="right")) - 1
 
     def doc_lengths(self, start: int, length: int) -> np.ndarray:
         """Lengths of the document pieces that tokens [start, start + length) are cut into.

@@ -25,6 +25,11 @@ fingerprint); restoring them on another world size continues with exactly the ne
 Prefetch. With `DataConfig.prefetch` > 0 a background thread assembles the next batches of this rank
 while the GPU works; `wait_seconds` accumulates the time `next_batch` spent blocked on it, so the
 trainer can log the data-wait share of step time.
+
+Checked ids. Each batch's ids are compared with the vocabulary (the data's, and the model's once
+`check_vocab` has run) as the batch is assembled, in the prefetch thread when there is one: an id
+beyond it raises `DataError` naming the source, shard file, token and document, from `next_batch`
+in the caller's thread, before that batch reaches the model.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import numpy as np
 import torch
 
 from olmo_ds.data.config import DataConfig, SourceConfig
-from olmo_ds.data.dataset import TokenSource
+from olmo_ds.data.dataset import TokenSource, check_ids
 from olmo_ds.data.mixture import Mixture
 from olmo_ds.data.order import BatchSizeSchedule, GlobalOrder
 
@@ -113,6 +118,7 @@ class DataLoader:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._checked = False
+        self._model_vocab_size: int | None = None  # set by check_vocab; every batch's ids are checked against it
         # The final size applies to every run, fresh or resumed; the rest is checked at the first batch.
         self._check_divisible(self.schedule.points[-1][0])
 
@@ -138,7 +144,12 @@ class DataLoader:
         return self.instances_consumed // self.mixture.epoch_size
 
     def check_vocab(self, model_vocab_size: int) -> None:
-        """Refuse a model whose embedding has fewer rows than the data's largest id needs."""
+        """Refuse a model whose embedding has fewer rows than the data's largest id needs.
+
+        That reads the shards' metadata; each batch's ids are then checked against this size (and the
+        data's vocabulary) as it is assembled, which finds a shard changed after its metadata was written.
+        """
+        self._model_vocab_size = int(model_vocab_size)
         worst = max(self.sources, key=lambda s: s.max_token_id)
         if worst.max_token_id >= model_vocab_size:
             raise ValueError(
@@ -175,8 +186,10 @@ class DataLoader:
         src, inst = self.mixture.source_of(ids)
         T = self.seq_len
         input_ids = np.empty((len(ids), T), dtype=np.int64)
-        for row, (s, i) in enumerate(zip(src.tolist(), inst.tolist())):
-            self.sources[s].read(i * T, input_ids[row])
+        rows = [(s, i * T) for s, i in zip(src.tolist(), inst.tolist())]
+        for row, (s, start) in enumerate(rows):
+            self.sources[s].read(start, input_ids[row])
+        check_ids(input_ids, self.sources, rows, self._model_vocab_size)
         batch: dict = {"input_ids": input_ids, "labels": _labels_for(input_ids)}
         if self.cfg.document_masking:
             batch["doc_lens"] = pad_doc_lens([self.sources[s].doc_lengths(i * T, T) for s, i in zip(src.tolist(), inst.tolist())])
@@ -341,6 +354,7 @@ def _validation_stream(src: TokenSource, n: int, seq_len: int, batch_size: int, 
         input_ids = np.full((batch_size, seq_len), src.eos_id, dtype=np.int64)
         for row in range(real):
             src.read((first + row) * seq_len, input_ids[row])
+        check_ids(input_ids[:real], [src], [(0, (first + row) * seq_len) for row in range(real)])
         labels = _labels_for(input_ids)
         labels[real:] = IGNORE_INDEX
         batch: dict = {"input_ids": input_ids, "labels": labels}

@@ -344,8 +344,74 @@ def list_shards(directory: Path) -> list[Path]:
     return sorted(Path(directory).glob(f"{SHARD_PREFIX}[0-9]*.bin"))
 
 
-def open_tokens(path: Path, meta: ShardMeta) -> np.memmap:
-    """Memory-map a shard's ids (zero-copy). Raises if the file size disagrees with the metadata."""
+class _FileMap:
+    """A whole file mapped read-only into memory, holding no file descriptor (`map_file`).
+
+    numpy reads it through `__array_interface__`, which makes this object the base of every array
+    viewing it, so the mapping lives exactly as long as the last such array.
+    """
+
+    def __init__(self, path: Path, size: int, addr: int, munmap) -> None:
+        self.path, self.size, self._addr, self._munmap = path, size, addr, munmap
+        self.__array_interface__ = {"data": (addr, True), "shape": (size,), "typestr": "|u1", "version": 3}
+
+    def __del__(self) -> None:
+        self._munmap(self._addr, self.size)
+
+
+@functools.cache
+def _libc_mmap():
+    """The C library's (mmap, munmap), or None where there are none (then `map_file` keeps a descriptor)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        mmap_fn, munmap_fn = libc.mmap, libc.munmap
+    except (OSError, AttributeError):
+        return None
+    mmap_fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+    mmap_fn.restype = ctypes.c_void_p
+    munmap_fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    munmap_fn.restype = ctypes.c_int
+    return mmap_fn, munmap_fn
+
+
+def map_file(path: Path) -> np.ndarray:
+    """A file's bytes as a read-only uint8 array mapped from the page cache, holding no file descriptor.
+
+    Why not `np.memmap` / `np.load(mmap_mode=...)`: Python's `mmap` keeps a duplicate of the file's
+    descriptor for the map's lifetime, so a loader over N shards held 2N descriptors for the whole run
+    and 1,500 files failed under the common `ulimit -n 1024`. A mapping made with the C library's
+    `mmap` needs its descriptor only while it is made: the file is opened, mapped, closed. The data
+    are read as before (zero-copy, from the page cache); what stays per file is one mapping, of which
+    Linux allows `vm.max_map_count` (65,530 by default) per process.
+    """
+    import errno
+    import mmap
+
+    path = Path(path)
+    fns = _libc_mmap()
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return np.zeros(0, dtype=np.uint8)
+        if fns is None:
+            return np.memmap(path, dtype=np.uint8, mode="r")
+        addr = fns[0](None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    if addr is None or addr == (1 << (8 * np.dtype(np.intp).itemsize)) - 1:  # MAP_FAILED, (void *) -1
+        import ctypes
+
+        err = ctypes.get_errno()
+        hint = " (each mapped file takes one of the process's vm.max_map_count maps)" if err == errno.ENOMEM else ""
+        raise OSError(err, f"cannot map the file into memory: {os.strerror(err)}{hint}", str(path))
+    return np.asarray(_FileMap(path, size, addr, fns[1]))
+
+
+def open_tokens(path: Path, meta: ShardMeta) -> np.ndarray:
+    """Memory-map a shard's ids (zero-copy, no descriptor kept: `map_file`). Raises if the file size disagrees with the metadata."""
     path = Path(path)
     dtype = np.dtype(meta.dtype).newbyteorder("<")
     expected = meta.num_tokens * dtype.itemsize
@@ -354,17 +420,30 @@ def open_tokens(path: Path, meta: ShardMeta) -> np.memmap:
         raise ValueError(f"{path}: size {size} bytes != num_tokens {meta.num_tokens} x {dtype.itemsize} bytes (truncated or corrupt shard)")
     if meta.num_tokens == 0:
         return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
+    return map_file(path)[:expected].view(dtype)
 
 
 def load_offsets(path: Path) -> np.ndarray:
+    """A shard's document offsets (an int64 `.npy`), memory-mapped like `map_file`: no descriptor kept."""
+    path = Path(path)
     try:
-        offsets = np.load(path, mmap_mode="r")
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(f)  # one dimension: C and Fortran order are the same
+            data_start = f.tell()
     except (ValueError, EOFError) as e:  # empty, truncated or not an .npy file: numpy's message names no file
         raise ValueError(f"{path}: unreadable document offsets ({e}); the shard is corrupt, rerun prepare_data.py") from None
-    if offsets.ndim != 1:
-        raise ValueError(f"{path}: document offsets have shape {offsets.shape}, expected one dimension")
-    return offsets
+    if len(shape) != 1:
+        raise ValueError(f"{path}: document offsets have shape {shape}, expected one dimension")
+    if dtype.kind not in "iu":
+        raise ValueError(f"{path}: document offsets of dtype {dtype}, expected integers")
+    nbytes = shape[0] * dtype.itemsize
+    data = map_file(path)
+    if len(data) < data_start + nbytes:
+        raise ValueError(f"{path}: unreadable document offsets (the file holds {len(data) - data_start} bytes of {nbytes}); "
+                         "the shard is corrupt, rerun prepare_data.py")
+    return data[data_start : data_start + nbytes].view(dtype)
 
 
 def _read_json_object(path: Path, what: str) -> dict:

@@ -353,6 +353,15 @@ def test_bench_data_measures_on_generated_shards(tmp_path):
     assert result["tokens_per_s"] > 0 and 0 <= result["wait_fraction"] < 1
 
 
+def test_bench_data_compares_file_counts_holding_no_descriptor_per_file(tmp_path):
+    from olmo_ds.tools.bench_data import compare_file_counts
+
+    result = compare_file_counts(tmp_path, [2, 40], 1 << 16, seq_len=256, rows_per_rank=2, world_size=2, steps=5, rounds=2, document_masking=True)
+    assert [f["shards"] for f in result["files"].values()] == [2, 40]
+    assert all(f["open_fds_after_opening"] == 0 and f["tokens_per_s_median"] > 0 for f in result["files"].values())
+    assert result["files"]["2"]["ratio_to_first"] == 1.0
+
+
 def test_a_read_error_in_the_prefetch_thread_reaches_the_trainer(source, monkeypatch):
     from olmo_ds.data.dataset import TokenSource
 
@@ -372,3 +381,177 @@ def test_a_read_error_in_the_prefetch_thread_reaches_the_trainer(source, monkeyp
 def test_validation_source_is_checked_when_asked_for_not_when_iterated(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such directory"):
         validation_batches(str(tmp_path / "absent"), SEQ, 2, 0, 1)
+
+
+# A token id beyond the vocabulary inside a shard whose metadata was not updated (issue 35, item 4).
+def real_shards(directory: Path, sizes=(3, 4, 5)) -> tuple[Path, object]:
+    """Shards of c4 documents tokenized by a real tokenizer (uint16 ids), `sizes` documents per shard."""
+    from olmo_ds.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(SHARED / "tokenizers" / "gpt-neox-olmo-dolma-v1_5.json")
+    with gzip.open(SHARED / "data" / "c4-sample" / "c4-sample.01.json.gz", "rt") as f:
+        texts = [json.loads(line)["text"] for line in f][: sum(sizes)]
+    docs = [np.asarray(ids + [tok.eos_id]) for ids in tok.encode_batch(texts)]
+    directory.mkdir(parents=True)
+    metas, first = [], 0
+    for i, n in enumerate(sizes):
+        part = docs[first : first + n]
+        first += n
+        offsets = np.concatenate([[0], np.cumsum([len(d) for d in part])])
+        metas.append(shards.write_shard(directory, i, np.concatenate(part).astype(np.uint16), offsets, vocab_size=tok.vocab_size, eos_id=tok.eos_id))
+    shards.Manifest(
+        num_tokens=sum(m.num_tokens for m in metas), num_docs=sum(m.num_docs for m in metas), shards=[m.bin for m in metas],
+        dtype="uint16", vocab_size=tok.vocab_size, eos_id=tok.eos_id, tokenizer_fingerprint=tok.fingerprint,
+    ).save(directory)
+    return directory, tok
+
+
+def put_id(directory: Path, shard: int, token: int, value: int) -> None:
+    """Overwrite one id of a shard's token file in place, leaving its metadata (max_token_id, checksum) as it was."""
+    ids = np.fromfile(shards.bin_path(directory, shard), dtype="<u2")
+    ids[token] = value
+    ids.tofile(shards.bin_path(directory, shard))
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_an_id_beyond_the_vocabulary_inside_a_shard_stops_at_its_batch_naming_the_shard(tmp_path, prefetch):
+    d, tok = real_shards(tmp_path / "c4")
+    meta = shards.ShardMeta.load(shards.meta_path(d, 1))
+    offsets = np.load(shards.offsets_path(d, 1))
+    token = int(offsets[2]) + 5  # inside document 2 of shard 1
+    put_id(d, 1, token, tok.vocab_size)
+    seq, bs = 64, 4
+    ld = loader([d], bs=bs, seq=seq, prefetch=prefetch)
+    ld.check_vocab(tok.vocab_size)  # the metadata still says every id fits: this check cannot see it
+    position = int(ld.sources[0].starts[1]) + token  # in the source's stream
+    bad_step = next(s for s in range(100) if any(start <= position < start + seq for _, start in ld.global_batch_instances(s)))
+    for _ in range(bad_step):
+        ld.next_batch()
+    with pytest.raises(ValueError) as err:  # a DataError, which pretrain.py prints as one line
+        ld.next_batch()
+    assert type(err.value).__name__ == "DataError"
+    message = str(err.value)
+    assert f"{shards.bin_path(d, 1)} holds token id {tok.vocab_size} at token {token} (document 2 of that shard)" in message
+    assert f"vocab_size is {tok.vocab_size}" in message and f"max_token_id {meta.max_token_id}" in message
+    assert ld.step == bad_step  # the bad batch was never handed out
+    ld.close()
+
+
+def test_an_id_beyond_the_vocabulary_in_a_validation_source_is_named(tmp_path):
+    d, tok = real_shards(tmp_path / "c4")
+    put_id(d, 2, 0, 65535)
+    with pytest.raises(ValueError, match=rf"shard-00002.bin holds token id 65535 at token 0 \(document 0 of that shard\)"):
+        list(validation_batches(str(d), 64, 4, 0, 1))
+
+
+@pytest.mark.slow  # ~30 s: a real 1-rank DeepSpeed run
+def test_an_id_beyond_the_vocabulary_ends_a_training_run_with_one_line_before_its_step(tmp_path):
+    """A 1-rank CPU run of scripts/pretrain.py: exit 2, one line naming the shard, no traceback, and no
+    step trained on the bad batch (metrics.jsonl ends at the step before it)."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+    from train_testlib import ROOT, launch_env, losses_by_step, tiny_config, write_config, write_markov_shards
+
+    d = write_markov_shards(tmp_path / "data", 20_000)
+    cfg = tiny_config(tmp_path, d, max_steps=10, checkpoint={"every": 100, "save_final": False}, logging={"every": 1, "tensorboard": False})
+    probe = loader([d], bs=cfg["batch"]["global_batch_size"], seq=cfg["batch"]["seq_len"], seed=cfg["data"]["seed"])
+    bad_step = 6  # steps are counted from 1: the batch of loader step 5
+    _, start = probe.global_batch_instances(bad_step - 1)[3]
+    shard = int(np.searchsorted(probe.sources[0].starts, start + 7, side="right")) - 1
+    put_id(d, shard, start + 7 - int(probe.sources[0].starts[shard]), 300)  # vocab_size 256, uint16 shards
+    env = {**launch_env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29547"}
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--config", str(write_config(tmp_path / "c.yaml", cfg))],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"{shards.bin_path(d, shard)} holds token id 300" in errors[0], run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "IndexError" not in run.stderr
+    assert sorted(losses_by_step(cfg["run_dir"])) == list(range(1, bad_step)), "trained on the bad batch or stopped early"
+
+
+# Open files (issue 36, item 3): the loader keeps no descriptor per shard file.
+FD_CHILD = r"""
+import os, resource, sys
+import numpy as np
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # soft and hard: nothing can raise it back
+from olmo_ds.data import shards
+from olmo_ds.data.config import DataConfig, SourceConfig
+from olmo_ds.data.loader import DataLoader, validation_batches
+from olmo_ds.data.validate import validate_directory
+
+d, seq, files = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+before = len(os.listdir("/proc/self/fd"))
+ld = DataLoader(DataConfig(sources=[SourceConfig(path=d)], document_masking=True, prefetch=2),
+                seq_len=seq, global_batch_size=100, dp_rank=0, dp_world_size=1)
+names = ld.sources[0].manifest.shards
+read = set()
+for step in range(files // 100):  # one epoch: instance i is shard i, whole
+    batch = ld.next_batch()
+    for row, (_, start) in zip(batch["input_ids"].numpy(), ld.global_batch_instances(step)):
+        k = start // seq
+        assert (row == np.fromfile(os.path.join(d, names[k]), dtype=ld.sources[0].dtype)).all(), names[k]
+        read.add(k)
+held = len(os.listdir("/proc/self/fd")) - before
+ld.close()
+assert read == set(range(files)), len(read)
+val = sum(int((b["labels"] != -100).sum()) for b in validation_batches(d, seq, 50, 0, 1, document_masking=True))
+report = validate_directory(d, workers=2)
+assert report.ok, [s.errors for s in report.shards if not s.ok][:3] + report.errors
+print(f"files {files} read {len(read)} held_fds {held} val_tokens {val} validated {len(report.shards)}")
+"""
+
+
+@pytest.fixture(scope="module")
+def many_files(tmp_path_factory):
+    """2,000 shards of 64 random ids (uint16) in documents that end in EOS, as validate_shards wants them."""
+    d = tmp_path_factory.mktemp("many") / "src"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    metas = []
+    for i in range(2000):
+        offsets = np.concatenate([[0], np.unique(rng.integers(1, 64, 3)), [64]])
+        ids = rng.integers(1, 50280, 64).astype(np.uint16)
+        ids[offsets[1:] - 1] = 0
+        metas.append(shards.write_shard(d, i, ids, offsets, vocab_size=50280, eos_id=0))
+    shards.Manifest(num_tokens=2000 * 64, num_docs=sum(m.num_docs for m in metas), shards=[m.bin for m in metas], dtype="uint16",
+                    vocab_size=50280, eos_id=0, tokenizer_fingerprint="sha256:synthetic").save(d)
+    return d
+
+
+def test_2000_shard_files_train_validate_and_check_under_ulimit_256(many_files):
+    """Every shard file read whole into a training batch, a validation pass and validate_shards, in a
+    process whose open-file limit is 256 (soft and hard); the old loader held two descriptors per file."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", FD_CHILD, str(many_files), "64", "2000"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    stats = dict(zip(*[iter(run.stdout.split())] * 2))
+    assert stats["read"] == stats["validated"] == "2000", run.stdout
+    assert int(stats["held_fds"]) <= 4, run.stdout  # the prefetch thread's and numpy's own, not one per file
+    assert int(stats["val_tokens"]) == 2000 * 64 - 2000  # every instance's labels but its last position
+
+
+RLIMIT_CHILD = r"""
+import logging, resource, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+from olmo_ds.data.dataset import TokenSource
+TokenSource(sys.argv[1]); TokenSource(sys.argv[1])
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard)
+"""
+
+
+def test_the_soft_open_file_limit_is_raised_to_the_hard_one_once_logged(source):
+    import resource
+    import subprocess
+    import sys
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] in (resource.RLIM_INFINITY, 64):
+        pytest.skip("the hard open-file limit is unlimited or 64 here: nothing to raise to")
+    run = subprocess.run([sys.executable, "-c", RLIMIT_CHILD, str(source)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr[-3000:]
+    assert run.stderr.count("open-file limit raised from 64 to the hard limit") == 1, run.stderr

@@ -25,6 +25,14 @@ OWNER_TESTS: dict[str, list[str]] = {
         "tests/data/test_validate.py::test_out_of_range_id",
         "tests/data/test_loader.py::test_an_id_beyond_the_tokenizer_is_named",
     ],
+    "bad input: token id beyond the vocabulary in a shard, metadata not updated": [
+        "tests/data/test_loader.py::test_an_id_beyond_the_vocabulary_inside_a_shard_stops_at_its_batch_naming_the_shard",
+        "tests/data/test_loader.py::test_an_id_beyond_the_vocabulary_in_a_validation_source_is_named",
+        "tests/data/test_loader.py::test_an_id_beyond_the_vocabulary_ends_a_training_run_with_one_line_before_its_step",
+    ],
+    "2,000 shard files under ulimit -n 256 (train, eval, validate)": [
+        "tests/data/test_loader.py::test_2000_shard_files_train_validate_and_check_under_ulimit_256",
+    ],
     "bad input: manifest disagrees with shards (validate)": [
         "tests/data/test_validate.py::test_manifest_shard_mismatch",
         "tests/data/test_validate.py::test_missing_shard_and_unlisted_shard",
