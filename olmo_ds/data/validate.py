@@ -323,6 +323,9 @@ def validate_directory(directory: Path, tokenizer=None, workers: int = 1) -> Rep
         report.errors += s.errors
         report.num_tokens += tokens
         report.num_docs += docs
+        if not s.prefix and not tokens and not s.errors:
+            report.errors.append(f"{directory}: holds no tokens (0 documents in {len(s.listed)} shards): a source with nothing to train on; "
+                                 "prepare it again from inputs that hold documents")
         if s.prefix and (docs, tokens) != (val["num_docs"], val["num_tokens"]):
             report.errors.append(f"{shards.MANIFEST}: val split is {val['num_docs']} docs / {val['num_tokens']} tokens, but {val['dir']}/ holds {docs} / {tokens}")
     return report

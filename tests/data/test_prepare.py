@@ -628,3 +628,29 @@ def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path, capsys):
     assert re.search(r"ETA \d+:\d\d:\d\d$", lines[0])
     run([raw], tmp_path / "quiet", NEOX, progress=False, progress_every=0)
     assert capsys.readouterr().err == ""
+
+
+def test_inputs_without_documents_are_an_error_and_leave_no_source(tmp_path):
+    """Empty files (and files of blank documents) used to "succeed" with 0 tokens and a manifest
+    that validated; a source of nothing fails only when training reads it."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.jsonl").write_bytes(b"")
+    (raw / "b.jsonl").write_bytes(b"")
+    with pytest.raises(PrepareError, match=r"every input file is empty \(0 bytes\): .*a\.jsonl, .*b\.jsonl"):
+        run([raw], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    (raw / "c.jsonl").write_text(json.dumps({"text": "   "}) + "\n\n" + json.dumps({"body": "x"}) + "\n")
+    (raw / "d.jsonl.gz").write_bytes(gzip.compress(b""))
+    for unit, workers in (("blocks", 1), ("files", 2)):
+        out = tmp_path / f"out-{unit}"
+        with pytest.raises(PrepareError) as e:
+            run([raw], out, work_unit=unit, workers=workers)
+        message = str(e.value)
+        assert "no documents in the input (4 files)" in message and "a.jsonl (empty, 0 bytes)" in message
+        assert "c.jsonl (2 records skipped)" in message and "d.jsonl.gz (no records)" in message
+        assert "empty_document 1" in message and "missing_text_field 1" in message and "--text-field is 'text'" in message
+        assert not out.exists()
+    proc = subprocess.run([sys.executable, "scripts/prepare_data.py", "--input", str(raw), "--output", str(tmp_path / "out"), "--tokenizer", str(NEOX)],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "no documents in the input" in proc.stderr and "Traceback" not in proc.stderr

@@ -241,6 +241,8 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
         lo, hi = partition.file_range(files, cfg.partition) if cfg.partition else (0, len(files))
     except (OSError, ValueError) as e:
         raise PrepareError(str(e)) from e
+    if all(f.stat().st_size == 0 for f in files):
+        raise PrepareError(f"no documents to prepare: every input file is empty (0 bytes): {_some(files)}; nothing was written")
     try:
         tok = load_tokenizer(cfg.tokenizer, cfg.eos_token)
     except (OSError, ValueError) as e:
@@ -381,6 +383,7 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
     skiplog, noted = SkipLog(), SkipLog()
     start = position(lo, 0)
     resumed_from = None
+    created = not out.exists()
     if not cfg.dry_run:
         out.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(out / PIECES_DIR, ignore_errors=True)  # a killed whole-file run's scratch
@@ -409,6 +412,8 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
     finally:
         progress.close(finished)
     seconds = time.perf_counter() - t0
+    if run.docs == 0 and all(k == 0 for _, k, _ in resume.values()) and cfg.partition is None:
+        _no_documents(setup, skiplog, created)
 
     if cfg.dry_run:
         return PrepareResult(None, file_stats, run.docs, run.tokens, 0, 0, 0, skiplog, seconds, run.text_bytes, run.tokens, noted=noted, backend=setup.backend["name"])
@@ -422,6 +427,28 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
         len(train.shards) + (len(val.shards) if val else 0), skiplog, seconds, run.text_bytes, run.tokens, resumed_from,
         noted=noted, backend=setup.backend["name"],
     )
+
+
+def _some(items: list, at_most: int = 5) -> str:
+    shown = ", ".join(str(i) for i in items[:at_most])
+    return shown + (f" and {len(items) - at_most:,} more" if len(items) > at_most else "")
+
+
+def _no_documents(setup: _Setup, skiplog: SkipLog, created: bool) -> None:
+    """The whole input held no document: an error naming what each file held, and no trace left of
+    the output (no manifest: a source of 0 tokens would look prepared, and validate, and fail only
+    when a run tries to read it)."""
+    out = Path(setup.cfg.output)
+    if not setup.cfg.dry_run:
+        (out / STATE_FILE).unlink(missing_ok=True)
+        for d in (out / VAL_DIR, out):
+            if d.is_dir() and not any(d.iterdir()) and (d != out or created):
+                d.rmdir()
+    held = [f"{s.path} ({'empty, 0 bytes' if s.bytes == 0 else f'{s.skipped:,} records skipped' if s.skipped else 'no records'})" for s in setup.file_stats]
+    reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(skiplog.counts.items()))
+    raise PrepareError(f"no documents in the input ({len(held):,} files): {_some(held)}" + (f"; skipped records: {reasons}" if reasons else "")
+                       + (f"; --text-field is {setup.cfg.text_field!r}" if skiplog.counts.get(readers.MISSING_FIELD) else "")
+                       + "; nothing was written")
 
 
 class _Run:
