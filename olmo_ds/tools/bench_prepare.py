@@ -208,9 +208,9 @@ def measure_prepare(tokenizer: Path, corpus: Path, output: Path, workers: int, b
     if (backend == "fast") != (ran == "fastokens"):
         raise RuntimeError(f"asked for backend {backend}, prepare_data.py ran {ran}")
     seconds = prep["seconds"] + val["seconds"]
-    # prepare_data.py's own figure: from the first block read to the last shard written, without
+    # prepare_data.py's own figure (its `tokenizing` line): from the first block read to the last shard written, without
     # start-up (imports, tokenizer loading, the backend guard), which a long run amortizes.
-    steady = float(re.search(r"time\s+([\d.,]+) s", prep["stdout"]).group(1).replace(",", ""))
+    steady = float(re.search(r"tokenizing\s+([\d.,]+) s", prep["stdout"]).group(1).replace(",", ""))
     if steady <= 0:  # printed to the millisecond: only a corpus far too small to measure rounds to 0
         raise RuntimeError(f"prepare_data.py on {corpus} took under a millisecond; use a larger --size-mb")
     return {

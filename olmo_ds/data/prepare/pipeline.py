@@ -233,6 +233,7 @@ def _settings(cfg: PrepareConfig) -> dict:
 
 def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareResult:
     """Run data preparation; see the module docstring. Raises `PrepareError` for bad input or output."""
+    started = time.perf_counter()  # the summary's time covers all of it (`report.format_summary`)
     cfg.validate()
     try:
         files = readers.resolve_inputs(list(cfg.inputs))
@@ -273,6 +274,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
         # starts workers anew.
         workers = _Workers.start(stack, unit, cfg.workers, spec, context)
         texts = []
+        check_started = time.perf_counter()
         if fast is not None:
             texts, labels = check_texts(files, cfg.text_field)
             difference = _first_difference(workers, texts, labels)
@@ -281,12 +283,14 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
             if workers.pool:
                 workers.pool.close()
             workers = _Workers.start(stack, unit, cfg.workers, dataclasses.replace(spec, backend="hf"), context)
+        check_seconds = time.perf_counter() - check_started if fast is not None else 0.0
         if mode == "overwrite":
             for p in our_files(out):
                 p.unlink()
         result = _run(_Setup(cfg, files, (lo, hi), tok, ident, file_stats, backend, log), workers)
         result.layout = workers.layout()
-        return result
+    result.check_seconds, result.total_seconds = check_seconds, time.perf_counter() - started
+    return result
 
 
 @dataclass
