@@ -442,14 +442,18 @@ def test_rerun_after_a_crash_at_any_point_is_byte_identical(tmp_path, val_fracti
             assert result.resumed_from is not None and result.run_tokens < result.num_tokens + result.val_tokens
 
 
-def test_rerun_after_sigkill_is_byte_identical(tmp_path):
+@pytest.mark.parametrize("val_fraction", ["0", "0.01"])
+def test_rerun_after_sigkill_is_byte_identical(tmp_path, val_fraction):
+    """With a validation split too: its shards are few (often none complete when the run is
+    killed), and a rerun once started over from the first document, saying nothing."""
     import signal
     import time
 
     raw = tmp_path / "raw"
     write_corpus_with_bad_records(raw, copies=25)
     # The HF backend is the slower one: the run must still be going when it is killed.
-    args = ["--input", str(raw), "--tokenizer", str(NEOX), "--shard-tokens", "2000", "--workers", "2", "--no-progress", "--tokenizer-backend", "hf"]
+    args = ["--input", str(raw), "--tokenizer", str(NEOX), "--shard-tokens", "2000", "--workers", "2", "--no-progress", "--tokenizer-backend", "hf",
+            "--val-fraction", val_fraction]
     ref = tmp_path / "ref"
     subprocess.run([sys.executable, "scripts/prepare_data.py", *args, "--output", str(ref)], cwd=REPO, check=True, capture_output=True)
     out = tmp_path / "out"
@@ -462,8 +466,39 @@ def test_rerun_after_sigkill_is_byte_identical(tmp_path):
     assert not (out / "manifest.json").exists(), "the run finished before it could be killed"
     proc = subprocess.run([sys.executable, "scripts/prepare_data.py", *args, "--output", str(out)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert "resumed from" in proc.stdout
+    assert "resumed from" in proc.stdout and "resuming" in proc.stdout
     assert dir_bytes(out) == dir_bytes(ref)
+
+
+@pytest.mark.parametrize("unit, workers", [("blocks", 1), ("blocks", 3), ("files", 2)])
+def test_a_resume_with_a_validation_split_tokenizes_only_what_is_not_kept(tmp_path, unit, workers):
+    """Documents already in complete train shards are not tokenized again: between the validation
+    split's resume point (often the first document: a 1 % split rarely completes a shard before a
+    kill) and the train split's, only validation documents are."""
+    raw = tmp_path / "raw"
+    write_corpus_with_bad_records(raw, copies=6)
+    kw = dict(shard_tokens=2500, val_fraction=0.02, work_unit=unit, workers=workers)
+    ref = tmp_path / "ref"
+    full = run([raw], ref, NEOX, **kw)
+    # Killed while the validation split's first shard was still open: the train shards that ended
+    # before it closed are complete, none of the split's is.
+    val_closed = json.loads(shards.meta_path(ref / "val", 0).read_text())["prepare"]["next_record"]
+    kept = sum(json.loads(shards.meta_path(ref, i).read_text())["prepare"]["next_record"] < val_closed for i in range(len(shards.list_shards(ref))))
+    assert kept >= 3
+    out = Path(shutil.copytree(ref, tmp_path / "out"))
+    (out / "manifest.json").unlink()
+    (out / "val" / "manifest.json").unlink()
+    for p in (out / "val").glob("shard-*"):
+        p.unlink()
+    for p in out.glob("shard-*"):
+        if int(p.name[6:11]) >= kept:
+            p.unlink()
+    kept_tokens = sum(shards.ShardMeta.load(shards.meta_path(out, i)).num_tokens for i in range(kept))
+    lines = []
+    result = prepare(PrepareConfig(inputs=[str(raw)], output=out, tokenizer=str(NEOX), chunk_bytes=2048, progress=False, **kw), log=lines.append)
+    assert dir_bytes(out) == dir_bytes(ref)
+    assert result.run_tokens == full.num_tokens - kept_tokens + full.val_tokens  # the kept shards' documents were not tokenized
+    assert result.resumed_from is not None and any(line.startswith(f"resuming {out}") and f"{kept} train, 0 val" in line for line in lines), lines
 
 
 def test_backends_write_identical_shards(tmp_path):

@@ -90,6 +90,8 @@ from olmo_ds.data.prepare.worker import (
     loaded_tokenizers,
     process_chunk,
     special_token_texts,
+    train_lines_done,
+    ALL_LINES,
 )
 from olmo_ds.tokenizer import load_tokenizer
 
@@ -208,13 +210,26 @@ def _ordered_results(tasks: Iterator[tuple], workers: _Workers) -> Iterator[tupl
         yield extras.popleft(), res
 
 
-def _tasks(files: list[Path], start: int, end_file: int, chunk_bytes: int) -> Iterator[tuple]:
+def _tasks(files: list[Path], start: int, end_file: int, chunk_bytes: int, train_from: int) -> Iterator[tuple]:
     """`((file index, first line or None, disk bytes done), worker arguments)` for each block from
-    input position `start` to the end of file `end_file - 1` (see `readers.iter_blocks`)."""
+    input position `start` to the end of file `end_file - 1` (see `readers.iter_blocks`), with the
+    block's lines whose train documents are in complete shards, the train split resuming at
+    `train_from` (`worker.process_chunk`). A byte range of the file where the train split resumes
+    is cut there, so that each range is wholly before or after it: its first line is not known
+    here (the lines of the ranges before it are counted as their results come back)."""
     start_file, start_line = split_position(start)
+    train_file, train_line = split_position(train_from)
     for fi in range(start_file, end_file):
-        for first_line, block, done in readers.iter_blocks(files[fi], chunk_bytes, max(start_line, 1) if fi == start_file else 1):
-            yield (fi, first_line, done), (fi, block)
+        blocks = readers.iter_blocks(files[fi], chunk_bytes, max(start_line, 1) if fi == start_file else 1)
+        cut = readers.line_offset(files[fi], train_line) if fi == train_file and train_from > start else None
+        for first_line, block, done in blocks:
+            if first_line is not None:
+                yield (fi, first_line, done), (fi, block, train_lines_done(fi, first_line, train_from))
+                continue
+            if cut is not None and block.start < cut < block.end:
+                yield (fi, None, done), (fi, dataclasses.replace(block, end=cut), ALL_LINES)
+                block = dataclasses.replace(block, start=cut)
+            yield (fi, None, done), (fi, block, ALL_LINES if cut is not None and block.end <= cut else 0)
 
 
 
@@ -395,17 +410,19 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
         if state is not None:
             skiplog = SkipLog.from_dict(state["skipped"])
             noted = SkipLog.from_dict(state.get("noted", SkipLog().to_dict()))  # absent before special-token counts existed
-        if start > position(lo, 0):
-            fi, line = split_position(start)
-            resumed_from = f"{files[fi]}:{line}" if fi < hi else "the end of the input"
-            log(f"resuming {out} from {resumed_from} (complete shards kept: " + ", ".join(f"{n} {k}" for n, (_, k, _) in resume.items()) + ")")
+        if start > position(lo, 0) or any(k for _, k, _ in resume.values()):
+            resumed_from = _where_or_end(files, resume["train"][2], hi)
+            kept = ", ".join(f"{k} {n}" for n, (_, k, _) in resume.items())
+            lag = "" if start == resume["train"][2] else (
+                f"; from {_where_or_end(files, start, hi)}, where the validation split resumes, to there only its documents are tokenized")
+            log(f"resuming {out} from {resumed_from} (complete shards kept: {kept}){lag}")
         atomic_write_json(out / STATE_FILE, setup.ident)
 
     t0 = time.perf_counter()
     disk_done = sum(s.bytes for s in file_stats[: split_position(start)[0] - lo])
     label = "prepare" if cfg.partition is None else f"prepare part {cfg.partition[0]}/{cfg.partition[1]}"
     progress = Progress(sum(s.bytes for s in file_stats), disk_done, cfg.progress, label, cfg.progress_every)
-    run = _Run(setup, skiplog, noted, progress)
+    run = _Run(setup, skiplog, noted, progress, resume["train"][2] if "train" in resume else start)
     finished = False
     try:
         if workers.unit == "files":
@@ -458,13 +475,14 @@ def _no_documents(setup: _Setup, skiplog: SkipLog, created: bool) -> None:
 class _Run:
     """The input of one run, in order, into the split writers: documents, skips and notes."""
 
-    def __init__(self, setup: _Setup, skiplog: SkipLog, noted: SkipLog, progress: Progress):
+    def __init__(self, setup: _Setup, skiplog: SkipLog, noted: SkipLog, progress: Progress, train_from: int):
         self.cfg, self.files, self.part, self.file_stats = setup.cfg, setup.files, setup.part, setup.file_stats
         self.tok, self.log = setup.tok, setup.log
         self.skiplog, self.noted = skiplog, noted  # up to the input read so far; shared with the caller
         self.progress = progress
         self.docs = self.tokens = self.text_bytes = 0
         self.reported = self.part[0]  # files before this one have had their --verbose line
+        self.train_from = train_from  # train documents before this input position are in complete shards
 
     def _report_files_before(self, fi: int) -> None:
         while self.cfg.verbose and self.reported < fi:
@@ -485,7 +503,7 @@ class _Run:
         splits = {name: SplitWriter(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos) for name, (d, k, pos) in resume.items()}
         next_line = 1  # the file line where the next block of the current file starts
         try:
-            for (fi, first_line, consumed), res in _ordered_results(_tasks(self.files, start, hi, self.cfg.chunk_bytes), workers):
+            for (fi, first_line, consumed), res in _ordered_results(_tasks(self.files, start, hi, self.cfg.chunk_bytes, self.train_from), workers):
                 self._report_files_before(fi)
                 if first_line is not None:
                     next_line = first_line
@@ -511,7 +529,7 @@ class _Run:
         tok, workers = self.tok, len(pool.procs)
         pieces = None if self.cfg.dry_run else Pieces(Path(self.cfg.output) / PIECES_DIR)
         splits = {name: PieceSplit(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos) for name, (d, k, pos) in resume.items()}
-        tasks = deque(plan_tasks(self.files, start, hi, workers, self.cfg.chunk_bytes, pieces.directory if pieces else None))
+        tasks = deque(plan_tasks(self.files, start, hi, workers, self.cfg.chunk_bytes, pieces.directory if pieces else None, self.train_from))
         by_index = {t.index: t for t in tasks}
         done: dict[int, PieceResult] = {}  # tokenized, waiting for the tasks before them
         parts = ShardQueues(workers)
@@ -574,7 +592,7 @@ class _Run:
             pos, reason = res.skips[0]
             fi, line = split_position(pos)
             raise PrepareError(f"{self.files[fi]}:{line}: {reason.replace('_', ' ')} (--strict stops at the first bad record)")
-        special_at = res.positions[res.special]
+        special_at = res.special_at
         if splits:
             state_at = _logs_before(self.skiplog, self.noted, res.skips, special_at, self.files)
             masks = {"train": None} if res.is_val is None else {"train": ~res.is_val, "val": res.is_val}
@@ -609,6 +627,10 @@ def _logs_before(skiplog: SkipLog, noted: SkipLog, skips: list[tuple[int, str]],
         return _state(s, n)
 
     return state_at
+
+
+def _where_or_end(files: list[Path], pos: int, end_file: int) -> str:
+    return _where(files, pos) if split_position(pos)[0] < end_file else "the end of the input"
 
 
 def _where(files: list[Path], pos: int) -> str:
