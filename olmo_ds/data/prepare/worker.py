@@ -19,6 +19,7 @@ import orjson
 
 from olmo_ds.data import shards
 from olmo_ds.data.prepare import readers
+from olmo_ds.data.prepare.long_docs import encode_documents
 from olmo_ds.data.prepare.output import position, split_position
 from olmo_ds.data.prepare.pieces import PieceResult, ShardJob, Task, write_shard_job
 from olmo_ds.tokenizer import first_difference, load_tokenizer
@@ -139,7 +140,7 @@ def process_chunk(spec: Spec, file_index: int, block: readers.Block, train_done:
         keep = lines >= train_done if is_val is None else (lines >= train_done) | is_val
         texts, lines = [t for t, k in zip(texts, keep) if k], lines[keep]
         is_val = None if is_val is None else is_val[keep]
-    ids, offsets = tok.encode_batch_flat(texts) if texts else (np.zeros(0, np.uint32), np.zeros(1, np.int64))
+    ids, offsets = encode_documents(tok, texts) if texts else (np.zeros(0, np.uint32), np.zeros(1, np.int64))
     tokens, doc_lens = append_eos(ids, offsets, tok.eos_id, shards.dtype_for_vocab(tok.vocab_size))
     return ChunkResult(file_index, tokens, doc_lens, base + lines, is_val, skips, special_at, text_bytes, n_lines)
 
