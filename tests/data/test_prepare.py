@@ -476,29 +476,34 @@ def test_a_resume_with_a_validation_split_tokenizes_only_what_is_not_kept(tmp_pa
     split's resume point (often the first document: a 1 % split rarely completes a shard before a
     kill) and the train split's, only validation documents are."""
     raw = tmp_path / "raw"
-    write_corpus_with_bad_records(raw, copies=6)
+    write_corpus_with_bad_records(raw, copies=4)
+    # Files before the one where the train split resumes (many blocks each), and a compressed one after.
+    shutil.copy(raw / "mixed.jsonl", raw / "a-first.jsonl")
+    (raw / "z-last.jsonl.gz").write_bytes(gzip.compress((raw / "mixed.jsonl").read_bytes()))
     kw = dict(shard_tokens=2500, val_fraction=0.02, work_unit=unit, workers=workers)
     ref = tmp_path / "ref"
     full = run([raw], ref, NEOX, **kw)
-    # Killed while the validation split's first shard was still open: the train shards that ended
-    # before it closed are complete, none of the split's is.
-    val_closed = json.loads(shards.meta_path(ref / "val", 0).read_text())["prepare"]["next_record"]
-    kept = sum(json.loads(shards.meta_path(ref, i).read_text())["prepare"]["next_record"] < val_closed for i in range(len(shards.list_shards(ref))))
-    assert kept >= 3
+    # Killed once the train split had moved on into the second file: its shards up to there are
+    # complete, and of the validation split's only those that closed before (often none).
+    meta = lambda d, i: json.loads(shards.meta_path(d, i).read_text())["prepare"]["next_record"]
+    n_train, n_val = len(shards.list_shards(ref)), len(shards.list_shards(ref / "val"))
+    kept = next(k for k in range(1, n_train) if meta(ref, k - 1)[0] >= 1)
+    val_kept = sum(meta(ref / "val", i) <= meta(ref, kept - 1) for i in range(n_val))
+    assert kept < n_train - 2 and val_kept < n_val
     out = Path(shutil.copytree(ref, tmp_path / "out"))
     (out / "manifest.json").unlink()
     (out / "val" / "manifest.json").unlink()
-    for p in (out / "val").glob("shard-*"):
-        p.unlink()
-    for p in out.glob("shard-*"):
-        if int(p.name[6:11]) >= kept:
-            p.unlink()
+    for d, k in ((out, kept), (out / "val", val_kept)):
+        for p in d.glob("shard-*"):
+            if int(p.name[6:11]) >= k:
+                p.unlink()
     kept_tokens = sum(shards.ShardMeta.load(shards.meta_path(out, i)).num_tokens for i in range(kept))
+    kept_val = sum(shards.ShardMeta.load(shards.meta_path(out / "val", i)).num_tokens for i in range(val_kept))
     lines = []
     result = prepare(PrepareConfig(inputs=[str(raw)], output=out, tokenizer=str(NEOX), chunk_bytes=2048, progress=False, **kw), log=lines.append)
     assert dir_bytes(out) == dir_bytes(ref)
-    assert result.run_tokens == full.num_tokens - kept_tokens + full.val_tokens  # the kept shards' documents were not tokenized
-    assert result.resumed_from is not None and any(line.startswith(f"resuming {out}") and f"{kept} train, 0 val" in line for line in lines), lines
+    assert result.run_tokens == full.num_tokens - kept_tokens + full.val_tokens - kept_val  # the kept shards' documents were not tokenized
+    assert result.resumed_from is not None and any(line.startswith(f"resuming {out}") and f"{kept} train, {val_kept} val" in line for line in lines), lines
 
 
 def test_backends_write_identical_shards(tmp_path):

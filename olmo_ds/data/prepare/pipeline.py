@@ -229,7 +229,8 @@ def _tasks(files: list[Path], start: int, end_file: int, chunk_bytes: int, train
             if cut is not None and block.start < cut < block.end:
                 yield (fi, None, done), (fi, dataclasses.replace(block, end=cut), ALL_LINES)
                 block = dataclasses.replace(block, start=cut)
-            yield (fi, None, done), (fi, block, ALL_LINES if cut is not None and block.end <= cut else 0)
+            before = fi < train_file or (cut is not None and block.end <= cut)
+            yield (fi, None, done), (fi, block, ALL_LINES if before else 0)
 
 
 
@@ -630,7 +631,8 @@ def _logs_before(skiplog: SkipLog, noted: SkipLog, skips: list[tuple[int, str]],
 
 
 def _where_or_end(files: list[Path], pos: int, end_file: int) -> str:
-    return _where(files, pos) if split_position(pos)[0] < end_file else "the end of the input"
+    fi, line = split_position(pos)
+    return "the end of the input" if fi >= end_file else f"{files[fi]}:{max(line, 1)}"  # line 0: the file's start
 
 
 def _where(files: list[Path], pos: int) -> str:
