@@ -2,16 +2,21 @@
 (olmo_ds/data/prepare/long_docs.py), on the real tokenizers and real text."""
 
 import json
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+import tokenizers
 
 from olmo_ds.data import shards
 from olmo_ds.data.prepare import long_docs
 from olmo_ds.data.prepare.long_docs import cuts, encode_documents, why_not_cut
 from olmo_ds.data.prepare.pipeline import PrepareConfig, prepare
 from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, load_tokenizer
+from olmo_ds.tools import package_env
 from testdata import SHARED
 from tests.data.test_prepare import DOLMA2, NEOX, c4_texts, read_all
 
@@ -76,8 +81,6 @@ def test_tokenizers_not_known_to_cut_exactly_are_encoded_whole(tmp_path, change,
 
 @pytest.mark.parametrize("unit, workers", [("blocks", 1), ("files", 2)])
 def test_prepare_writes_a_document_longer_than_a_piece_as_the_tokenizer_encodes_it_whole(tmp_path, monkeypatch, text, unit, workers):
-    import tokenizers
-
     big = (text + " ") * (long_docs.PIECE_CHARS // len(text) + 1)
     assert len(big) > long_docs.PIECE_CHARS
     raw = tmp_path / "raw"
@@ -97,11 +100,6 @@ def test_prepare_writes_a_document_longer_than_a_piece_as_the_tokenizer_encodes_
 
 
 def _peak_rss_mb(cmd: list[str]) -> float:
-    import os
-    import subprocess
-
-    from olmo_ds.tools import package_env
-
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=package_env())
     err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
@@ -112,8 +110,6 @@ def _peak_rss_mb(cmd: list[str]) -> float:
 def test_memory_for_one_long_document_stays_near_that_for_the_same_text_in_short_ones(tmp_path, text):
     """A one-line document once cost the tokenizer's whole working set for it (7.1 GB for 50 MB; the
     backend check encoded it whole too, twice). Now its pieces cost what a block of short documents does."""
-    import sys
-
     mb = 8
     copies = mb * 1_000_000 // len(text) + 1
     for name, lines in (("short", [text] * copies), ("long", [" ".join([text] * copies)])):

@@ -81,6 +81,7 @@ from olmo_ds.data.prepare.report import (
     log_file,
 )
 from olmo_ds.data.prepare.worker import (
+    ALL_LINES,
     CheckSlice,
     ChunkResult,
     Spec,
@@ -91,7 +92,6 @@ from olmo_ds.data.prepare.worker import (
     process_chunk,
     special_token_texts,
     train_lines_done,
-    ALL_LINES,
 )
 from olmo_ds.tokenizer import load_tokenizer
 
