@@ -11,7 +11,7 @@ shard directory; olmo_ds/data/prepare/token_files.py has the details.
 import argparse
 import sys
 
-from olmo_ds.data.prepare.token_files import TokenFileError, register_token_files
+from olmo_ds.data.prepare.token_files import TokenFileError, inner_eos_report, register_token_files
 from olmo_ds.tokenizer import load_tokenizer
 
 
@@ -31,6 +31,11 @@ def main(argv=None) -> int:
         print(f"register_token_files: error: {e}", file=sys.stderr)
         return 2
     print(f"{a.output}: {len(m.shards):,} token files in place, {m.num_docs:,} documents, {m.num_tokens:,} tokens ({m.dtype})")
+    inner = inner_eos_report(a.output)
+    if inner:
+        print(f"note: {m.extra['source']['docs_with_inner_eos']:,} documents in {len(inner):,} files hold EOS inside, kept whole as their "
+              "index has them (released as they are; validate_shards.py passes them and counts them the same way):")
+        print("\n".join(f"  {line}" for line in inner))
     return 0
 
 

@@ -4,11 +4,12 @@ Per shard: the `.bin` size equals num_tokens × itemsize, the dtype suits the vo
 is below the vocabulary size (the largest is reported as `vocab_max`), the document offsets start
 at 0, increase, end at num_tokens, each document ends in EOS and holds no other EOS (an EOS-scanning
 reader such as OLMo-core's document-aware datasets would otherwise see more documents than the
-offsets record; allowed only where the manifest says `--match-special-tokens` made it so, and then
-counted), and the sha256 matches. Per
-directory: the manifest lists exactly the shards on disk, its totals are the sums over them, and
-(given a tokenizer) its fingerprint, vocabulary size and EOS match the tokenizer's. A validation
-split in `val/` is checked the same way.
+offsets record; allowed where the manifest says `--match-special-tokens` made it so, or where the
+source is released token files registered as they are, whose index keeps such a document whole;
+then counted, the first few documents named, and what readers see said), and the sha256 matches.
+Per directory: the manifest lists exactly the shards on disk, its totals are the sums over them
+(and are not 0: a source of no tokens is refused), and (given a tokenizer) its fingerprint,
+vocabulary size and EOS match the tokenizer's. A validation split in `val/` is checked the same way.
 
 How the reading is spread over `workers` processes: a shard's sha256 must read it whole, in order,
 so it is one task; the id checks (largest id, EOS count) are cut into ranges of `SCAN_BYTES` and
@@ -45,6 +46,9 @@ class ShardReport:
     num_docs: int = 0
     vocab_max: int = -1
     docs_with_inner_eos: int = 0  # documents holding an EOS before their last token
+    inner_eos: int = 0  # EOS ids before a document's end: readers that split at EOS see this many documents more
+    inner_eos_docs: list[int] = field(default_factory=list)  # the first few such documents (indexes in the shard)
+    inner_eos_why: str = ""  # why they are allowed (empty: they are an error)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -80,7 +84,7 @@ class _Shard:
     meta: shards.ShardMeta
     bin_file: Path
     offsets_file: Path
-    inner_eos_allowed: bool  # EOS ids inside documents are counted, not an error (--match-special-tokens)
+    inner_eos_why: str  # why EOS ids inside documents are counted, not an error ("": they are an error; `_Split.inner_eos_why`)
     checksum: str = ""
     eos_count: int = 0
     document_errors: list[str] = field(default_factory=list)
@@ -91,7 +95,7 @@ class _Shard:
         return self.meta.num_tokens * np.dtype(self.meta.dtype).itemsize
 
 
-def _open_shard(directory: Path, bin_name: str, prefix: str, inner_eos_allowed: bool) -> tuple[ShardReport, _Shard | None]:
+def _open_shard(directory: Path, bin_name: str, prefix: str, inner_eos_why: str) -> tuple[ShardReport, _Shard | None]:
     """The checks that read no ids: metadata, dtype, the `.bin` size. None when one fails."""
     report = ShardReport(prefix + bin_name)
     meta_file = (directory / bin_name).with_suffix(".json")
@@ -119,7 +123,7 @@ def _open_shard(directory: Path, bin_name: str, prefix: str, inner_eos_allowed: 
     if size != meta.num_tokens * itemsize:
         report.errors.append(f"size {size} bytes != num_tokens {meta.num_tokens} x {itemsize} (truncated or corrupt)")
         return report, None
-    return report, _Shard(report, meta, bin_file, directory / meta.offsets, inner_eos_allowed)
+    return report, _Shard(report, meta, bin_file, directory / meta.offsets, inner_eos_why)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,16 +182,19 @@ def _documents(bin_file: str, offsets_file: str, meta: shards.ShardMeta) -> tupl
     return [], True
 
 
-def _inner_eos(bin_file: str, offsets_file: str, meta: shards.ShardMeta) -> tuple[int, int, int]:
-    """More EOS ids than documents: how many documents hold one before their end, and the first
-    such document and token (only run when that is so)."""
+INNER_EOS_SHOWN = 5  # documents with an inner EOS named in the report
+
+
+def _inner_eos(bin_file: str, offsets_file: str, meta: shards.ShardMeta) -> tuple[int, int, list[int], int]:
+    """More EOS ids than documents: how many documents hold one before their end, how many such
+    EOS ids there are, the first few such documents and the first such token (only run when that is so)."""
     tokens = shards.open_tokens(Path(bin_file), meta)
     offsets = np.asarray(shards.load_offsets(Path(offsets_file)))
     is_end = np.zeros(len(tokens), dtype=bool)
     is_end[offsets[1:] - 1] = True
     inner = np.flatnonzero((np.asarray(tokens) == meta.eos_id) & ~is_end)
     docs = np.unique(np.searchsorted(offsets, inner, side="right") - 1)
-    return len(docs), int(docs[0]), int(inner[0])
+    return len(docs), len(inner), docs[:INNER_EOS_SHOWN].tolist(), int(inner[0])
 
 
 _TASKS = {"scan": _scan, "documents": _documents, "inner_eos": _inner_eos}
@@ -220,11 +227,12 @@ def _record(s: _Shard, kind: str, value) -> None:
     elif kind == "documents":
         s.document_errors, s.ends_in_eos = value
     else:
-        docs, first_doc, first_token = value
-        s.report.docs_with_inner_eos = docs
-        if not s.inner_eos_allowed:
+        docs, inner, first_docs, first_token = value
+        r = s.report
+        r.docs_with_inner_eos, r.inner_eos, r.inner_eos_docs, r.inner_eos_why = docs, inner, first_docs, s.inner_eos_why
+        if not s.inner_eos_why:
             s.document_errors.append(
-                f"{docs} documents hold EOS {s.meta.eos_id} before their end (first: document {first_doc}, token {first_token}): "
+                f"{docs} documents hold EOS {s.meta.eos_id} before their end (first: document {first_docs[0]}, token {first_token}): "
                 "readers that split documents at EOS would disagree with the offsets; prepare again without --match-special-tokens"
             )
 
@@ -241,8 +249,8 @@ def _finish(s: _Shard) -> None:
     r.errors += s.document_errors
 
 
-def _check_shards(entries: list[tuple[Path, str, str, bool]], workers: int, meanwhile: Callable[[], None]) -> list[ShardReport]:
-    """Every per-shard check of `entries` (directory, .bin name, report prefix, inner EOS allowed), the
+def _check_shards(entries: list[tuple[Path, str, str, str]], workers: int, meanwhile: Callable[[], None]) -> list[ShardReport]:
+    """Every per-shard check of `entries` (directory, .bin name, report prefix, why inner EOS is allowed), the
     reading spread over `workers` processes; `meanwhile` runs here while they read."""
     opened = [_open_shard(*e) for e in entries]
     todo = {k: s for k, (_, s) in enumerate(opened) if s is not None}
@@ -290,8 +298,16 @@ class _Split:
         return split
 
     @property
-    def inner_eos_allowed(self) -> bool:
-        return bool(self.manifest and self.manifest.extra.get("arguments", {}).get("match_special_tokens"))
+    def inner_eos_why(self) -> str:
+        """Why documents may hold EOS before their end here ("" where that is an error): prepared
+        with --match-special-tokens, or released token files registered as they are (their index
+        keeps such a document whole; preparing them again is not the user's to do)."""
+        extra = self.manifest.extra if self.manifest else {}
+        if extra.get("source", {}).get("in_place"):
+            return "released token files, registered as they are: their index keeps these documents whole"
+        if extra.get("arguments", {}).get("match_special_tokens"):
+            return "prepared with --match-special-tokens"
+        return ""
 
 
 def validate_directory(directory: Path, tokenizer=None, workers: int = 1) -> Report:
@@ -307,7 +323,7 @@ def validate_directory(directory: Path, tokenizer=None, workers: int = 1) -> Rep
     val = splits[0].manifest.extra.get("val") if splits[0].manifest else None
     if val:
         splits.append(_Split.read(directory / val["dir"], f"{val['dir']}/"))
-    entries = [(s.directory, name, s.prefix, s.inner_eos_allowed) for s in splits for name in s.listed]
+    entries = [(s.directory, name, s.prefix, s.inner_eos_why) for s in splits for name in s.listed]
     loaded = {}
 
     def load() -> None:
@@ -323,6 +339,9 @@ def validate_directory(directory: Path, tokenizer=None, workers: int = 1) -> Rep
         report.errors += s.errors
         report.num_tokens += tokens
         report.num_docs += docs
+        if not s.prefix and not tokens and not s.errors:
+            report.errors.append(f"{directory}: holds no tokens (0 documents in {len(s.listed)} shards): a source with nothing to train on; "
+                                 "prepare it again from inputs that hold documents")
         if s.prefix and (docs, tokens) != (val["num_docs"], val["num_tokens"]):
             report.errors.append(f"{shards.MANIFEST}: val split is {val['num_docs']} docs / {val['num_tokens']} tokens, but {val['dir']}/ holds {docs} / {tokens}")
     return report
@@ -352,13 +371,21 @@ def _check_manifest(split: _Split, reports: list[ShardReport], tokens: int, docs
             split.errors.append(f"{where}: eos_id {manifest.eos_id} != the tokenizer's {tokenizer.eos_id}")
 
 
+def describe_inner_eos(docs: int, inner: int, first_docs: list[int], num_docs: int) -> str:
+    """What readers see of documents that hold EOS before their end (shared with the registration's report)."""
+    shown = ", ".join(map(str, first_docs)) + (", ..." if docs > len(first_docs) else "")
+    return (f"{docs:,} documents hold EOS inside (documents {shown}): olmo-ds reads the {num_docs:,} documents of the offsets; "
+            f"a reader that splits at EOS (OLMo-core without the index) sees {num_docs + inner:,}, each of these cut at its inner EOS")
+
+
 def format_report(report: Report) -> str:
     """One line per shard, the directory-level problems, then a totals line."""
     lines = []
     for s in report.shards:
         if s.ok:
-            inner = f", {s.docs_with_inner_eos:,} documents with EOS inside (--match-special-tokens)" if s.docs_with_inner_eos else ""
-            lines.append(f"{s.name}: OK ({s.num_tokens:,} tokens, vocab_max={s.vocab_max}{inner})")
+            lines.append(f"{s.name}: OK ({s.num_tokens:,} tokens, vocab_max={s.vocab_max})")
+            if s.docs_with_inner_eos:
+                lines.append(f"  {describe_inner_eos(s.docs_with_inner_eos, s.inner_eos, s.inner_eos_docs, s.num_docs)} ({s.inner_eos_why})")
         else:
             lines.append(f"{s.name}: FAIL: {'; '.join(s.errors)}")
     lines += [f"error: {e}" for e in report.errors]

@@ -8,6 +8,7 @@ end to end at 1 and 2 workers, and where the fast path's time goes.
     python scripts/bench_prepare.py --many-files --workers 1 16   # >= 2 GB of .json.gz in 128 files: 1 vs 16 workers, against
                                                                    # 16 independent fastokens processes, 16 writers on the
                                                                    # disk and 16 independent single-worker prepare jobs
+    python scripts/bench_prepare.py --long-document-mb 50         # peak RSS on one 50 MB document (one line), per backend
 
 Prints tokens/s, MB/s, peak RSS and the ratios against the targets.
 
@@ -208,9 +209,9 @@ def measure_prepare(tokenizer: Path, corpus: Path, output: Path, workers: int, b
     if (backend == "fast") != (ran == "fastokens"):
         raise RuntimeError(f"asked for backend {backend}, prepare_data.py ran {ran}")
     seconds = prep["seconds"] + val["seconds"]
-    # prepare_data.py's own figure: from the first block read to the last shard written, without
+    # prepare_data.py's own figure (its `tokenizing` line): from the first block read to the last shard written, without
     # start-up (imports, tokenizer loading, the backend guard), which a long run amortizes.
-    steady = float(re.search(r"time\s+([\d.,]+) s", prep["stdout"]).group(1).replace(",", ""))
+    steady = float(re.search(r"tokenizing\s+([\d.,]+) s", prep["stdout"]).group(1).replace(",", ""))
     if steady <= 0:  # printed to the millisecond: only a corpus far too small to measure rounds to 0
         raise RuntimeError(f"prepare_data.py on {corpus} took under a millisecond; use a larger --size-mb")
     return {
@@ -671,6 +672,28 @@ def _written(written: int | None, output: int) -> str:
     return f"{written / 1e9:.2f} GB written to disk meanwhile, for {output / 1e9:.2f} GB of output"
 
 
+def measure_long_document(tokenizer: Path, directory: Path, mb: int, backends: list[str], extra_text: Path | None = None, log=print) -> dict:
+    """Peak RSS of `prepare_data.py --workers 1` on one JSON line holding one document of `mb` MB
+    (distinct real text joined by blank lines), per backend, each in a fresh process: a document is
+    never cut by the reader, so this is what the tokenizer holds for it (`prepare/long_docs.py`)."""
+    path = Path(directory) / "long-document" / f"doc-{mb}mb.jsonl"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = "\n\n".join(_unique_documents(mb * 1_000_000, extra_text))
+        path.write_bytes(orjson.dumps({"text": text[: mb * 1_000_000]}) + b"\n")
+    results = {}
+    for backend in backends:
+        out = path.parent / f"shards-{backend}"
+        shutil.rmtree(out, ignore_errors=True)
+        r = _timed([sys.executable, "-m", "olmo_ds.cli.prepare_data", "--input", str(path), "--output", str(out), "--tokenizer", str(tokenizer),
+                    "--tokenizer-backend", backend, "--no-progress"])
+        tokens = json.loads((out / "manifest.json").read_text())["num_tokens"]
+        results[backend] = {"mb": mb, "tokens": tokens, "seconds": r["seconds"], "peak_rss_mb": r["peak_rss_mb"]}
+        log(f"one {mb} MB document, {backend}: {tokens:,} tokens in {r['seconds']:.1f} s, peak RSS {r['peak_rss_mb']:,.0f} MB")
+        shutil.rmtree(out, ignore_errors=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", default="allenai/dolma2-tokenizer", help="tokenizer.json, or a hub id from the HF cache (default: OLMo 2/3's)")
@@ -687,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--files", type=int, default=128, help="--many-files: number of files (default: 128)")
     p.add_argument("--pool-mb", type=int, default=128, help="--many-files: MB of distinct documents the files draw from (default: 128)")
     p.add_argument("--keep", action="store_true", help="--many-files: keep the shard directories (default: deleted after the comparison)")
+    p.add_argument("--long-document-mb", type=int, default=0, help="instead: peak RSS of prepare_data.py on one document of this many MB on one line, per --backends")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = p.parse_args(argv)
     try:
@@ -694,7 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if a.many_files:
+    if a.long_document_mb:
+        results = measure_long_document(tokenizer, a.dir, a.long_document_mb, a.backends, extra_text=a.extra_text)
+    elif a.many_files:
         workers = a.workers or [1, os.cpu_count() or 1]
         results = run_many_files(tokenizer, a.dir, a.gz_mb, a.files, workers, a.pool_mb, extra_text=a.extra_text, keep=a.keep)
     else:

@@ -140,6 +140,31 @@ def test_parts_that_cannot_be_joined_are_refused_naming_the_part(corpus, tmp_pat
     assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
 
 
+def test_parts_from_copies_of_the_corpus_on_other_mounts_merge(corpus, tmp_path):
+    """Two machines that mount the corpus at /X/mA/corpus and /X/mB/corpus (here: two copies under
+    tmp, given as absolute paths) make parts that merge into the single-machine run; the literal
+    --input strings once made the merge refuse them. Another corpus (same names and sizes, one byte
+    changed) is still refused."""
+    raw, single, _ = corpus
+    mounts = {m: Path(shutil.copytree(raw, tmp_path / m / "corpus")).resolve() for m in ("mA", "mB")}
+    parts = [tmp_path / "parts" / f"part-{i}" for i in range(3)]
+    for i, m in enumerate(["mA", "mB", "mA"]):
+        prep(mounts[m], parts[i], partition=(i, 3))
+    assert shards.Manifest.load(parts[1]).extra["arguments"]["input"] == [str(mounts["mB"])]
+    merge_parts(parts, tmp_path / "merged", log=lambda _: None)
+    merged, ref = dir_bytes(tmp_path / "merged"), dir_bytes(single)
+    assert {k: merged[k] for k in ref if k.endswith((".bin", ".npy"))} == {k: v for k, v in ref.items() if k.endswith((".bin", ".npy"))}
+    assert TokenSource(tmp_path / "merged").fingerprint() == TokenSource(single).fingerprint()
+    proc = subprocess.run([sys.executable, "scripts/merge_shards.py", *map(str, parts), "--output", str(tmp_path / "merged-cli")], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+    other = Path(shutil.copytree(raw, tmp_path / "mC" / "corpus"))
+    data = (other / "f4.jsonl").read_bytes()
+    (other / "f4.jsonl").write_bytes(data[:-3] + bytes([data[-3] ^ 1]) + data[-2:])  # same size, one byte changed
+    prep(other, tmp_path / "other-2", partition=(2, 3))
+    refused([parts[0], parts[1], tmp_path / "other-2"], tmp_path / "out", r"other-2: its input contents \(a sample of each file\) differs .*entry 4")
+
+
 def test_partition_argument_errors(tmp_path, corpus):
     raw = corpus[0]
     with pytest.raises(PrepareError, match="--partition 0/7: 7 parts but only 6 input files"):

@@ -442,14 +442,18 @@ def test_rerun_after_a_crash_at_any_point_is_byte_identical(tmp_path, val_fracti
             assert result.resumed_from is not None and result.run_tokens < result.num_tokens + result.val_tokens
 
 
-def test_rerun_after_sigkill_is_byte_identical(tmp_path):
+@pytest.mark.parametrize("val_fraction", ["0", "0.01"])
+def test_rerun_after_sigkill_is_byte_identical(tmp_path, val_fraction):
+    """With a validation split too: its shards are few (often none complete when the run is
+    killed), and a rerun once started over from the first document, saying nothing."""
     import signal
     import time
 
     raw = tmp_path / "raw"
     write_corpus_with_bad_records(raw, copies=25)
     # The HF backend is the slower one: the run must still be going when it is killed.
-    args = ["--input", str(raw), "--tokenizer", str(NEOX), "--shard-tokens", "2000", "--workers", "2", "--no-progress", "--tokenizer-backend", "hf"]
+    args = ["--input", str(raw), "--tokenizer", str(NEOX), "--shard-tokens", "2000", "--workers", "2", "--no-progress", "--tokenizer-backend", "hf",
+            "--val-fraction", val_fraction]
     ref = tmp_path / "ref"
     subprocess.run([sys.executable, "scripts/prepare_data.py", *args, "--output", str(ref)], cwd=REPO, check=True, capture_output=True)
     out = tmp_path / "out"
@@ -462,8 +466,44 @@ def test_rerun_after_sigkill_is_byte_identical(tmp_path):
     assert not (out / "manifest.json").exists(), "the run finished before it could be killed"
     proc = subprocess.run([sys.executable, "scripts/prepare_data.py", *args, "--output", str(out)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert "resumed from" in proc.stdout
+    assert "resumed from" in proc.stdout and "resuming" in proc.stdout
     assert dir_bytes(out) == dir_bytes(ref)
+
+
+@pytest.mark.parametrize("unit, workers", [("blocks", 1), ("blocks", 3), ("files", 2)])
+def test_a_resume_with_a_validation_split_tokenizes_only_what_is_not_kept(tmp_path, unit, workers):
+    """Documents already in complete train shards are not tokenized again: between the validation
+    split's resume point (often the first document: a 1 % split rarely completes a shard before a
+    kill) and the train split's, only validation documents are."""
+    raw = tmp_path / "raw"
+    write_corpus_with_bad_records(raw, copies=4)
+    # Files before the one where the train split resumes (many blocks each), and a compressed one after.
+    shutil.copy(raw / "mixed.jsonl", raw / "a-first.jsonl")
+    (raw / "z-last.jsonl.gz").write_bytes(gzip.compress((raw / "mixed.jsonl").read_bytes()))
+    kw = dict(shard_tokens=2500, val_fraction=0.02, work_unit=unit, workers=workers)
+    ref = tmp_path / "ref"
+    full = run([raw], ref, NEOX, **kw)
+    # Killed once the train split had moved on into the second file: its shards up to there are
+    # complete, and of the validation split's only those that closed before (often none).
+    meta = lambda d, i: json.loads(shards.meta_path(d, i).read_text())["prepare"]["next_record"]
+    n_train, n_val = len(shards.list_shards(ref)), len(shards.list_shards(ref / "val"))
+    kept = next(k for k in range(1, n_train) if meta(ref, k - 1)[0] >= 1)
+    val_kept = sum(meta(ref / "val", i) <= meta(ref, kept - 1) for i in range(n_val))
+    assert kept < n_train - 2 and val_kept < n_val
+    out = Path(shutil.copytree(ref, tmp_path / "out"))
+    (out / "manifest.json").unlink()
+    (out / "val" / "manifest.json").unlink()
+    for d, k in ((out, kept), (out / "val", val_kept)):
+        for p in d.glob("shard-*"):
+            if int(p.name[6:11]) >= k:
+                p.unlink()
+    kept_tokens = sum(shards.ShardMeta.load(shards.meta_path(out, i)).num_tokens for i in range(kept))
+    kept_val = sum(shards.ShardMeta.load(shards.meta_path(out / "val", i)).num_tokens for i in range(val_kept))
+    lines = []
+    result = prepare(PrepareConfig(inputs=[str(raw)], output=out, tokenizer=str(NEOX), chunk_bytes=2048, progress=False, **kw), log=lines.append)
+    assert dir_bytes(out) == dir_bytes(ref)
+    assert result.run_tokens == full.num_tokens - kept_tokens + full.val_tokens - kept_val  # the kept shards' documents were not tokenized
+    assert result.resumed_from is not None and any(line.startswith(f"resuming {out}") and f"{kept} train, {val_kept} val" in line for line in lines), lines
 
 
 def test_backends_write_identical_shards(tmp_path):
@@ -628,3 +668,48 @@ def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path, capsys):
     assert re.search(r"ETA \d+:\d\d:\d\d$", lines[0])
     run([raw], tmp_path / "quiet", NEOX, progress=False, progress_every=0)
     assert capsys.readouterr().err == ""
+
+
+def test_inputs_without_documents_are_an_error_and_leave_no_source(tmp_path):
+    """Empty files (and files of blank documents) used to "succeed" with 0 tokens and a manifest
+    that validated; a source of nothing fails only when training reads it."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.jsonl").write_bytes(b"")
+    (raw / "b.jsonl").write_bytes(b"")
+    with pytest.raises(PrepareError, match=r"every input file is empty \(0 bytes\): .*a\.jsonl, .*b\.jsonl"):
+        run([raw], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    (raw / "c.jsonl").write_text(json.dumps({"text": "   "}) + "\n\n" + json.dumps({"body": "x"}) + "\n")
+    (raw / "d.jsonl.gz").write_bytes(gzip.compress(b""))
+    for unit, workers in (("blocks", 1), ("files", 2)):
+        out = tmp_path / f"out-{unit}"
+        with pytest.raises(PrepareError) as e:
+            run([raw], out, work_unit=unit, workers=workers)
+        message = str(e.value)
+        assert "no documents in the input (4 files)" in message and "a.jsonl (empty, 0 bytes)" in message
+        assert "c.jsonl (2 records skipped)" in message and "d.jsonl.gz (no records)" in message
+        assert "empty_document 1" in message and "missing_text_field 1" in message and "--text-field is 'text'" in message
+        assert not out.exists()
+    proc = subprocess.run([sys.executable, "scripts/prepare_data.py", "--input", str(raw), "--output", str(tmp_path / "out"), "--tokenizer", str(NEOX)],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "no documents in the input" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_summary_time_covers_the_whole_run(tmp_path):
+    """The summary's time once counted the tokenizing loop only, leaving out the backend check
+    (26 s of a "0.552 s" run): now its total is the whole run, with the check shown apart."""
+    import time
+
+    from olmo_ds.data.prepare.report import format_summary
+
+    t0 = time.perf_counter()
+    result = run([C4_DIR], tmp_path / "out", DOLMA2, tokenizer_backend="auto")
+    wall = time.perf_counter() - t0
+    text = format_summary(result)
+    total = float(re.search(r"^time\s+([\d.,]+) s in all$", text, re.M).group(1).replace(",", ""))
+    check = float(re.search(r"^  backend check\s+([\d.,]+) s", text, re.M).group(1).replace(",", ""))
+    loop = float(re.search(r"^  tokenizing\s+([\d.,]+) s", text, re.M).group(1).replace(",", ""))
+    rest = float(re.search(r"^  the rest\s+([\d.,]+) s", text, re.M).group(1).replace(",", ""))
+    assert 0.95 * wall - 0.005 <= total <= wall + 0.001, (total, wall)
+    assert check > 0 and loop > 0 and abs(check + loop + rest - total) < 0.005

@@ -99,3 +99,31 @@ def test_a_damaged_compressed_file_is_an_error_naming_it(tmp_path, name, damage)
     with pytest.raises(readers.CorruptInputError, match=rf"{name}: cannot decompress past line [\d,]+ .*truncated or damaged"):
         for _ in readers.iter_chunks(path, 4096):
             pass
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zst"])
+def test_a_truncated_compressed_file_names_its_last_whole_line(tmp_path, suffix):
+    """The damage is reported after the last line that could be decompressed whole, not after the
+    last block handed out (with 1 MiB blocks that was line 0 for any file under 1 MiB)."""
+    import gzip
+    import json
+    import zlib
+
+    import zstandard
+
+    data = "".join(json.dumps({"text": f"document {i} " + "word " * 50}) + "\n" for i in range(3000)).encode()
+    if suffix.endswith(".gz"):
+        blob = gzip.compress(data)
+        cut = blob[: len(blob) // 3]
+        whole = zlib.decompressobj(31).decompress(cut).count(b"\n")
+    else:
+        blob = zstandard.ZstdCompressor().compress(data)
+        cut = blob[: len(blob) // 3]
+        whole = zstandard.ZstdDecompressor().decompressobj().decompress(cut).count(b"\n")
+    assert 500 < whole < 1500
+    path = tmp_path / f"part{suffix}"
+    path.write_bytes(cut)
+    for chunk in (readers.CHUNK_BYTES, 4096):
+        with pytest.raises(readers.CorruptInputError) as e:
+            list(readers.iter_chunks(path, chunk))
+        assert f"{path}: cannot decompress past line {whole:,} (lines 1-{whole:,} are whole" in str(e.value)

@@ -2,6 +2,7 @@
 OLMo writes them: np.memmap(path, mode="w+", dtype=...) of each document's ids followed by EOS."""
 
 import gzip
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +131,32 @@ def test_script(tmp_path):
     proc = subprocess.run(cmd[:-1] + [str(tmp_path / "src")], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "not empty" in proc.stderr
     assert shards.Manifest.load(tmp_path / "src").extra["source"]["in_place"] is True
+
+
+@pytest.mark.parametrize("tokenizer, dtype", [(DOLMA2, np.uint32), (NEOX, np.uint16)])
+def test_released_documents_with_an_inner_eos_are_registered_and_validated_alike(tmp_path, tokenizer, dtype):
+    """Dolma's tokenizer turns a quoted "<|endoftext|>" into the EOS id and its `.csv.gz` keeps the
+    document whole. Registration accepted it and validation then failed with advice for prepared
+    data ("prepare again without --match-special-tokens"): now both report the same documents, and
+    validation passes, saying what readers that split at EOS see."""
+    texts = c4_texts()[:8]
+    texts[2] = "A page that quotes <|endoftext|> in its text. " + texts[2]
+    texts[5] = texts[5] + " and twice: <|endoftext|><|endoftext|> end."
+    docs = encoded(tokenizer, texts)  # HF's default: special-token text becomes the special token
+    eos = docs[0][-1]
+    assert docs[2][:-1].count(eos) == 1 and docs[5][:-1].count(eos) == 2
+    write_olmo_npy(tmp_path / "mix" / "part-0-00000.npy", docs, dtype, index=True)
+    proc = subprocess.run([sys.executable, "scripts/register_token_files.py", "--input", str(tmp_path / "mix"), "--tokenizer", str(tokenizer),
+                           "--output", str(tmp_path / "src")], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "note: 2 documents in 1 files hold EOS inside" in proc.stdout and "(documents 2, 5)" in proc.stdout, proc.stdout
+    recorded = json.loads(shards.meta_path(tmp_path / "src", 0).read_text())["in_place"]
+    assert (recorded["docs_with_inner_eos"], recorded["inner_eos"], recorded["inner_eos_docs"]) == (2, 3, [2, 5])
+    report = validate_directory(tmp_path / "src", load_tokenizer(tokenizer))
+    assert report.ok, report.shards[0].errors
+    s = report.shards[0]
+    assert (s.docs_with_inner_eos, s.inner_eos, s.inner_eos_docs) == (2, 3, [2, 5])
+    proc = subprocess.run([sys.executable, "scripts/validate_shards.py", str(tmp_path / "src"), "--tokenizer", str(tokenizer)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+    assert "2 documents hold EOS inside (documents 2, 5): olmo-ds reads the 8 documents of the offsets; a reader that splits at EOS" in proc.stdout
+    assert "sees 11" in proc.stdout and "released token files" in proc.stdout and "--match-special-tokens" not in proc.stdout

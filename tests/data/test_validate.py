@@ -125,9 +125,19 @@ def test_eos_inside_a_document_fails_unless_the_manifest_says_it_was_asked_for(t
     report = validate_directory(out, load_tokenizer(NEOX))
     assert report.ok, format_report(report)
     assert sum(s.docs_with_inner_eos for s in report.shards) == 2
-    assert "documents with EOS inside (--match-special-tokens)" in format_report(report)
+    assert "documents hold EOS inside (documents " in format_report(report) and "(prepared with --match-special-tokens)" in format_report(report)
     m = json.loads((out / "manifest.json").read_text())
     m["arguments"]["match_special_tokens"] = False  # as if nobody had asked for it
     (out / "manifest.json").write_text(json.dumps(m))
     text = problems(out)
     assert "shard-00000.bin: FAIL: 2 documents hold EOS 50279 before their end (first: document 3, token " in text
+
+
+def test_a_source_of_no_tokens_fails(tmp_path):
+    """A manifest over no shards (what prepare_data wrote for inputs without documents) is no source."""
+    out = tmp_path / "empty"
+    out.mkdir()
+    shards.write_manifest(out, load_tokenizer(NEOX), "train", {})
+    assert "holds no tokens (0 documents in 0 shards)" in problems(out)
+    proc = subprocess.run([sys.executable, "scripts/validate_shards.py", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 1 and "no tokens" in proc.stdout

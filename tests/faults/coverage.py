@@ -9,6 +9,7 @@ OWNER_TESTS: dict[str, list[str]] = {
         "tests/data/test_prepare.py::test_rerun_after_a_crash_at_any_point_is_byte_identical",
         "tests/data/test_prepare.py::test_rerun_after_sigkill_is_byte_identical",
         "tests/data/test_prepare.py::test_whole_files_resume_after_a_crash_in_either_mode",
+        "tests/data/test_prepare.py::test_a_resume_with_a_validation_split_tokenizes_only_what_is_not_kept",
     ],
     "bad input: corrupt shard (flipped byte, no EOS, offsets)": [
         "tests/data/test_validate.py::test_flipped_byte_and_missing_eos",
@@ -47,10 +48,13 @@ OWNER_TESTS: dict[str, list[str]] = {
     "bad input: raw records and input paths (prepare)": [
         "tests/data/test_prepare.py::test_every_bad_record_kind_is_skipped_counted_and_located",
         "tests/data/test_prepare.py::test_clear_errors_before_any_work",
+        "tests/data/test_prepare.py::test_inputs_without_documents_are_an_error_and_leave_no_source",
+        "tests/data/test_validate.py::test_a_source_of_no_tokens_fails",
     ],
     "bad input: truncated or damaged compressed input": [
         "tests/data/test_readers.py::test_a_damaged_compressed_file_is_an_error_naming_it",
         "tests/data/test_prepare.py::test_a_truncated_compressed_input_stops_the_run_naming_it_and_keeps_complete_shards",
+        "tests/data/test_readers.py::test_a_truncated_compressed_file_names_its_last_whole_line",
     ],
     "bad input: YAML typo'd key / wrong type": [
         "tests/train/test_config.py::test_config_errors_name_the_key",

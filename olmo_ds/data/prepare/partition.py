@@ -69,10 +69,29 @@ def file_range(files: list[Path], partition: tuple[int, int]) -> tuple[int, int]
     return b[i], b[i + 1]
 
 
+SAMPLE_BYTES = 4096  # read from each end of every input file for `record`'s content samples
+
+
+def content_sample(path: Path) -> str:
+    """A cheap fingerprint of a file's content: sha256 of its size and first and last `SAMPLE_BYTES`.
+    Not a proof that two copies are equal, but two corpora that share file names and sizes (a
+    regenerated dump) differ here, where the mtime of a copy on another mount proves nothing."""
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    digest.update(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        digest.update(f.read(SAMPLE_BYTES))
+        f.seek(max(size - SAMPLE_BYTES, 0))
+        digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
 def record(files: list[Path], partition: tuple[int, int]) -> dict:
-    """What a part's manifest says about the partition (the input list itself is `inputs`)."""
+    """What a part's manifest says about the partition (the input list itself is `inputs`), with a
+    content sample of every input file, so that the merge can tell copies of one corpus on other
+    mounts from another corpus."""
     lo, hi = file_range(files, partition)
-    return {"index": partition[0], "count": partition[1], "files": [lo, hi]}
+    return {"index": partition[0], "count": partition[1], "files": [lo, hi], "content_samples": [content_sample(f) for f in files]}
 
 
 @dataclass
@@ -121,11 +140,15 @@ def _relative_inputs(m: shards.Manifest) -> list[tuple[str, int]]:
 
 
 def _must_match(m: shards.Manifest) -> dict:
-    """What every part of one run shares, each with a name the refusal can print."""
-    arguments = {k: v for k, v in m.extra["arguments"].items() if k != "tokenizer"}  # its path may differ per machine; the fingerprint may not
+    """What every part of one run shares, each with a name the refusal can print. Paths as given
+    (`--input`, `--tokenizer`) may differ per machine, which may mount the corpus elsewhere: what
+    must not is the input list relative to its common directory, with sizes and content samples
+    (`record`; absent in parts made before they existed), and the tokenizer's fingerprint."""
+    arguments = {k: v for k, v in m.extra["arguments"].items() if k not in ("tokenizer", "input")}
     return {
         "part count M": m.extra["partition"]["count"],
         "input list (relative paths and sizes)": _relative_inputs(m),
+        "input contents (a sample of each file)": m.extra["partition"].get("content_samples"),
         "tokenizer": (m.tokenizer_fingerprint, m.vocab_size, m.eos_id, m.dtype, m.extra.get("pad_id")),
         "arguments": arguments,
         "olmo-ds version": m.extra["tool"]["version"],
@@ -142,7 +165,7 @@ def check_parts(directories: list[Path]) -> list[Part]:
     reference = _must_match(first.manifest)
     for p in parts[1:]:
         for what, value in _must_match(p.manifest).items():
-            if value != reference[what]:
+            if value != reference[what] and None not in (value, reference[what]):
                 raise MergeError(f"{p.directory}: its {what} differs from {first.directory}'s ({_difference(value, reference[what])}); all parts must come from one prepare_data.py command with --partition I/M")
     m = reference["part count M"]
     seen: dict[int, Part] = {}

@@ -61,12 +61,13 @@ class Task:
     start_line: int
     pieces: str | None  # where the piece files go; None in a dry run (ids are counted, not kept)
     chunk_bytes: int
+    train_from: int = 0  # train documents before this input position are in complete shards: not tokenized (`worker.process_chunk`)
 
     def piece(self, split: str) -> str:
         return str(Path(self.pieces) / f"piece-{self.index:06d}.{split}.bin")
 
 
-def plan_tasks(files: list[Path], start: int, end_file: int, workers: int, chunk_bytes: int, pieces: Path | None) -> list[Task]:
+def plan_tasks(files: list[Path], start: int, end_file: int, workers: int, chunk_bytes: int, pieces: Path | None, train_from: int = 0) -> list[Task]:
     """Tasks covering the input from position `start` to the end of file `end_file - 1`:
     consecutive files grouped until a task holds `GROUP_BYTES` on disk (fewer when the input is
     small, so that every worker gets several tasks)."""
@@ -79,7 +80,7 @@ def plan_tasks(files: list[Path], start: int, end_file: int, workers: int, chunk
         size += sizes[fi]
         if size >= target or fi == end_file - 1:
             first = start_line if group[0][0] == start_file else 1
-            tasks.append(Task(len(tasks), tuple(group), max(first, 1), str(pieces) if pieces else None, chunk_bytes))
+            tasks.append(Task(len(tasks), tuple(group), max(first, 1), str(pieces) if pieces else None, chunk_bytes, train_from))
             group, size = [], 0
     return tasks
 
@@ -91,7 +92,7 @@ class PieceResult:
     doc_lens: np.ndarray  # int64 tokens per document, EOS included, in input order
     positions: np.ndarray  # int64 input position (`output.position`) of each document
     is_val: np.ndarray | None  # bool per document, when there is a validation split
-    special: np.ndarray  # bool per document: its text holds a special token's text
+    special_at: np.ndarray  # int64 input positions of the documents whose text holds a special token's text
     skips: list[tuple[int, str]]  # (input position, reason)
     text_bytes: int
     files: list[tuple[int, int, int, int]]  # per file: (index, documents, tokens, skipped records)

@@ -81,6 +81,7 @@ from olmo_ds.data.prepare.report import (
     log_file,
 )
 from olmo_ds.data.prepare.worker import (
+    ALL_LINES,
     CheckSlice,
     ChunkResult,
     Spec,
@@ -90,6 +91,7 @@ from olmo_ds.data.prepare.worker import (
     loaded_tokenizers,
     process_chunk,
     special_token_texts,
+    train_lines_done,
 )
 from olmo_ds.tokenizer import load_tokenizer
 
@@ -208,13 +210,27 @@ def _ordered_results(tasks: Iterator[tuple], workers: _Workers) -> Iterator[tupl
         yield extras.popleft(), res
 
 
-def _tasks(files: list[Path], start: int, end_file: int, chunk_bytes: int) -> Iterator[tuple]:
+def _tasks(files: list[Path], start: int, end_file: int, chunk_bytes: int, train_from: int) -> Iterator[tuple]:
     """`((file index, first line or None, disk bytes done), worker arguments)` for each block from
-    input position `start` to the end of file `end_file - 1` (see `readers.iter_blocks`)."""
+    input position `start` to the end of file `end_file - 1` (see `readers.iter_blocks`), with the
+    block's lines whose train documents are in complete shards, the train split resuming at
+    `train_from` (`worker.process_chunk`). A byte range of the file where the train split resumes
+    is cut there, so that each range is wholly before or after it: its first line is not known
+    here (the lines of the ranges before it are counted as their results come back)."""
     start_file, start_line = split_position(start)
+    train_file, train_line = split_position(train_from)
     for fi in range(start_file, end_file):
-        for first_line, block, done in readers.iter_blocks(files[fi], chunk_bytes, max(start_line, 1) if fi == start_file else 1):
-            yield (fi, first_line, done), (fi, block)
+        blocks = readers.iter_blocks(files[fi], chunk_bytes, max(start_line, 1) if fi == start_file else 1)
+        cut = readers.line_offset(files[fi], train_line) if fi == train_file and train_from > start else None
+        for first_line, block, done in blocks:
+            if first_line is not None:
+                yield (fi, first_line, done), (fi, block, train_lines_done(fi, first_line, train_from))
+                continue
+            if cut is not None and block.start < cut < block.end:
+                yield (fi, None, done), (fi, dataclasses.replace(block, end=cut), ALL_LINES)
+                block = dataclasses.replace(block, start=cut)
+            before = fi < train_file or (cut is not None and block.end <= cut)
+            yield (fi, None, done), (fi, block, ALL_LINES if before else 0)
 
 
 
@@ -233,6 +249,7 @@ def _settings(cfg: PrepareConfig) -> dict:
 
 def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareResult:
     """Run data preparation; see the module docstring. Raises `PrepareError` for bad input or output."""
+    started = time.perf_counter()  # the summary's time covers all of it (`report.format_summary`)
     cfg.validate()
     try:
         files = readers.resolve_inputs(list(cfg.inputs))
@@ -241,6 +258,8 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
         lo, hi = partition.file_range(files, cfg.partition) if cfg.partition else (0, len(files))
     except (OSError, ValueError) as e:
         raise PrepareError(str(e)) from e
+    if all(f.stat().st_size == 0 for f in files):
+        raise PrepareError(f"no documents to prepare: every input file is empty (0 bytes): {_some(files)}; nothing was written")
     try:
         tok = load_tokenizer(cfg.tokenizer, cfg.eos_token)
     except (OSError, ValueError) as e:
@@ -271,6 +290,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
         # starts workers anew.
         workers = _Workers.start(stack, unit, cfg.workers, spec, context)
         texts = []
+        check_started = time.perf_counter()
         if fast is not None:
             texts, labels = check_texts(files, cfg.text_field)
             difference = _first_difference(workers, texts, labels)
@@ -279,12 +299,14 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
             if workers.pool:
                 workers.pool.close()
             workers = _Workers.start(stack, unit, cfg.workers, dataclasses.replace(spec, backend="hf"), context)
+        check_seconds = time.perf_counter() - check_started if fast is not None else 0.0
         if mode == "overwrite":
             for p in our_files(out):
                 p.unlink()
         result = _run(_Setup(cfg, files, (lo, hi), tok, ident, file_stats, backend, log), workers)
         result.layout = workers.layout()
-        return result
+    result.check_seconds, result.total_seconds = check_seconds, time.perf_counter() - started
+    return result
 
 
 @dataclass
@@ -381,6 +403,7 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
     skiplog, noted = SkipLog(), SkipLog()
     start = position(lo, 0)
     resumed_from = None
+    created = not out.exists()
     if not cfg.dry_run:
         out.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(out / PIECES_DIR, ignore_errors=True)  # a killed whole-file run's scratch
@@ -388,17 +411,19 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
         if state is not None:
             skiplog = SkipLog.from_dict(state["skipped"])
             noted = SkipLog.from_dict(state.get("noted", SkipLog().to_dict()))  # absent before special-token counts existed
-        if start > position(lo, 0):
-            fi, line = split_position(start)
-            resumed_from = f"{files[fi]}:{line}" if fi < hi else "the end of the input"
-            log(f"resuming {out} from {resumed_from} (complete shards kept: " + ", ".join(f"{n} {k}" for n, (_, k, _) in resume.items()) + ")")
+        if start > position(lo, 0) or any(k for _, k, _ in resume.values()):
+            resumed_from = _where_or_end(files, resume["train"][2], hi)
+            kept = ", ".join(f"{k} {n}" for n, (_, k, _) in resume.items())
+            lag = "" if start == resume["train"][2] else (
+                f"; from {_where_or_end(files, start, hi)}, where the validation split resumes, to there only its documents are tokenized")
+            log(f"resuming {out} from {resumed_from} (complete shards kept: {kept}){lag}")
         atomic_write_json(out / STATE_FILE, setup.ident)
 
     t0 = time.perf_counter()
     disk_done = sum(s.bytes for s in file_stats[: split_position(start)[0] - lo])
     label = "prepare" if cfg.partition is None else f"prepare part {cfg.partition[0]}/{cfg.partition[1]}"
     progress = Progress(sum(s.bytes for s in file_stats), disk_done, cfg.progress, label, cfg.progress_every)
-    run = _Run(setup, skiplog, noted, progress)
+    run = _Run(setup, skiplog, noted, progress, resume["train"][2] if "train" in resume else start)
     finished = False
     try:
         if workers.unit == "files":
@@ -409,6 +434,8 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
     finally:
         progress.close(finished)
     seconds = time.perf_counter() - t0
+    if run.docs == 0 and all(k == 0 for _, k, _ in resume.values()) and cfg.partition is None:
+        _no_documents(setup, skiplog, created)
 
     if cfg.dry_run:
         return PrepareResult(None, file_stats, run.docs, run.tokens, 0, 0, 0, skiplog, seconds, run.text_bytes, run.tokens, noted=noted, backend=setup.backend["name"])
@@ -424,16 +451,39 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
     )
 
 
+def _some(items: list, at_most: int = 5) -> str:
+    shown = ", ".join(str(i) for i in items[:at_most])
+    return shown + (f" and {len(items) - at_most:,} more" if len(items) > at_most else "")
+
+
+def _no_documents(setup: _Setup, skiplog: SkipLog, created: bool) -> None:
+    """The whole input held no document: an error naming what each file held, and no trace left of
+    the output (no manifest: a source of 0 tokens would look prepared, and validate, and fail only
+    when a run tries to read it)."""
+    out = Path(setup.cfg.output)
+    if not setup.cfg.dry_run:
+        (out / STATE_FILE).unlink(missing_ok=True)
+        for d in (out / VAL_DIR, out):
+            if d.is_dir() and not any(d.iterdir()) and (d != out or created):
+                d.rmdir()
+    held = [f"{s.path} ({'empty, 0 bytes' if s.bytes == 0 else f'{s.skipped:,} records skipped' if s.skipped else 'no records'})" for s in setup.file_stats]
+    reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(skiplog.counts.items()))
+    raise PrepareError(f"no documents in the input ({len(held):,} files): {_some(held)}" + (f"; skipped records: {reasons}" if reasons else "")
+                       + (f"; --text-field is {setup.cfg.text_field!r}" if skiplog.counts.get(readers.MISSING_FIELD) else "")
+                       + "; nothing was written")
+
+
 class _Run:
     """The input of one run, in order, into the split writers: documents, skips and notes."""
 
-    def __init__(self, setup: _Setup, skiplog: SkipLog, noted: SkipLog, progress: Progress):
+    def __init__(self, setup: _Setup, skiplog: SkipLog, noted: SkipLog, progress: Progress, train_from: int):
         self.cfg, self.files, self.part, self.file_stats = setup.cfg, setup.files, setup.part, setup.file_stats
         self.tok, self.log = setup.tok, setup.log
         self.skiplog, self.noted = skiplog, noted  # up to the input read so far; shared with the caller
         self.progress = progress
         self.docs = self.tokens = self.text_bytes = 0
         self.reported = self.part[0]  # files before this one have had their --verbose line
+        self.train_from = train_from  # train documents before this input position are in complete shards
 
     def _report_files_before(self, fi: int) -> None:
         while self.cfg.verbose and self.reported < fi:
@@ -454,7 +504,7 @@ class _Run:
         splits = {name: SplitWriter(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos) for name, (d, k, pos) in resume.items()}
         next_line = 1  # the file line where the next block of the current file starts
         try:
-            for (fi, first_line, consumed), res in _ordered_results(_tasks(self.files, start, hi, self.cfg.chunk_bytes), workers):
+            for (fi, first_line, consumed), res in _ordered_results(_tasks(self.files, start, hi, self.cfg.chunk_bytes, self.train_from), workers):
                 self._report_files_before(fi)
                 if first_line is not None:
                     next_line = first_line
@@ -480,7 +530,7 @@ class _Run:
         tok, workers = self.tok, len(pool.procs)
         pieces = None if self.cfg.dry_run else Pieces(Path(self.cfg.output) / PIECES_DIR)
         splits = {name: PieceSplit(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos) for name, (d, k, pos) in resume.items()}
-        tasks = deque(plan_tasks(self.files, start, hi, workers, self.cfg.chunk_bytes, pieces.directory if pieces else None))
+        tasks = deque(plan_tasks(self.files, start, hi, workers, self.cfg.chunk_bytes, pieces.directory if pieces else None, self.train_from))
         by_index = {t.index: t for t in tasks}
         done: dict[int, PieceResult] = {}  # tokenized, waiting for the tasks before them
         parts = ShardQueues(workers)
@@ -543,7 +593,7 @@ class _Run:
             pos, reason = res.skips[0]
             fi, line = split_position(pos)
             raise PrepareError(f"{self.files[fi]}:{line}: {reason.replace('_', ' ')} (--strict stops at the first bad record)")
-        special_at = res.positions[res.special]
+        special_at = res.special_at
         if splits:
             state_at = _logs_before(self.skiplog, self.noted, res.skips, special_at, self.files)
             masks = {"train": None} if res.is_val is None else {"train": ~res.is_val, "val": res.is_val}
@@ -578,6 +628,11 @@ def _logs_before(skiplog: SkipLog, noted: SkipLog, skips: list[tuple[int, str]],
         return _state(s, n)
 
     return state_at
+
+
+def _where_or_end(files: list[Path], pos: int, end_file: int) -> str:
+    fi, line = split_position(pos)
+    return "the end of the input" if fi >= end_file else f"{files[fi]}:{max(line, 1)}"  # line 0: the file's start
 
 
 def _where(files: list[Path], pos: int) -> str:

@@ -247,10 +247,10 @@ def iter_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES, start_line: int = 1)
             try:
                 block = stream.read(chunk_bytes)
             except errors as e:
-                whole = line - 1  # lines handed out whole before the damage
+                whole = _whole_lines_before_damage(path, errors)
                 raise CorruptInputError(
-                    f"{path}: cannot decompress past line {whole:,} "
-                    f"({counter.consumed:,} of {path.stat().st_size:,} bytes on disk read): {type(e).__name__}: {e}. "
+                    f"{path}: cannot decompress past line {whole:,} (lines 1-{whole:,} are whole; "
+                    f"{counter.consumed:,} of {path.stat().st_size:,} bytes on disk read): {type(e).__name__}: {e}. "
                     "The file is truncated or damaged; replace it (or leave it out) and run again"
                 ) from e
             if not block:
@@ -273,6 +273,23 @@ def iter_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES, start_line: int = 1)
             line += n_lines
         if pending and line >= start_line:
             yield line, pending, counter.consumed
+
+
+def _whole_lines_before_damage(path: Path, errors: tuple[type[BaseException], ...]) -> int:
+    """The number of whole lines of a damaged compressed file, read again up to the damage (on the
+    error path only) with readers that hand out every byte they can decompress before they fail:
+    the standard library's gzip, our zstd frames. ISA-L's gzip reader fails a whole read, so the
+    lines decompressed in it would not be counted (a block of 1 MiB: often every line of the file)."""
+    raw = open(path, "rb")
+    stream = gzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else io.BufferedReader(_ZstdFrames(raw), 1 << 16)
+    newlines = 0
+    with raw, stream:
+        try:
+            while data := stream.read1(1 << 16):
+                newlines += data.count(b"\n")
+        except errors:
+            pass
+    return newlines
 
 
 def iter_ranges(path: Path, chunk_bytes: int = CHUNK_BYTES, start: int = 0) -> Iterator[tuple[int, int]]:

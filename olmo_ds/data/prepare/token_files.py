@@ -14,6 +14,12 @@ and the tokenizer, so moving the files elsewhere keeps it, and changing a byte c
 The scan refuses, naming the file (and the offset where there is one): a size that is not a
 multiple of the dtype, a dtype that the ids show to be wrong, an id outside the tokenizer's
 vocabulary, a last token that is not EOS, and an index that does not tile the file.
+
+A document that holds EOS before its end (an index entry spanning an EOS: Dolma's tokenizer turned
+a quoted `<|endoftext|>` into the EOS id) is not refused: the files are released as they are. Each
+entry records how many (`docs_with_inner_eos`, the first few indexes), the manifest the totals,
+`inner_eos_report` says what readers see, and `validate_shards.py` passes such a source with the
+same counts (`data/validate.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import glob
 import gzip
 import hashlib
 import io
+import json
 import multiprocessing as mp
 import os
 from dataclasses import asdict
@@ -32,8 +39,10 @@ import numpy as np
 import olmo_ds
 from olmo_ds.atomic import atomic_write_bytes, atomic_write_json
 from olmo_ds.data import shards
+from olmo_ds.data.validate import describe_inner_eos
 
 BLOCK_TOKENS = 1 << 24
+INNER_EOS_SHOWN = 5  # documents with an inner EOS named per file
 NPY_MAGIC = b"\x93NUMPY"
 
 
@@ -93,10 +102,16 @@ def scan(path: Path, dtype: str, vocab_size: int, eos_id: int) -> dict:
     eos_ends = np.concatenate(ends)
     index = index_path(path)
     offsets = np.concatenate([[0], eos_ends]).astype(np.int64)
+    inner = {"docs": 0, "eos": 0, "first_docs": []}
     if index.is_file():
         offsets = _read_index(index, base)
+        # A document the index keeps whole though it holds EOS (Dolma's tokenizer turned a quoted
+        # "<|endoftext|>" into the EOS id): kept as released, and reported.
+        at = np.setdiff1d(eos_ends, offsets[1:]) - 1
+        docs = np.unique(np.searchsorted(offsets, at, side="right") - 1)
+        inner = {"docs": len(docs), "eos": len(at), "first_docs": docs[:INNER_EOS_SHOWN].tolist()}
     return {"num_tokens": base, "max_token_id": max_id, "checksum": "sha256:" + digest.hexdigest(), "offsets": offsets,
-            "index": index.name if index.is_file() else None, "inner_eos": int(len(eos_ends) - (len(offsets) - 1))}
+            "index": index.name if index.is_file() else None, "inner_eos": inner}
 
 
 def _read_index(index: Path, num_tokens: int) -> np.ndarray:
@@ -153,9 +168,23 @@ def register_token_files(inputs: list[str], output: Path, tokenizer, dtype: str 
         meta = shards.ShardMeta(num_tokens=r["num_tokens"], num_docs=num_docs, avg_doc_len=r["num_tokens"] / num_docs, dtype=dtype,
                                 vocab_size=tokenizer.vocab_size, max_token_id=r["max_token_id"], eos_id=tokenizer.eos_id,
                                 checksum=r["checksum"], bin=str(f), offsets=shards.offsets_path(out, i).name)
-        atomic_write_json(shards.meta_path(out, i), {"in_place": {"index": r["index"], "docs_with_inner_eos": r["inner_eos"]}, **asdict(meta)})
+        inner = r["inner_eos"]
+        atomic_write_json(shards.meta_path(out, i), {"in_place": {"index": r["index"], "docs_with_inner_eos": inner["docs"], "inner_eos": inner["eos"],
+                                                                  "inner_eos_docs": inner["first_docs"]}, **asdict(meta)})
         metas.append(meta)
     root = os.path.commonpath([str(f) for f in files]) if len(files) > 1 else str(files[0].parent)
     extra = {"tool": {"name": "olmo-ds register_token_files", "version": olmo_ds.__version__},
-             "source": {"format": "olmo-npy", "in_place": True, "root": root, "files": len(files), "dtype": dtype, "tokenizer": str(tokenizer.path)}}
+             "source": {"format": "olmo-npy", "in_place": True, "root": root, "files": len(files), "dtype": dtype, "tokenizer": str(tokenizer.path),
+                        "docs_with_inner_eos": sum(r["inner_eos"]["docs"] for r in results), "inner_eos": sum(r["inner_eos"]["eos"] for r in results)}}
     return shards.write_manifest(out, tokenizer, "train", extra, metas=metas, names=[shards.bin_path(out, i).name for i in range(len(metas))])
+
+
+def inner_eos_report(directory: Path) -> list[str]:
+    """Per registered file whose documents hold EOS inside: what readers see (empty when none do)."""
+    lines = []
+    for i in range(len(shards.Manifest.load(directory).shards)):
+        meta = json.loads(shards.meta_path(directory, i).read_text())
+        inner = meta["in_place"]
+        if inner.get("docs_with_inner_eos"):
+            lines.append(f"{meta['bin']}: " + describe_inner_eos(inner["docs_with_inner_eos"], inner["inner_eos"], inner["inner_eos_docs"], meta["num_docs"]))
+    return lines

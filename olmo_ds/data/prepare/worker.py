@@ -19,7 +19,8 @@ import orjson
 
 from olmo_ds.data import shards
 from olmo_ds.data.prepare import readers
-from olmo_ds.data.prepare.output import position
+from olmo_ds.data.prepare.long_docs import encode_documents
+from olmo_ds.data.prepare.output import position, split_position
 from olmo_ds.data.prepare.pieces import PieceResult, ShardJob, Task, write_shard_job
 from olmo_ds.tokenizer import first_difference, load_tokenizer
 
@@ -75,14 +76,28 @@ class ChunkResult:
     positions: np.ndarray  # int64 input position of each document (line within the block until `at_line`)
     is_val: np.ndarray | None  # bool per document, when there is a validation split
     skips: list[tuple[int, str]]  # (position, reason), like `positions`
-    special: np.ndarray  # bool per document: its text holds a special token's text
+    special_at: np.ndarray  # int64 positions of the documents whose text holds a special token's text, like `positions`
     text_bytes: int
     n_lines: int  # newlines in the block: the next block starts this many lines later
 
     def at_line(self, first_line: int) -> None:
         """Turn block-relative line numbers into the file's, the block starting at `first_line`."""
         self.positions += first_line
+        self.special_at += first_line
         self.skips = [(p + first_line, reason) for p, reason in self.skips]
+
+
+ALL_LINES = 1 << 40  # `train_done`: every line of the block
+
+
+def train_lines_done(file_index: int, first_line: int, train_from: int) -> int:
+    """How many leading lines of a block of file `file_index` starting at file line `first_line`
+    hold train documents already in complete shards, the train split resuming at input position
+    `train_from` (see `process_chunk`)."""
+    train_file, train_line = split_position(train_from)
+    if file_index != train_file:
+        return ALL_LINES if file_index < train_file else 0
+    return max(train_line - first_line, 0)
 
 
 def val_hash(text: str) -> int:
@@ -102,23 +117,32 @@ def append_eos(ids: np.ndarray, offsets: np.ndarray, eos_id: int, dtype: np.dtyp
     return tokens, doc_lens
 
 
-def process_chunk(spec: Spec, file_index: int, block: readers.Block) -> ChunkResult:
+def process_chunk(spec: Spec, file_index: int, block: readers.Block, train_done: int = 0) -> ChunkResult:
     """Read (unless the coordinating process already did), parse and tokenize one block. Lines are
-    numbered from 0 within the block (see `ChunkResult.at_line`)."""
+    numbered from 0 within the block (see `ChunkResult.at_line`).
+
+    `train_done`: the block's first lines whose train documents are already in complete shards (a
+    resume with a validation split re-reads from the split's resume point, which lags the train
+    split's; `train_lines_done`). Those documents are not tokenized and not in the result; their
+    skips and special-token notes are, since the counts a shard records start from the re-read."""
     tok = tokenizer_for(spec)
     records, n_lines, text_bytes = readers.load_block(block, spec.text_field)
     base = position(file_index, 0)
     texts = [text for _, text, _ in records if text is not None]
-    positions = np.array([base + line for line, text, _ in records if text is not None], dtype=np.int64)
+    lines = np.array([line for line, text, _ in records if text is not None], dtype=np.int64)
     skips = [(base + line, reason) for line, text, reason in records if text is None]
-    ids, offsets = tok.encode_batch_flat(texts) if texts else (np.zeros(0, np.uint32), np.zeros(1, np.int64))
-    tokens, doc_lens = append_eos(ids, offsets, tok.eos_id, shards.dtype_for_vocab(tok.vocab_size))
+    special_at = base + lines[holds_special_text(texts, spec.special_texts)]
     is_val = None
     if spec.val_fraction > 0:
         threshold = int(spec.val_fraction * 2**64)
         is_val = np.array([val_hash(t) < threshold for t in texts], dtype=bool)
-    special = holds_special_text(texts, spec.special_texts)
-    return ChunkResult(file_index, tokens, doc_lens, positions, is_val, skips, special, text_bytes, n_lines)
+    if train_done > 0:
+        keep = lines >= train_done if is_val is None else (lines >= train_done) | is_val
+        texts, lines = [t for t, k in zip(texts, keep) if k], lines[keep]
+        is_val = None if is_val is None else is_val[keep]
+    ids, offsets = encode_documents(tok, texts) if texts else (np.zeros(0, np.uint32), np.zeros(1, np.int64))
+    tokens, doc_lens = append_eos(ids, offsets, tok.eos_id, shards.dtype_for_vocab(tok.vocab_size))
+    return ChunkResult(file_index, tokens, doc_lens, base + lines, is_val, skips, special_at, text_bytes, n_lines)
 
 
 def _tokenize_task(spec: Spec, task: Task) -> PieceResult:
@@ -131,9 +155,9 @@ def _tokenize_task(spec: Spec, task: Task) -> PieceResult:
             next_line = task.start_line if k == 0 else 1
             docs = tokens = skipped = 0
             for first_line, block, _ in readers.iter_blocks(Path(path), task.chunk_bytes, next_line):
-                res = process_chunk(spec, fi, block)
                 if first_line is not None:
                     next_line = first_line
+                res = process_chunk(spec, fi, block, train_lines_done(fi, next_line, task.train_from))
                 res.at_line(next_line)
                 next_line += res.n_lines
                 if task.pieces is not None:
@@ -150,7 +174,7 @@ def _tokenize_task(spec: Spec, task: Task) -> PieceResult:
         doc_lens=_concat([r.doc_lens for r in results], np.int64),
         positions=_concat([r.positions for r in results], np.int64),
         is_val=_concat([r.is_val for r in results], bool) if spec.val_fraction > 0 else None,
-        special=_concat([r.special for r in results], bool),
+        special_at=_concat([r.special_at for r in results], np.int64),
         skips=[skip for r in results for skip in r.skips],
         text_bytes=sum(r.text_bytes for r in results),
         files=per_file,
