@@ -1,9 +1,11 @@
 """One tokenizer interface over HF `tokenizers` (`tokenizer.json`) and sentencepiece (`.model`).
 
 Data preparation, training and evaluation must agree on the ids, the EOS id and the vocabulary size,
-and must be able to prove that two runs used the same tokenizer: hence `fingerprint`, a sha256 of
-the tokenizer's canonical content (not of the file bytes, so reformatting the JSON does not change
-it). `encode` never adds special tokens: data preparation appends EOS itself, so it is explicit.
+and must be able to prove that two runs used the same tokenizer: hence `fingerprint`, a sha256 of what
+decides the ids (`content_fingerprint`), not of how a library wrote the file, so a tokenizer.json
+re-saved by transformers or a newer `tokenizers` keeps it. Shards and checkpoints written before
+recorded a hash of the whole file (`legacy_fingerprint`); `matches` accepts either, so they keep
+working. `encode` never adds special tokens: data preparation appends EOS itself, so it is explicit.
 
 An HF tokenizer.json has two encoders: HF `tokenizers` itself, the reference every other part of
 the project uses, and `fastokens` (`backend="fast"`), which reads the same file and returns the
@@ -39,7 +41,8 @@ class Tokenizer(ABC):
     vocab_size: int  # number of ids = max id + 1 (ids are dense in [0, vocab_size))
     eos_id: int
     pad_id: int | None
-    fingerprint: str  # "sha256:<hex>" of the canonical content
+    fingerprint: str  # "sha256:<hex>" of what decides the ids (`content_fingerprint`)
+    legacy_fingerprint: str  # what shards and checkpoints recorded before: "sha256:<hex>" of the whole file's JSON
     kind: str  # "hf" | "sentencepiece": the file format
     backend: str  # the library that encodes: "tokenizers" | "fastokens" | "sentencepiece"
 
@@ -65,6 +68,13 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def configured_token(self, key: str) -> str | None: ...
+
+    def matches(self, recorded: str | None) -> bool:
+        """Whether `recorded` (a manifest's or checkpoint's tokenizer fingerprint) names this tokenizer, in the
+        current form or the legacy one that files written before carry."""
+        if recorded is None:
+            return False
+        return recorded in (self.fingerprint, self.legacy_fingerprint) or LEGACY_CONTENT.get(recorded) == self.fingerprint
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id}, pad_id={self.pad_id})"
@@ -96,10 +106,14 @@ class HFTokenizer(Tokenizer):
             return max(self._tok.get_vocab(with_added_tokens=True).values())
         return max([*vocab.values(), *(t["id"] for t in content.get("added_tokens") or [])])
 
+    # Both computed on first use: data preparation workers load the tokenizer but never need them.
     @functools.cached_property
     def fingerprint(self) -> str:
-        # Canonical JSON (sorted keys, no whitespace): reformatting the file keeps the fingerprint.
-        # Computed on first use: data preparation workers load the tokenizer but never need it.
+        return content_fingerprint(orjson.loads(self._raw))
+
+    @functools.cached_property
+    def legacy_fingerprint(self) -> str:
+        # The whole file as canonical JSON (sorted keys, no whitespace): what olmo-ds recorded until issue 36.
         canonical = orjson.dumps(orjson.loads(self._raw), option=orjson.OPT_SORT_KEYS)
         return "sha256:" + hashlib.sha256(canonical).hexdigest()
 
@@ -191,8 +205,8 @@ class SentencePieceTokenizer(Tokenizer):
             self._sp = spm.SentencePieceProcessor(model_proto=raw)
         except Exception as e:
             raise ValueError(f"{self.path}: not a valid sentencepiece model: {e}") from e
-        # The serialized ModelProto is the canonical content.
-        self.fingerprint = "sha256:" + hashlib.sha256(self._sp.serialized_model_proto()).hexdigest()
+        # The serialized ModelProto is the canonical content (it always was: the legacy form is the same).
+        self.fingerprint = self.legacy_fingerprint = "sha256:" + hashlib.sha256(self._sp.serialized_model_proto()).hexdigest()
         self.vocab_size = self._sp.get_piece_size()
 
     def encode(self, text: str) -> list[int]:
@@ -211,6 +225,88 @@ class SentencePieceTokenizer(Tokenizer):
     def configured_token(self, key: str) -> str | None:
         i = {"eos_token": self._sp.eos_id(), "pad_token": self._sp.pad_id()}.get(key, -1)
         return self._sp.id_to_piece(i) if i >= 0 else None
+
+
+# Options of a tokenizer.json model that change ids, at the value `tokenizers` takes when the file leaves them
+# out: a writer that spells the default (newer `tokenizers` write `"ignore_merges": false`) means the same.
+_MODEL_DEFAULTS = {
+    "BPE": {"dropout": None, "unk_token": None, "continuing_subword_prefix": None, "end_of_word_suffix": None,
+            "fuse_unk": False, "byte_fallback": False, "ignore_merges": False},
+    "Unigram": {"unk_id": None, "byte_fallback": False},
+    "WordPiece": {"unk_token": "[UNK]", "continuing_subword_prefix": "##", "max_input_chars_per_word": 100},
+    "WordLevel": {"unk_token": None},
+}
+_ADDED_TOKEN_DEFAULTS = {"single_word": False, "lstrip": False, "rstrip": False, "special": False}
+# The legacy fingerprints (file hashes) of the tokenizers olmo-ds data is usually prepared with, and the content
+# fingerprint each stands for. A file hash cannot be traced back to content, so without this table shards
+# prepared before issue 36 match only a file with the same JSON; with it, shards made with dolma2 also match
+# dolma2 as another writer saved it (a released model's tokenizer.json). tests/data/test_tokenizer.py keeps it true.
+LEGACY_CONTENT = {
+    # allenai/dolma2-tokenizer (OLMo 2 and OLMo 3)
+    "sha256:1b392b8638e97bd38e9447f2fb9c48132bca818f211f25f8c1f21fdbe82d3f3a":
+        "sha256:c2cb00be8b54e55620a08070d19b24d660249115d9a56bb40fd47795362d14cc",
+    # allenai/gpt-neox-olmo-dolma-v1_5 (OLMo 1)
+    "sha256:c71ca47cdd20b01573afcf7a3f99674c8f7052fbeb03a333945174daa8e9ecdb":
+        "sha256:fc4512388894b72f53ea4e8cb23b5311b847b282b03636fb92cc53a4f9109263",
+}
+CONTENT_SCHEME = "olmo-ds tokenizer content 1"  # hashed with the content: a later rule cannot collide with this one
+
+
+def content_fingerprint(content: dict) -> str:
+    """"sha256:<hex>" of what decides the ids `encode` returns for a tokenizer.json's parsed `content`.
+
+    Hashed: the model (its type, vocabulary with ids, merges in rank order, and the options that change ids),
+    the normalizer, the pre-tokenizer, every added token with its id and matching flags, and truncation and
+    padding (both change what encode returns when set). Not hashed: the post-processor, because olmo-ds always
+    encodes with `add_special_tokens=False`, and then no `tokenizers` post-processor changes an id (Template,
+    Bert and Roberta processing add their special tokens only when asked; ByteLevel's trims offsets, not ids);
+    the decoder (text from ids, not ids); the file's `version` and layout. Serialisation is normalised: merges
+    as "a b" strings or ["a", "b"] pairs, model options and added-token flags left out or spelled at their
+    defaults, ByteLevel's `use_regex` (default true) and `trim_offsets` (offsets only).
+    """
+    model = dict(content.get("model") or {})
+    for key, default in _MODEL_DEFAULTS.get(model.get("type"), {}).items():
+        model.setdefault(key, default)
+    if isinstance(model.get("merges"), list):
+        model["merges"] = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model["merges"]]
+    added = [{**_ADDED_TOKEN_DEFAULTS, "normalized": not t.get("special", False), **t}
+             for t in content.get("added_tokens") or []]
+    canonical = {
+        "scheme": CONTENT_SCHEME,
+        "model": model,
+        "normalizer": _without_layout(content.get("normalizer")),
+        "pre_tokenizer": _without_layout(content.get("pre_tokenizer")),
+        "added_tokens": sorted(added, key=lambda t: (t.get("id", -1), t.get("content", ""))),
+        "truncation": content.get("truncation"),
+        "padding": content.get("padding"),
+    }
+    return "sha256:" + hashlib.sha256(orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def _without_layout(component):
+    """A normalizer or pre-tokenizer with ByteLevel's serialisation differences removed (recursively, for Sequence)."""
+    if isinstance(component, list):
+        return [_without_layout(c) for c in component]
+    if not isinstance(component, dict):
+        return component
+    out = {k: _without_layout(v) for k, v in component.items()}
+    if out.get("type") == "ByteLevel":
+        out.setdefault("use_regex", True)
+        out.pop("trim_offsets", None)
+    return out
+
+
+def same_tokenizer(a: "Tokenizer | str | None", b: "Tokenizer | str | None") -> bool:
+    """Whether two tokenizers, or a tokenizer and a recorded fingerprint, or two recorded fingerprints, name the
+    same tokenizer: the one rule every comparison uses. A loaded tokenizer also matches its legacy fingerprint
+    (what shards and checkpoints written before recorded); two recorded strings must be equal."""
+    if isinstance(a, Tokenizer) and isinstance(b, Tokenizer):
+        return a.fingerprint == b.fingerprint
+    if isinstance(a, Tokenizer):
+        return a.matches(b)
+    if isinstance(b, Tokenizer):
+        return b.matches(a)
+    return a is not None and a == b
 
 
 def _read_tokenizer_config(directory: Path) -> dict:

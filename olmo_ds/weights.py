@@ -207,7 +207,7 @@ def load_model(source: str | Path | Provenance, *, device: str | torch.device = 
     if tokenizer is None:
         tokenizer = own_tokenizer(provenance)
         recorded = provenance.tokenizer_fingerprint if kind == "checkpoint" else None
-        if recorded and recorded != tokenizer.fingerprint:
+        if recorded and not tokenizer.matches(recorded):
             raise ValueError(f"{directory}: tokenizer.json ({tokenizer.fingerprint}) is not the one the run trained with ({recorded})")
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ValueError(f"{directory}: tokenizer has {tokenizer.vocab_size} ids but the model only {cfg.vocab_size}; they do not belong together")

@@ -363,7 +363,7 @@ def _check_manifest(split: _Split, reports: list[ShardReport], tokens: int, docs
             if getattr(meta, key) != getattr(manifest, key):
                 s.errors.append(f"{key} {getattr(meta, key)} != manifest's {getattr(manifest, key)}")
     if tokenizer is not None:
-        if manifest.tokenizer_fingerprint != tokenizer.fingerprint:
+        if not tokenizer.matches(manifest.tokenizer_fingerprint):
             split.errors.append(f"{where}: tokenizer fingerprint {manifest.tokenizer_fingerprint} != {tokenizer.fingerprint} of {tokenizer.path} (shards made with another tokenizer)")
         if manifest.vocab_size != tokenizer.vocab_size:
             split.errors.append(f"{where}: vocab_size {manifest.vocab_size} != the tokenizer's {tokenizer.vocab_size}")

@@ -270,7 +270,7 @@ def load_source(spec: str, tokenizer, *, max_tokens: int | None = None, text_fie
 
 def _shard_tokens(directory: Path, tokenizer, max_tokens: int | None) -> np.ndarray:
     source = TokenSource(directory)  # checks the manifest against every shard's metadata and size
-    if source.tokenizer_fingerprint != tokenizer.fingerprint:
+    if not tokenizer.matches(source.tokenizer_fingerprint):
         raise ValueError(
             f"{directory / shards.MANIFEST}: shards were written with tokenizer {source.tokenizer_fingerprint}, "
             f"but the model's tokenizer {tokenizer.path} is {tokenizer.fingerprint}; their ids mean different text, "

@@ -23,7 +23,7 @@ FLOAT8_RECIPES = ("off", "tensorwise", "rowwise")  # olmo_ds/model/float8.py
 EXECUTION_FIELDS = frozenset({"attention_backend", "activation_checkpointing", "compile", "float8"})
 # Fields a run may change against the weights it starts from, when `init_from.allow_changes` names them: the
 # context length and RoPE scaling (long-context extension: OLMo 3's YaRN on the full layers).
-INIT_CHANGEABLE = ("max_seq_len", "yarn", "rope_theta")
+INIT_CHANGEABLE = ("max_seq_len", "yarn", "rope_theta", "sliding_rope_theta", "sliding_yarn")
 # Fields that name rather than shape the weights: the tokenizer's id count (the embedding's padded rows are
 # the shape), the initialisation's spread (loaded weights are not drawn) and the sliding-window pattern as
 # written (the layers it makes sliding are what counts). Free when only the weights are taken (init_from).
@@ -32,7 +32,8 @@ WEIGHTS_ONLY_FREE = frozenset({"init_std", "vocab_size", "sliding_window_pattern
 
 @dataclass
 class YarnConfig:
-    """YaRN RoPE scaling (OLMo 3, full-attention layers only)."""
+    """YaRN RoPE scaling: OLMo 3 applies it to the full-attention layers (`ModelConfig.yarn`); `sliding_yarn`
+    scales the sliding-window layers too, for models that do (transformers' `rope_parameters` per layer type)."""
 
     factor: float = 8.0
     beta_fast: float = 32.0
@@ -43,6 +44,33 @@ class YarnConfig:
     def attention_factor(self) -> float:
         """The "mscale" 0.1 * ln(factor) + 1 that multiplies cos and sin (as in YaRN and transformers)."""
         return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+    def problems(self, key: str) -> list[str]:
+        """What makes these settings give NaN or nonsense tables, each naming `key`'s field and value."""
+        found = []
+        for name in ("factor", "beta_fast", "beta_slow"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                found.append(f"{key}.{name} must be a finite number, got {value!r}")
+        if found:
+            return found
+        if self.factor < 1:
+            found.append(f"{key}.factor must be >= 1 (the context is stretched, never shrunk), got {self.factor!r}")
+        if not self.beta_fast > self.beta_slow > 0:
+            found.append(f"{key} needs beta_fast > beta_slow > 0 (the ends of the interpolation ramp, by default 32 and 1), "
+                         f"got beta_fast {self.beta_fast!r}, beta_slow {self.beta_slow!r}")
+        if not _is_int(self.original_max_position_embeddings) or self.original_max_position_embeddings <= 0:
+            found.append(f"{key}.original_max_position_embeddings must be a positive integer, "
+                         f"got {self.original_max_position_embeddings!r}")
+        return found
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -60,6 +88,8 @@ class ModelConfig:
     mlp_hidden: int = 8192
     vocab_size: int = 100278
     max_seq_len: int = 4096
+    # RoPE base of every layer, or of the full-attention layers when `sliding_rope_theta` is set (transformers'
+    # `rope_parameters` per layer type; see docs/training.md, "RoPE per layer type").
     rope_theta: float = 500_000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
@@ -69,7 +99,9 @@ class ModelConfig:
     # the last layer is always full attention.
     sliding_window: int | None = None
     sliding_window_pattern: list[bool] = field(default_factory=list)
-    yarn: YarnConfig | None = None
+    yarn: YarnConfig | None = None  # YaRN on the full-attention layers (OLMo 3's long-context stage)
+    sliding_rope_theta: float | None = None  # the sliding-window layers' RoPE base; None = rope_theta
+    sliding_yarn: YarnConfig | None = None  # YaRN on the sliding-window layers; None = none (OLMo 3)
     # See olmo_ds/model/attention.py: auto | sdpa | sdpa_cudnn | sdpa_flash | sdpa_efficient |
     # sdpa_math | flex | flash_attn | flash_attn3.
     attention_backend: str = "auto"
@@ -87,30 +119,24 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if isinstance(self.yarn, dict):
-            try:
-                self.yarn = YarnConfig(**self.yarn)
-            except TypeError as e:
-                raise ValueError(f"model.yarn: {e}") from None
-        if self.yarn is not None and (self.yarn.factor < 1 or self.yarn.original_max_position_embeddings <= 0):
-            raise ValueError(f"model.yarn needs factor >= 1 and original_max_position_embeddings > 0, got {self.yarn}")
+        for key in ("yarn", "sliding_yarn"):
+            if isinstance(getattr(self, key), dict):
+                try:
+                    setattr(self, key, YarnConfig(**getattr(self, key)))
+                except TypeError as e:
+                    raise ValueError(f"model.{key}: {e}") from None
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "vocab_size", "max_seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model {self.d_model} is not divisible by model.n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads {self.n_heads} is not divisible by model.n_kv_heads {self.n_kv_heads}")
-        if self.sliding_window_pattern and not self.sliding_window:
-            raise ValueError("model.sliding_window_pattern is set but model.sliding_window is not")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
-            raise ValueError(f"model.sliding_window must be a positive integer or null, got {self.sliding_window!r}")
-        if self.sliding_window and not self.sliding_window_pattern:
-            raise ValueError("model.sliding_window is set but model.sliding_window_pattern is empty "
-                             "(e.g. [true, true, true, false] for OLMo 3)")
         if self.head_dim % 2:
             raise ValueError(f"model head_dim {self.head_dim} (d_model / n_heads) must be even for RoPE")
+        self._check_numbers()
+        self._check_sliding()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"model.attention_backend {self.attention_backend!r} is not one of: "
                              f"{', '.join(ATTENTION_BACKENDS)}")
@@ -119,6 +145,48 @@ class ModelConfig:
             raise ValueError(f"model.compile {self.compile!r} is not one of: {', '.join(COMPILE_MODES)} "
                              f"(auto = compiled blocks on CUDA, eager on CPU)")
         self._check_float8()
+
+    def _check_numbers(self) -> None:
+        """The values that give NaN or a model that cannot learn from step 1 (a RoPE base <= 1, a norm epsilon <= 0,
+        zero initial weights, YaRN with an empty ramp) are refused here, before any engine starts."""
+        for key in ("rope_theta", "sliding_rope_theta"):
+            value = getattr(self, key)
+            if value is None and key == "sliding_rope_theta":
+                continue
+            if not _is_number(value) or not math.isfinite(value) or value <= 1:
+                raise ValueError(f"model.{key} must be a finite number > 1 (the RoPE base: wavelengths grow as powers of it; "
+                                 f"OLMo uses 500000), got {value!r}")
+        for key, meaning in (("norm_eps", "the RMSNorm epsilon, e.g. 1e-6; 0 divides by zero on a zero vector"),
+                             ("init_std", "the initial weights' standard deviation, e.g. 0.02")):
+            value = getattr(self, key)
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"model.{key} must be a finite number > 0 ({meaning}), got {value!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+        for key in ("yarn", "sliding_yarn"):
+            yarn = getattr(self, key)
+            if yarn is not None and not isinstance(yarn, YarnConfig):
+                raise ValueError(f"model.{key} must be a mapping of YaRN settings or null, got {yarn!r}")
+            problems = yarn.problems(f"model.{key}") if yarn is not None else []
+            if problems:
+                raise ValueError("; ".join(problems))
+
+    def _check_sliding(self) -> None:
+        if self.sliding_window is not None and (not _is_int(self.sliding_window) or self.sliding_window <= 0):
+            raise ValueError(f"model.sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if not isinstance(self.sliding_window_pattern, list) or not all(isinstance(x, bool) for x in self.sliding_window_pattern):
+            raise ValueError(f"model.sliding_window_pattern must be a list of true/false (true = sliding), "
+                             f"got {self.sliding_window_pattern!r}")
+        if self.sliding_window_pattern and not self.sliding_window:
+            raise ValueError("model.sliding_window_pattern is set but model.sliding_window is not")
+        if self.sliding_window and not self.sliding_window_pattern:
+            raise ValueError("model.sliding_window is set but model.sliding_window_pattern is empty "
+                             "(e.g. [true, true, true, false] for OLMo 3)")
+        if not any(self.layer_is_sliding(i) for i in range(self.n_layers)):
+            for key in ("sliding_rope_theta", "sliding_yarn"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"model.{key} is set but no layer is sliding (model.sliding_window, "
+                                     f"model.sliding_window_pattern); it would change nothing")
 
     def _check_float8(self) -> None:
         """`float8` is a known recipe (YAML's unquoted `off` arrives as false) and the blocks' matmuls have the
@@ -144,6 +212,12 @@ class ModelConfig:
     @property
     def padded_vocab_size(self) -> int:
         return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+    def rope_for(self, sliding: bool) -> tuple[float, YarnConfig | None]:
+        """(RoPE base, YaRN or None) of the sliding-window layers (`sliding`) or of the full-attention ones."""
+        if sliding:
+            return (self.rope_theta if self.sliding_rope_theta is None else self.sliding_rope_theta), self.sliding_yarn
+        return self.rope_theta, self.yarn
 
     def layer_is_sliding(self, layer: int) -> bool:
         """Whether `layer` uses sliding-window attention (the last layer never does)."""

@@ -74,12 +74,19 @@ def from_hf_state_dict(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> d
     return out
 
 
+DEFAULT_THETA = 500_000.0  # transformers' Olmo2Config / Olmo3Config default RoPE base
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names, as in `layer_types` and `rope_parameters`
+
+
 def to_hf_config(cfg: ModelConfig, eos_token_id: int | None = None, pad_token_id: int | None = None,
                  bos_token_id: int | None = None, dtype: str = "float32") -> dict:
     """config.json for Olmo2ForCausalLM (no sliding window, no YaRN) or Olmo3ForCausalLM.
 
-    RoPE is written in the legacy `rope_theta` / `rope_scaling` keys, which transformers 4.x and 5.x
-    and vLLM all read.
+    RoPE goes in `rope_parameters` as transformers 5.x writes it: one entry per layer type for OLMo 3, one
+    for OLMo 2. The legacy `rope_theta` / `rope_scaling` (what transformers 4.x reads) are added where they
+    mean the same to every version: for OLMo 3 only when both layer types share one base and the sliding
+    layers are unscaled, since 4.x applies `rope_theta` to both types and 5.x to the full layers alone
+    (sliding 500,000). Otherwise they are left out, as transformers 5 leaves them out of its own saves.
     """
     olmo3 = bool(cfg.sliding_window) or cfg.yarn is not None
     hf = {
@@ -95,8 +102,7 @@ def to_hf_config(cfg: ModelConfig, eos_token_id: int | None = None, pad_token_id
         "max_position_embeddings": cfg.max_seq_len,
         "vocab_size": cfg.padded_vocab_size,
         "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        **_rope_to_hf(cfg, olmo3),
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": cfg.tie_embeddings,
@@ -112,31 +118,110 @@ def to_hf_config(cfg: ModelConfig, eos_token_id: int | None = None, pad_token_id
         hf["layer_types"] = [
             "sliding_attention" if cfg.layer_is_sliding(i) else "full_attention" for i in range(cfg.n_layers)
         ]
-    if cfg.yarn is not None:
-        hf["rope_scaling"] = {
-            "rope_type": "yarn",
-            "factor": cfg.yarn.factor,
-            "beta_fast": cfg.yarn.beta_fast,
-            "beta_slow": cfg.yarn.beta_slow,
-            "original_max_position_embeddings": cfg.yarn.original_max_position_embeddings,
-            "attention_factor": cfg.yarn.attention_factor,
-        }
     return hf
 
 
-def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
-    """(rope_theta, yarn scaling dict or None) from either the legacy or the transformers-5 keys."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:
-        params = params["full_attention"]
-    theta = hf.get("rope_theta") or (params or {}).get("rope_theta") or 500_000.0
-    scaling = hf.get("rope_scaling") or params
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+def _yarn_to_hf(yarn: YarnConfig) -> dict:
+    return {"rope_type": "yarn", "factor": yarn.factor, "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow,
+            "original_max_position_embeddings": yarn.original_max_position_embeddings,
+            "attention_factor": yarn.attention_factor}
+
+
+def _rope_to_hf(cfg: ModelConfig, olmo3: bool) -> dict:
+    """`rope_parameters`, and the legacy `rope_theta` / `rope_scaling` where every transformers reads them alike."""
+    def entry(sliding: bool) -> dict:
+        theta, yarn = cfg.rope_for(sliding)
+        return {**(_yarn_to_hf(yarn) if yarn else {"rope_type": "default"}), "rope_theta": float(theta)}
+
+    if not olmo3:
+        return {"rope_parameters": entry(False), "rope_theta": float(cfg.rope_theta), "rope_scaling": None}
+    out: dict = {"rope_parameters": {kind: entry(kind == "sliding_attention") for kind in LAYER_TYPES}}
+    (full_theta, full_yarn), (sliding_theta, sliding_yarn) = cfg.rope_for(False), cfg.rope_for(True)
+    if full_theta == sliding_theta and sliding_yarn is None:
+        out["rope_theta"] = float(full_theta)
+        out["rope_scaling"] = _yarn_to_hf(full_yarn) if full_yarn else None
+    return out
+
+
+def _rope_entry(params: dict, where: str, key: str, max_positions: int) -> tuple[float, YarnConfig | None]:
+    """(base, YaRN or None) of one `rope_parameters` entry (or legacy `rope_scaling`) that carries its
+    `rope_theta`; anything olmo-ds cannot compute is refused naming `where` and `key`."""
+    if not isinstance(params, dict):
+        raise ValueError(f"{where}: {key} must be a mapping, got {params!r}")
+    theta = params.get("rope_theta")
+    if theta is None or isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ValueError(f"{where}: {key}.rope_theta must be a number, got {theta!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor")
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"{where}: {key}.partial_rotary_factor {partial!r} is not supported (OLMo rotates the whole head)")
     if rope_type in (None, "default"):
         return float(theta), None
     if rope_type != "yarn":
-        raise ValueError(f"{where}: rope type {rope_type!r} is not supported (only default and yarn)")
-    return float(theta), scaling
+        raise ValueError(f"{where}: {key}.rope_type {rope_type!r} is not supported (olmo-ds computes default and yarn)")
+    unsupported = {k: params[k] for k in ("mscale", "mscale_all_dim") if params.get(k)}
+    if params.get("truncate") is False:
+        unsupported["truncate"] = False
+    if unsupported:
+        raise ValueError(f"{where}: {key}: YaRN options {unsupported} are not supported (OLMo 3 uses none of them)")
+    original = params.get("original_max_position_embeddings") or max_positions  # transformers' default
+    factor = params.get("factor") or max_positions / original
+    yarn = YarnConfig(factor=float(factor), beta_fast=float(params.get("beta_fast") or 32),
+                      beta_slow=float(params.get("beta_slow") or 1), original_max_position_embeddings=int(original))
+    problems = yarn.problems(key)
+    if problems:
+        raise ValueError(f"{where}: {'; '.join(problems)}")
+    given = params.get("attention_factor")
+    if given is not None and not math.isclose(given, yarn.attention_factor, rel_tol=1e-6):
+        raise ValueError(f"{where}: {key}.attention_factor {given} differs from 0.1*ln(factor)+1 = "
+                         f"{yarn.attention_factor}; only the standard mscale is supported")
+    return float(theta), yarn
+
+
+def _rope_from_hf(hf: dict, where: str, olmo3: bool, has_sliding: bool) -> dict[str, tuple[float, YarnConfig | None]]:
+    """(base, YaRN or None) per layer type ("full_attention", "sliding_attention") as the transformers that
+    wrote `hf` meant them: `rope_parameters` (5.x; per layer type for OLMo 3) and the legacy `rope_theta` /
+    `rope_scaling`, merged the way transformers 5 merges them (legacy scaling goes to the full layers). A
+    legacy `rope_theta` other than 500,000 alone, with sliding layers, is refused: 4.x applies it to every
+    layer, 5.x to the full ones only (sliding 500,000), and nothing in the file says which was meant."""
+    params, legacy_theta, legacy_scaling = hf.get("rope_parameters"), hf.get("rope_theta"), hf.get("rope_scaling")
+    max_positions = hf["max_position_embeddings"]
+    for key, value in (("rope_parameters", params), ("rope_scaling", legacy_scaling)):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{where}: {key} must be a mapping, got {value!r}")
+    nested = bool(params) and any(k in LAYER_TYPES for k in params)
+    if nested and set(params) - set(LAYER_TYPES):
+        raise ValueError(f"{where}: rope_parameters has keys {sorted(set(params) - set(LAYER_TYPES))} beside the layer "
+                         f"types {list(LAYER_TYPES)}; olmo-ds cannot tell what they apply to")
+    if not olmo3:  # OLMo 2: one entry for every layer
+        if nested:
+            raise ValueError(f"{where}: rope_parameters per layer type in an olmo2 config (OLMo 2 has one RoPE for all layers)")
+        entry = {"rope_type": "default", **(params or {}), **(legacy_scaling or {})}
+        entry.setdefault("rope_theta", legacy_theta or DEFAULT_THETA)
+        theta_yarn = _rope_entry(entry, where, "rope_parameters" if params else "rope_scaling", max_positions)
+        return {kind: theta_yarn for kind in LAYER_TYPES}
+    if params and not nested:
+        raise ValueError(f"{where}: rope_parameters of an olmo3 config must be given per layer type "
+                         f"({', '.join(LAYER_TYPES)}), got one entry {params}")
+    if not nested and has_sliding and legacy_theta not in (None, DEFAULT_THETA):
+        raise ValueError(
+            f"{where}: rope_theta {legacy_theta} without rope_parameters is ambiguous for the sliding-window layers "
+            f"(transformers 4.x applies it to them too, 5.x gives them 500000); add \"rope_parameters\": "
+            f"{{\"full_attention\": {{\"rope_type\": \"default\", \"rope_theta\": {legacy_theta}}}, \"sliding_attention\": "
+            f"{{\"rope_type\": \"default\", \"rope_theta\": ...}}}} naming the base each layer type was trained with")
+    out = {}
+    for kind in LAYER_TYPES:
+        entry = dict((params or {}).get(kind) or {"rope_type": "default"})
+        key = f"rope_parameters.{kind}"
+        if kind == "full_attention":
+            if legacy_scaling:
+                entry.update(legacy_scaling)
+                key = "rope_scaling" if not nested else f"{key} (with rope_scaling)"
+            entry.setdefault("rope_theta", legacy_theta or DEFAULT_THETA)
+        else:  # transformers 5 gives a sliding entry without its own base 500,000; without entries, legacy == 500,000 here
+            entry.setdefault("rope_theta", DEFAULT_THETA if nested else legacy_theta or DEFAULT_THETA)
+        out[kind] = _rope_entry(entry, where, key, max_positions)
+    return out
 
 
 def from_hf_config(hf: dict, vocab_size: int | None = None, where: str = "config.json") -> ModelConfig:
@@ -152,45 +237,38 @@ def from_hf_config(hf: dict, vocab_size: int | None = None, where: str = "config
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, d // heads):
         raise ValueError(f"{where}: head_dim {hf['head_dim']} != hidden_size / num_attention_heads")
-    theta, scaling = _rope_from_hf(hf, where)
-    yarn = None
-    if scaling is not None:
-        yarn = YarnConfig(
-            factor=float(scaling["factor"]), beta_fast=float(scaling.get("beta_fast") or 32),
-            beta_slow=float(scaling.get("beta_slow") or 1),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
-        unsupported = {k: scaling[k] for k in ("mscale", "mscale_all_dim", "partial_rotary_factor") if scaling.get(k)}
-        if scaling.get("truncate") is False:
-            unsupported["truncate"] = False
-        if unsupported:
-            raise ValueError(f"{where}: YaRN options {unsupported} are not supported (OLMo 3 uses none of them)")
-        given = scaling.get("attention_factor")
-        if given is not None and not math.isclose(given, yarn.attention_factor, rel_tol=1e-6):
-            raise ValueError(f"{where}: YaRN attention_factor {given} differs from 0.1*ln(factor)+1 = "
-                             f"{yarn.attention_factor}; only the standard mscale is supported")
     window, pattern = None, []
     if model_type == "olmo3":
         types = hf.get("layer_types") or [
             "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(hf["num_hidden_layers"])
         ]
+        unknown = sorted(set(types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"{where}: layer_types {unknown} are not OLMo 3 layer types ({', '.join(LAYER_TYPES)})")
         sliding = [t == "sliding_attention" for t in types]
         if any(sliding):
             window, pattern = hf.get("sliding_window", 4096), _shortest_period(sliding[:-1] or sliding)
             expected = [pattern[i % len(pattern)] for i in range(len(types) - 1)] + [False]
             if sliding != expected:
                 raise ValueError(f"{where}: layer_types {types} is not a repeating pattern with a full last layer")
+    rope = _rope_from_hf(hf, where, olmo3=model_type == "olmo3", has_sliding=bool(window))
+    (theta, yarn), (sliding_theta, sliding_yarn) = rope["full_attention"], rope["sliding_attention"]
+    if not window:  # no sliding layer: its entry describes nothing
+        sliding_theta, sliding_yarn = theta, None
     hf_vocab = hf["vocab_size"]
     if vocab_size is not None and not (hf_vocab - 128 < vocab_size <= hf_vocab):
         vocab_size = None  # the tokenizer does not describe this embedding; keep the embedding's size
-    return ModelConfig(
-        d_model=d, n_layers=hf["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads, mlp_hidden=hf["intermediate_size"],
-        vocab_size=vocab_size or hf_vocab, max_seq_len=hf["max_position_embeddings"], rope_theta=theta,
-        norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_std=hf.get("initializer_range", 0.02), sliding_window=window, sliding_window_pattern=pattern,
-        yarn=yarn,
-    )
+    try:
+        return ModelConfig(
+            d_model=d, n_layers=hf["num_hidden_layers"], n_heads=heads,
+            n_kv_heads=hf.get("num_key_value_heads") or heads, mlp_hidden=hf["intermediate_size"],
+            vocab_size=vocab_size or hf_vocab, max_seq_len=hf["max_position_embeddings"], rope_theta=theta,
+            norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            init_std=hf.get("initializer_range", 0.02), sliding_window=window, sliding_window_pattern=pattern,
+            yarn=yarn, sliding_rope_theta=None if sliding_theta == theta else sliding_theta, sliding_yarn=sliding_yarn,
+        )
+    except ValueError as e:
+        raise ValueError(f"{where}: {e} (read from its transformers keys)") from None
 
 
 def _shortest_period(flags: list[bool]) -> list[bool]:

@@ -439,11 +439,11 @@ class OLMo(nn.Module):
         self._rope_cache: dict[tuple[int, torch.device], dict] = {}
 
     def _rope_tables(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
-        """cos/sin per layer kind (keyed by `is_sliding`): YaRN applies to full-attention layers only."""
+        """cos/sin per layer kind (keyed by `is_sliding`), each with its own base and scaling (`ModelConfig.rope_for`)."""
         cfg, tables = self.cfg, {}
         for sliding in {cfg.layer_is_sliding(i) for i in range(cfg.n_layers)}:
-            yarn = None if sliding else cfg.yarn
-            inv_freq, scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, yarn, device=positions.device)
+            theta, yarn = cfg.rope_for(sliding)
+            inv_freq, scale = rope_inv_freq(cfg.head_dim, theta, yarn, device=positions.device)
             tables[sliding] = rope_cos_sin(positions, inv_freq, scale)
         return tables
 

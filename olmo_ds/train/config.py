@@ -131,7 +131,7 @@ class InitFromConfig:
 
     path: str | None = None  # an olmo-ds checkpoint or run dir, our model dir (import_hf.py), a transformers dir, or a hub id
     load_optimizer: bool = False  # also the optimizer state (olmo-ds checkpoints only); schedule and data still start fresh
-    allow_changes: list[str] = field(default_factory=list)  # model fields that may differ from the source: max_seq_len, yarn, rope_theta
+    allow_changes: list[str] = field(default_factory=list)  # model fields that may differ from the source: max_seq_len, yarn, rope_theta, sliding_rope_theta, sliding_yarn
 
 
 @dataclass

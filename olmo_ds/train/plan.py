@@ -31,7 +31,7 @@ from olmo_ds.checkpoint import METRICS
 from olmo_ds import weights
 from olmo_ds.data.loader import DataLoader
 from olmo_ds.model.config import INIT_CHANGEABLE, ModelConfig, model_differences
-from olmo_ds.tokenizer import Tokenizer, load_tokenizer
+from olmo_ds.tokenizer import Tokenizer, load_tokenizer, same_tokenizer
 from olmo_ds.train.config import ConfigError, TrainConfig
 from olmo_ds.train.ds_config import ZeroLayout, device_type, fill_train_fields, read_ds_config, resolve_zero
 from olmo_ds.train.evaluation import InLoopEvaluator
@@ -106,7 +106,7 @@ def plan_run(cfg: TrainConfig, *, resume: str | None = None, start_over: bool = 
     if cfg.init_from.path and resume_state is not None:
         log.info("resuming %s: init_from %s is not used (a run's own checkpoint wins)", resume_dir, cfg.init_from.path)
     elif cfg.init_from.path:
-        init_from = check_init_from(cfg, model, tokenizer.fingerprint if tokenizer is not None else loader.tokenizer_fingerprint)
+        init_from = check_init_from(cfg, model, tokenizer if tokenizer is not None else loader.tokenizer_fingerprint)
     load_optimizer = init_from is not None and cfg.init_from.load_optimizer
 
     cfg, deepspeed = plan_deepspeed(cfg, model, env.world_size, resumed=resume_state.get("ds_config") if resume_state else None)
@@ -204,7 +204,7 @@ def check_run(cfg: TrainConfig, model: ModelConfig, loader: DataLoader, tokenize
     if tokenizer is not None:
         if model.vocab_size < tokenizer.vocab_size:
             raise ConfigError(f"model vocab_size {model.vocab_size} is smaller than tokenizer vocab {tokenizer.vocab_size} ({cfg.tokenizer})")
-        if tokenizer.fingerprint != loader.tokenizer_fingerprint:
+        if not tokenizer.matches(loader.tokenizer_fingerprint):
             given = cfg.tokenizer if str(tokenizer.path) == str(cfg.tokenizer) else f"{cfg.tokenizer} (file {tokenizer.path})"
             prepared_with = loader.sources[0].manifest.extra.get("arguments", {}).get("tokenizer")
             raise ConfigError(
@@ -243,7 +243,7 @@ def restore_data_position(loader: DataLoader, resume_dir: Path, state: dict) -> 
         raise ConfigError(f"{resume_dir}: {e}") from None
 
 
-def check_init_from(cfg: TrainConfig, model: ModelConfig, tokenizer_fingerprint: str | None) -> weights.WeightsInfo:
+def check_init_from(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer | str | None) -> weights.WeightsInfo:
     """Describe `init_from`'s weights and check this run against them; every mismatch in one error."""
     spec = cfg.init_from
     try:
@@ -257,8 +257,9 @@ def check_init_from(cfg: TrainConfig, model: ModelConfig, tokenizer_fingerprint:
     found = model_differences(info.cfg, model, allow_changes=set(spec.allow_changes), weights_only=True)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}  # named model.FIELD; the shapes compared instead, as they are
     diffs = [f"{'model.' + what if what in fields else what}: source {src!r}, this run {this!r}" for what, src, this in found]
-    if info.tokenizer_fingerprint and tokenizer_fingerprint and info.tokenizer_fingerprint != tokenizer_fingerprint:
-        diffs.append(f"tokenizer: source {info.tokenizer_fingerprint}, this run {tokenizer_fingerprint}")
+    source_tokenizer = info.tokenizer if info.kind != "checkpoint" and info.tokenizer else info.tokenizer_fingerprint
+    if source_tokenizer and tokenizer and not same_tokenizer(source_tokenizer, tokenizer):
+        diffs.append(f"tokenizer: source {info.tokenizer_fingerprint}, this run {getattr(tokenizer, 'fingerprint', tokenizer)}")
     if diffs:
         changeable = any(what in INIT_CHANGEABLE for what, _, _ in found)
         raise ConfigError(f"{where} does not match this run: {'; '.join(diffs)}. Set the model section (or the tokenizer) to the "

@@ -139,3 +139,127 @@ def test_fast_backend_refusal_and_difference_are_reported(tmp_path):
     report = first_difference(load_tokenizer(DOLMA2, backend="fast"), load_tokenizer(NEOX), texts, ["a.jsonl:1", "a.jsonl:2", "a.jsonl:3"])
     got, want = (tokenizers.Tokenizer.from_file(str(p)).encode(texts[0], add_special_tokens=False).ids for p in (DOLMA2, NEOX))
     assert report == f"a.jsonl:1: ids differ from token 0 ({got[:4]} vs HF's {want[:4]})"
+
+
+# What olmo-ds recorded for dolma2's tokenizer.json in every manifest and checkpoint before issue 36 (a hash of
+# the whole file's canonical JSON): such shards and checkpoints must keep working.
+DOLMA2_LEGACY = "sha256:1b392b8638e97bd38e9447f2fb9c48132bca818f211f25f8c1f21fdbe82d3f3a"
+
+
+def _resaved(tmp_path) -> dict[str, Path]:
+    """dolma2's tokenizer.json written again by transformers (merges as pairs, a post-processor added) and by
+    `tokenizers` itself."""
+    import transformers
+
+    transformers.PreTrainedTokenizerFast(tokenizer_file=str(DOLMA2)).save_pretrained(tmp_path / "transformers")
+    tokenizers.Tokenizer.from_file(str(DOLMA2)).save(str(tmp_path / "tokenizers.json"))
+    return {"transformers": tmp_path / "transformers" / "tokenizer.json", "tokenizers": tmp_path / "tokenizers.json"}
+
+
+def test_fingerprint_survives_resaving_by_transformers_and_tokenizers(tmp_path):
+    """Issue 36.2: a tokenizer.json re-saved by transformers was refused as another tokenizer, every id the same."""
+    original = load_tokenizer(DOLMA2)
+    texts = c4_texts()[:8]
+    for who, path in _resaved(tmp_path).items():
+        assert path.read_bytes() != DOLMA2.read_bytes(), who
+        again = load_tokenizer(path)
+        assert again.legacy_fingerprint != original.legacy_fingerprint, who  # the file did change
+        assert again.fingerprint == original.fingerprint, who
+        assert again.encode_batch(texts) == original.encode_batch(texts), who
+        assert again.matches(DOLMA2_LEGACY), f"{who}: shards recorded with the file hash must still be accepted"
+
+
+def test_legacy_fingerprint_is_what_existing_shards_and_checkpoints_recorded():
+    from olmo_ds.tokenizer import LEGACY_CONTENT
+
+    for path in (DOLMA2, NEOX):  # the table of known tokenizers names each one's legacy and content fingerprints
+        known = load_tokenizer(path)
+        assert LEGACY_CONTENT[known.legacy_fingerprint] == known.fingerprint
+    tok = load_tokenizer(DOLMA2)
+    assert tok.legacy_fingerprint == DOLMA2_LEGACY and tok.fingerprint != DOLMA2_LEGACY
+    assert tok.matches(DOLMA2_LEGACY) and tok.matches(tok.fingerprint)
+    assert not tok.matches(load_tokenizer(NEOX).legacy_fingerprint) and not tok.matches(None)
+
+
+def _edited(tmp_path, name: str, edit) -> Path:
+    content = json.loads(DOLMA2.read_text())
+    edit(content)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(content))
+    return path
+
+
+def _swap_first_merges(c):
+    c["model"]["merges"][0], c["model"]["merges"][1] = c["model"]["merges"][1], c["model"]["merges"][0]
+
+
+@pytest.mark.parametrize("name, edit", [
+    ("one-merge-changed", lambda c: c["model"]["merges"].__setitem__(5, "e n")),
+    ("merge-order", _swap_first_merges),
+    ("vocab-id", lambda c: c["model"]["vocab"].update({"hello": c["model"]["vocab"]["hello"] + 1,
+                                                        "world": c["model"]["vocab"]["hello"]})),
+    ("normalizer", lambda c: c.__setitem__("normalizer", {"type": "NFKC"})),
+    ("pre-tokenizer", lambda c: c["pre_tokenizer"]["pretokenizers"][0].__setitem__("behavior", "Isolated")),
+    ("added-token-flag", lambda c: c["added_tokens"][0].__setitem__("special", not c["added_tokens"][0]["special"])),
+    ("model-option", lambda c: c["model"].__setitem__("ignore_merges", True)),
+    ("truncation", lambda c: c.__setitem__("truncation", {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0})),
+])
+def test_a_change_that_changes_ids_changes_the_fingerprint(name, edit, tmp_path):
+    changed = load_tokenizer(_edited(tmp_path, name, edit))
+    original = load_tokenizer(DOLMA2)
+    assert changed.fingerprint != original.fingerprint
+    assert not changed.matches(original.fingerprint) and not changed.matches(DOLMA2_LEGACY)
+
+
+def test_one_changed_merge_changes_ids_and_fingerprint(tmp_path):
+    content = json.loads(DOLMA2.read_text())
+    i = content["model"]["merges"].index("Ġth e")
+    content["model"]["merges"][i] = "Ġt he"  # " the" can no longer be made from " th" + "e" (nor from " t" + "he")
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(content))
+    changed, original = load_tokenizer(path), load_tokenizer(DOLMA2)
+    assert changed.encode(" the cat") != original.encode(" the cat")
+    assert changed.fingerprint != original.fingerprint
+
+
+def test_post_processor_and_decoder_change_no_id_of_encode_so_not_the_fingerprint(tmp_path):
+    """The decision the fingerprint rests on: olmo-ds encodes without special tokens, so a post-processor that
+    adds a BOS (what a transformers re-save may carry) changes no id olmo-ds produces; checked on both encoders."""
+    def with_bos(c):
+        c["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                                                                         {"Sequence": {"id": "A", "type_id": 0}}],
+                               "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                               "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [100257], "tokens": ["<|endoftext|>"]}}}
+        c["decoder"] = None
+    path = _edited(tmp_path, "bos", with_bos)
+    texts = c4_texts()[:8]
+    original, edited = load_tokenizer(DOLMA2), load_tokenizer(path)
+    assert tokenizers.Tokenizer.from_file(str(path)).encode("hi").ids[0] == 100257  # the processor is live when asked
+    assert edited.encode_batch(texts) == original.encode_batch(texts)
+    assert load_tokenizer(path, backend="fast").encode_batch(texts) == original.encode_batch(texts)
+    assert edited.fingerprint == original.fingerprint
+
+
+def test_shards_recorded_with_the_legacy_fingerprint_validate_against_a_resaved_tokenizer(tmp_path):
+    """Existing shards keep working: a manifest written before issue 36 (dolma2's file hash) passes validation with
+    dolma2 as transformers re-saved it, and with the original; another tokenizer is still refused."""
+    from olmo_ds.data import shards
+    from olmo_ds.data.prepare.pipeline import PrepareConfig, prepare
+    from olmo_ds.data.validate import format_report, validate_directory
+    from olmo_ds.tokenizer import same_tokenizer
+
+    out = tmp_path / "shards"
+    prepare(PrepareConfig(inputs=[str(C4[0])], output=out, tokenizer=str(DOLMA2), tokenizer_backend="hf", progress=False),
+            log=lambda _: None)
+    manifest = json.loads((out / shards.MANIFEST).read_text())
+    assert manifest["tokenizer_fingerprint"] == load_tokenizer(DOLMA2).fingerprint  # new shards record the content
+    manifest["tokenizer_fingerprint"] = DOLMA2_LEGACY
+    (out / shards.MANIFEST).write_text(json.dumps(manifest))
+
+    resaved = load_tokenizer(_resaved(tmp_path)["transformers"])
+    for tok in (resaved, load_tokenizer(DOLMA2)):
+        report = validate_directory(out, tok)
+        assert report.ok, format_report(report)
+        assert same_tokenizer(DOLMA2_LEGACY, tok) and same_tokenizer(tok, resaved)
+    assert "shards made with another tokenizer" in format_report(validate_directory(out, load_tokenizer(NEOX)))
+    assert not same_tokenizer(DOLMA2_LEGACY, resaved.fingerprint)  # two recorded strings: equal or not the same

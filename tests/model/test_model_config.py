@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from olmo_ds.model import PRESETS, ModelConfig, OLMo, preset
+from olmo_ds.model import PRESETS, ModelConfig, OLMo, YarnConfig, preset
 
 # Published sizes to 3 significant figures (allenai model cards, including embeddings): OLMo-2-0425-1B 1.48B,
 # OLMo-2-1124-7B 7.30B, OLMo-2-1124-13B 13.7B, Olmo-3-1025-7B 7.30B, Olmo-3-1125-32B 32.2B.
@@ -90,3 +90,56 @@ def test_preset_table_prints_every_preset(capsys):
     out = capsys.readouterr().out
     assert "1,484,916,736" in out and "32,234,279,936" in out
     assert all(name in out for name in PRESETS)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(rope_theta=-1), r"model.rope_theta must be a finite number > 1 .*got -1"),
+    (dict(rope_theta=0.0), r"model.rope_theta must be a finite number > 1 .*got 0.0"),
+    (dict(rope_theta=float("nan")), r"model.rope_theta must be a finite number > 1 .*got nan"),
+    (dict(sliding_window=4, sliding_window_pattern=[True, False], sliding_rope_theta=-10.0),
+     r"model.sliding_rope_theta must be a finite number > 1 .*got -10.0"),
+    (dict(sliding_rope_theta=10_000.0), r"model.sliding_rope_theta is set but no layer is sliding"),
+    (dict(sliding_window=0, sliding_window_pattern=[True, False]), r"model.sliding_window must be a positive integer or null, got 0"),
+    (dict(sliding_window=-4, sliding_window_pattern=[True, False]), r"model.sliding_window must be a positive integer or null, got -4"),
+    (dict(sliding_window=4.5, sliding_window_pattern=[True, False]), r"model.sliding_window must be a positive integer or null, got 4.5"),
+    (dict(sliding_window=True, sliding_window_pattern=[True, False]), r"model.sliding_window must be a positive integer or null, got True"),
+    (dict(sliding_window=4, sliding_window_pattern=["yes", False]), r"model.sliding_window_pattern must be a list of true/false"),
+    (dict(norm_eps=0.0), r"model.norm_eps must be a finite number > 0 .*got 0.0"),
+    (dict(norm_eps=-1e-6), r"model.norm_eps must be a finite number > 0 .*got -1e-06"),
+    (dict(init_std=0), r"model.init_std must be a finite number > 0 .*got 0"),
+    (dict(n_layers=True), r"model.n_layers must be a positive integer, got True"),
+    (dict(n_kv_heads=3), r"model.n_heads 4 is not divisible by model.n_kv_heads 3"),
+    (dict(tie_embeddings="false"), r"model.tie_embeddings must be true or false, got 'false'"),
+    (dict(yarn={"factor": 0.5}), r"model.yarn.factor must be >= 1"),
+    (dict(yarn={"beta_fast": 1.0, "beta_slow": 1.0}), r"model.yarn needs beta_fast > beta_slow > 0"),
+    (dict(yarn={"original_max_position_embeddings": 0}), r"model.yarn.original_max_position_embeddings must be a positive integer, got 0"),
+    (dict(yarn={"factor": float("inf")}), r"model.yarn.factor must be a finite number, got inf"),
+    (dict(sliding_window=4, sliding_window_pattern=[True, False], sliding_yarn={"factor": 2.0, "beta_slow": -1.0}),
+     r"model.sliding_yarn needs beta_fast > beta_slow > 0"),
+])
+def test_values_that_give_nan_or_nonsense_are_refused_by_key_and_value(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**{**dict(d_model=64, n_layers=2, n_heads=4, mlp_hidden=128, vocab_size=256, max_seq_len=64), **fields})
+
+
+def test_negative_rope_theta_is_refused_at_config_load(tmp_path):
+    """Issue 35.6: `--set model.rope_theta=-1` trained NaN from step 1; now the config does not load."""
+    from olmo_ds.train.config import ConfigError, load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("run_dir: runs/x\nmodel:\n  preset: tiny\ndata:\n  sources:\n    - path: data/demo/shards\n")
+    assert load_config(path).model.build().rope_theta == 500_000.0
+    with pytest.raises(ConfigError, match=r"run.yaml.*model.rope_theta must be a finite number > 1 .*got -1.0"):
+        load_config(path, ["model.rope_theta=-1"])
+    with pytest.raises(ConfigError, match=r"model.sliding_window must be a positive integer or null, got 0"):
+        load_config(path, ["model.sliding_window=0", "model.sliding_window_pattern=[true, false]"])
+
+
+def test_configs_and_checkpoints_written_before_rope_per_layer_type_keep_their_meaning():
+    """A model dict without sliding_rope_theta / sliding_yarn (every checkpoint's train_state and model_config.json so
+    far) loads as one base for all layers and YaRN on the full layers, equal to the same config built now."""
+    old = preset("olmo3-7b", rope_theta=10_000.0, yarn=YarnConfig(factor=8.0)).to_dict()
+    del old["sliding_rope_theta"], old["sliding_yarn"]
+    cfg = ModelConfig.from_dict(old)
+    assert cfg == preset("olmo3-7b", rope_theta=10_000.0, yarn=YarnConfig(factor=8.0))
+    assert cfg.rope_for(sliding=True) == (10_000.0, None) and cfg.rope_for(sliding=False) == (10_000.0, YarnConfig(factor=8.0))

@@ -122,7 +122,7 @@ def test_every_bad_source_fails_before_any_heavy_work(tmp_path, data, one_rank):
                  r"model.sliding_window: source None, this run 6; sliding-window layers: source \[\], this run \[0\]", tmp_path)
     fails({**base, "init_from": {"path": str(source), "load_optimizer": True}},
           r"init_from.load_optimizer needs an olmo-ds checkpoint .* a hf holds weights only", tmp_path)
-    fails({**base, "init_from": {"path": str(source), "allow_changes": ["d_model"]}}, r"only max_seq_len, yarn, rope_theta may differ", tmp_path)
+    fails({**base, "init_from": {"path": str(source), "allow_changes": ["d_model"]}}, r"only max_seq_len, yarn, rope_theta, sliding_rope_theta, sliding_yarn may differ", tmp_path)
 
 
 def test_a_different_tokenizer_is_refused(tmp_path, one_rank):

@@ -140,7 +140,7 @@ def test_init_from_a_checkpoint_with_its_optimizer_follows_the_one_model_rule(tm
                                   batch={"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 32}), 2)
     spec = {"path": str(source_run / "run"), "load_optimizer": True}
     refused(tmp_path, data, rf"init_from.path {source_run}/run \(checkpoint {source}\) does not match this run: model.max_seq_len: "
-                            r"source 32, this run 64\. .*a deliberate change of max_seq_len, yarn, rope_theta goes in init_from.allow_changes",
+                            r"source 32, this run 64\. .*a deliberate change of max_seq_len, yarn, rope_theta, sliding_rope_theta, sliding_yarn goes in init_from.allow_changes",
             init_from=spec)
     made = plan(tmp_path, data, init_from={**spec, "allow_changes": ["max_seq_len"]})
     assert made.init_from.directory == source and made.init_from.kind == "checkpoint" and made.resume_dir is None
