@@ -50,6 +50,7 @@ from olmo_ds.data.config import DataConfig, SourceConfig
 from olmo_ds.data.dataset import TokenSource, check_ids
 from olmo_ds.data.mixture import Mixture
 from olmo_ds.data.order import BatchSizeSchedule, GlobalOrder
+from olmo_ds.tokenizer import same_tokenizer
 
 STATE_VERSION = 1
 IGNORE_INDEX = -100
@@ -76,7 +77,7 @@ def _open_sources(configs: list[SourceConfig]) -> list[TokenSource]:
         raise ValueError(f"data sources have duplicate names {names}; give each a distinct `name`")
     first = sources[0]
     for s in sources[1:]:
-        if s.tokenizer_fingerprint != first.tokenizer_fingerprint:
+        if not same_tokenizer(s.tokenizer_fingerprint, first.tokenizer_fingerprint):
             raise ValueError(
                 f"data sources {first.directory} and {s.directory} were tokenized differently "
                 f"({first.tokenizer_fingerprint} vs {s.tokenizer_fingerprint}); a mixture needs one tokenizer"

@@ -69,7 +69,7 @@ class RunPlan:
     deepspeed: DeepSpeedPlan
     resume_dir: Path | None  # the checkpoint this run continues; None for a new run
     resume_state: dict | None  # its train_state.json
-    init_from: weights.WeightsInfo | None  # the weights a new run starts from (`init_from`); None when resuming
+    init_from: weights.Provenance | None  # the weights a new run starts from (`init_from`); None when resuming
     init_state_fingerprint: str | None  # with init_from.load_optimizer: the source's train_state.json's, recorded by the run
     evaluator: InLoopEvaluator | None
     run_lock: RunDirLock | None = None  # rank 0's lock on the run dir (`claim_run_dir`), held while the process lives
@@ -243,7 +243,7 @@ def restore_data_position(loader: DataLoader, resume_dir: Path, state: dict) -> 
         raise ConfigError(f"{resume_dir}: {e}") from None
 
 
-def check_init_from(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer | str | None) -> weights.WeightsInfo:
+def check_init_from(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer | str | None) -> weights.Provenance:
     """Describe `init_from`'s weights and check this run against them; every mismatch in one error."""
     spec = cfg.init_from
     try:

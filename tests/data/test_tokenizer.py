@@ -262,4 +262,39 @@ def test_shards_recorded_with_the_legacy_fingerprint_validate_against_a_resaved_
         assert report.ok, format_report(report)
         assert same_tokenizer(DOLMA2_LEGACY, tok) and same_tokenizer(tok, resaved)
     assert "shards made with another tokenizer" in format_report(validate_directory(out, load_tokenizer(NEOX)))
-    assert not same_tokenizer(DOLMA2_LEGACY, resaved.fingerprint)  # two recorded strings: equal or not the same
+    # two recorded strings: one tokenizer's legacy and current fingerprints (a known tokenizer) are the same
+    assert same_tokenizer(DOLMA2_LEGACY, resaved.fingerprint)
+    assert not same_tokenizer(DOLMA2_LEGACY, load_tokenizer(NEOX).fingerprint)
+
+
+def test_output_recorded_with_the_legacy_fingerprint_reruns_and_mixes(tmp_path):
+    """A prepare_data output written before issue 36 (its state and manifest record dolma2's file hash) is found
+    complete on a rerun, not refused as another tokenizer's; and it mixes with a source written since."""
+    import shutil
+
+    from olmo_ds.data import shards
+    from olmo_ds.data.config import SourceConfig
+    from olmo_ds.data.loader import _open_sources
+    from olmo_ds.data.prepare.output import STATE_FILE
+    from olmo_ds.data.prepare.pipeline import PrepareConfig, prepare
+
+    def run(out):
+        lines = []
+        prepare(PrepareConfig(inputs=[str(C4[0])], output=out, tokenizer=str(DOLMA2), tokenizer_backend="hf", progress=False),
+                log=lines.append)
+        return lines
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    run(old)
+    shutil.copytree(old, new)
+    for name in (STATE_FILE, shards.MANIFEST):
+        record = json.loads((old / name).read_text())
+        record["tokenizer_fingerprint"] = DOLMA2_LEGACY
+        (old / name).write_text(json.dumps(record))
+    assert any("already complete" in line for line in run(old))
+    assert len(_open_sources([SourceConfig(str(old), name="old"), SourceConfig(str(new), name="new")])) == 2
+    with pytest.raises(ValueError, match="tokenized differently"):
+        record = json.loads((new / shards.MANIFEST).read_text())
+        record["tokenizer_fingerprint"] = load_tokenizer(NEOX).fingerprint
+        (new / shards.MANIFEST).write_text(json.dumps(record))
+        _open_sources([SourceConfig(str(old), name="old"), SourceConfig(str(new), name="new")])

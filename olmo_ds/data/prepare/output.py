@@ -97,9 +97,11 @@ def _describe_mismatch(old: dict, new: dict) -> str:
     return f"it was made with other settings ({', '.join(keys)} differ)"
 
 
-def check_output(out: Path, ident: dict, overwrite: bool) -> str:
+def check_output(out: Path, ident: dict, overwrite: bool, tokenizer=None) -> str:
     """Decide, before any work, what to do with the output directory: 'fresh', 'overwrite', 'resume'
-    or 'complete'; raise if it holds output this run must not touch."""
+    or 'complete'; raise if it holds output this run must not touch. With `tokenizer`, output that
+    recorded its fingerprint in the legacy form (before issue 36) still counts as this tokenizer's."""
+    same = (lambda fp: tokenizer.matches(fp)) if tokenizer is not None else (lambda fp: fp == ident["tokenizer_fingerprint"])
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--output {out}: exists and is not a directory")
@@ -112,9 +114,11 @@ def check_output(out: Path, ident: dict, overwrite: bool) -> str:
     if old is None:
         if (out / shards.MANIFEST).is_file():
             m = shards.Manifest.load(out)
-            if m.tokenizer_fingerprint != ident["tokenizer_fingerprint"]:
+            if not same(m.tokenizer_fingerprint):
                 raise PrepareError(f"--output {out}: it holds shards of another tokenizer ({m.tokenizer_fingerprint}, this one is {ident['tokenizer_fingerprint']}); pass --overwrite to replace them or choose another --output")
         raise PrepareError(f"--output {out}: it holds shard files this tool cannot resume (no {STATE_FILE}); pass --overwrite to replace them or choose another --output")
+    if old.get("tokenizer_fingerprint") != ident["tokenizer_fingerprint"] and same(old.get("tokenizer_fingerprint")):
+        old = {**old, "tokenizer_fingerprint": ident["tokenizer_fingerprint"]}
     if old != ident:
         raise PrepareError(f"--output {out}: {_describe_mismatch(old, ident)}; pass --overwrite to replace it or choose another --output")
     return "complete" if (out / shards.MANIFEST).is_file() else "resume"

@@ -36,6 +36,7 @@ from olmo_ds.atomic import atomic_write_json
 from olmo_ds.data import shards
 from olmo_ds.data.prepare.output import VAL_DIR
 from olmo_ds.data.prepare.report import SkipLog
+from olmo_ds.tokenizer import canonical_fingerprint
 
 MERGE_STATE = ".merge.json"
 BLOCK_TOKENS = 1 << 22  # tokens copied per step: memory stays bounded whatever the shard size
@@ -149,7 +150,7 @@ def _must_match(m: shards.Manifest) -> dict:
         "part count M": m.extra["partition"]["count"],
         "input list (relative paths and sizes)": _relative_inputs(m),
         "input contents (a sample of each file)": m.extra["partition"].get("content_samples"),
-        "tokenizer": (m.tokenizer_fingerprint, m.vocab_size, m.eos_id, m.dtype, m.extra.get("pad_id")),
+        "tokenizer": (canonical_fingerprint(m.tokenizer_fingerprint), m.vocab_size, m.eos_id, m.dtype, m.extra.get("pad_id")),
         "arguments": arguments,
         "olmo-ds version": m.extra["tool"]["version"],
     }

@@ -268,7 +268,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     out = Path(cfg.output)
     ident = identity(tok, files, _settings(cfg))
     file_stats = [FileStats(str(f), f.stat().st_size) for f in files[lo:hi]]
-    mode = "fresh" if cfg.dry_run else check_output(out, ident, cfg.overwrite)
+    mode = "fresh" if cfg.dry_run else check_output(out, ident, cfg.overwrite, tok)
     if mode == "complete":
         m = shards.Manifest.load(out)
         log(f"{out}: already complete ({m.num_docs} documents, {m.num_tokens} tokens in {len(m.shards)} shards); nothing to do")
