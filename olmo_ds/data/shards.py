@@ -6,6 +6,11 @@ A shard directory holds, for i = 0, 1, ...:
 - `shard-NNNNN.offsets.npy`: int64 array of num_docs + 1 token offsets (0, end of doc 0, ..., num_tokens),
   so document boundaries never need a scan for EOS.
 - `shard-NNNNN.json`: metadata (see `ShardMeta`), including a sha256 of the `.bin`.
+- `shard-NNNNN.mask` (fine-tuning data only): the loss mask, one byte per token (0 or 1), aligned with
+  the `.bin`, unshifted: 1 = this token is a training target (what open-instruct's `labels_mask_part_*.npy`
+  hold, `labels != -100`). Its metadata adds `mask`, `mask_checksum` and `trained_tokens` (the count of
+  ones); a source's shards either all carry a mask or none do, and its manifest then says `masked: true`
+  and sums `trained_tokens`. Pretraining shards and their metadata are unchanged, byte for byte.
 and, written last, `manifest.json` with the totals, the tokenizer fingerprint and the arguments.
 
 Every file appears under its final name only when complete (written to a temporary name, fsynced,
@@ -53,6 +58,10 @@ def meta_path(directory: Path, index: int) -> Path:
     return Path(directory) / f"{shard_stem(index)}.json"
 
 
+def mask_path(directory: Path, index: int) -> Path:
+    return Path(directory) / f"{shard_stem(index)}.mask"
+
+
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -74,21 +83,58 @@ class ShardMeta:
     bin: str  # file names, relative to the shard directory
     offsets: str
     format_version: int = FORMAT_VERSION
+    # Fine-tuning shards only (None, and absent from the file, on pretraining shards):
+    mask: str | None = None  # the loss mask's file name, relative to the shard directory
+    mask_checksum: str | None = None  # "sha256:<hex>" of the mask file
+    trained_tokens: int | None = None  # tokens whose mask is 1
+
+    @property
+    def masked(self) -> bool:
+        return self.mask is not None
 
     @classmethod
     def load(cls, path: Path) -> "ShardMeta":
         d = _read_json_object(path, "shard metadata")
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(d) - {"format_version"}
+        missing = names - set(d) - set(OPTIONAL_META)
         if missing:
             raise ValueError(f"{path}: shard metadata lacks keys {sorted(missing)}")
         return cls(**{k: v for k, v in d.items() if k in names})
 
+    def to_dict(self) -> dict:
+        """The metadata as written: the mask's keys only where there is a mask."""
+        d = dataclasses.asdict(self)
+        return {k: v for k, v in d.items() if not (k in MASK_META and v is None)}
 
-def write_shard(directory: Path, index: int, tokens: np.ndarray, doc_offsets: np.ndarray, *, vocab_size: int, eos_id: int) -> ShardMeta:
-    """Write one complete shard (bin, offsets, metadata), each file atomically, metadata last.
 
-    `tokens` must already have the shard dtype; `doc_offsets` starts at 0 and ends at len(tokens).
+MASK_META = ("mask", "mask_checksum", "trained_tokens")
+OPTIONAL_META = ("format_version", *MASK_META)
+
+
+def open_mask(path: Path, meta: ShardMeta) -> np.ndarray:
+    """Memory-map a shard's loss mask as bool (zero-copy, no descriptor kept). Raises naming the file when
+    its size disagrees with the metadata's token count."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size != meta.num_tokens:
+        raise ValueError(f"{path}: loss mask of {size} bytes != num_tokens {meta.num_tokens} (one byte per token; truncated or corrupt)")
+    if meta.num_tokens == 0:
+        return np.zeros(0, dtype=bool)
+    return map_file(path)[: meta.num_tokens].view(np.bool_)
+
+
+def mask_bytes(mask: np.ndarray) -> bytes:
+    """A loss mask as stored: one byte, 0 or 1, per token."""
+    return np.ascontiguousarray(np.asarray(mask, dtype=bool)).view(np.uint8).tobytes()
+
+
+def write_shard(directory: Path, index: int, tokens: np.ndarray, doc_offsets: np.ndarray, *, vocab_size: int, eos_id: int,
+                mask: np.ndarray | None = None) -> ShardMeta:
+    """Write one complete shard (bin, offsets, the loss mask where given, metadata), each file atomically,
+    metadata last.
+
+    `tokens` must already have the shard dtype; `doc_offsets` starts at 0 and ends at len(tokens);
+    `mask`, one bool per token (True = trained).
     """
     directory = Path(directory)
     dtype = dtype_for_vocab(vocab_size)
@@ -103,6 +149,13 @@ def write_shard(directory: Path, index: int, tokens: np.ndarray, doc_offsets: np
         f.flush()
         os.fsync(f.fileno())
     os.replace(off_tmp, offsets_path(directory, index))
+    mask_fields = {}
+    if mask is not None:
+        assert len(mask) == len(tokens), "one mask value per token"
+        raw_mask = mask_bytes(mask)
+        atomic_write_bytes(mask_path(directory, index), raw_mask)
+        mask_fields = dict(mask=mask_path(directory, index).name, mask_checksum="sha256:" + hashlib.sha256(raw_mask).hexdigest(),
+                           trained_tokens=int(np.count_nonzero(np.asarray(mask, dtype=bool))))
     num_docs = len(doc_offsets) - 1
     meta = ShardMeta(
         num_tokens=int(len(tokens)),
@@ -115,8 +168,9 @@ def write_shard(directory: Path, index: int, tokens: np.ndarray, doc_offsets: np
         checksum="sha256:" + hashlib.sha256(raw).hexdigest(),
         bin=bin_path(directory, index).name,
         offsets=offsets_path(directory, index).name,
+        **mask_fields,
     )
-    atomic_write_json(meta_path(directory, index), dataclasses.asdict(meta))
+    atomic_write_json(meta_path(directory, index), meta.to_dict())
     return meta
 
 
@@ -168,10 +222,10 @@ class ShardWriter:
     renames them to their final names and writes the metadata last, so that a shard whose `.json`
     exists is complete, and anything else left by a crash is a temporary or an orphan to delete.
     `extra` keys are stored in the metadata beside `ShardMeta`'s (data preparation keeps its resume
-    point there).
+    point there). `masked`: the shard carries a loss mask, given with every `append`.
     """
 
-    def __init__(self, directory: Path, index: int, *, vocab_size: int, eos_id: int):
+    def __init__(self, directory: Path, index: int, *, vocab_size: int, eos_id: int, masked: bool = False):
         self.directory = Path(directory)
         self.index = index
         self.vocab_size = vocab_size
@@ -187,11 +241,29 @@ class ShardWriter:
         self._bin = open(self._bin_tmp, "wb")
         self._off = open(self._off_tmp, "wb")
         self._off.write(np.zeros(1, dtype="<i8").tobytes())
+        self.trained_tokens = 0
+        self._mask_hash = hashlib.sha256()
+        self._mask_tmp = mask_path(self.directory, index).with_name(mask_path(self.directory, index).name + ".tmp")
+        self._mask = open(self._mask_tmp, "wb") if masked else None
 
-    def append(self, tokens: np.ndarray, doc_lens: np.ndarray) -> None:
-        """Append whole documents: `tokens` (shard dtype, each document ending in EOS) and their lengths."""
+    def _files(self) -> list:
+        return [(self._bin, self._bin_tmp), (self._off, self._off_tmp)] + ([(self._mask, self._mask_tmp)] if self._mask else [])
+
+    def append(self, tokens: np.ndarray, doc_lens: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Append whole documents: `tokens` (shard dtype, each document ending in EOS) and their lengths;
+        `mask`, one bool per token, exactly when the writer is `masked`."""
         if len(doc_lens) == 0:
             return
+        if (mask is None) != (self._mask is None):
+            raise ValueError(f"{self._bin_tmp}: a {'masked' if self._mask else 'plain'} shard appended {'without' if mask is None else 'with'} a mask")
+        if mask is not None:
+            raw_mask = mask_bytes(mask)
+            if len(raw_mask) != len(tokens):
+                raise ValueError(f"{self._mask_tmp}: {len(raw_mask)} mask values for {len(tokens)} tokens")
+            with naming(self._mask_tmp):
+                self._mask.write(raw_mask)
+            self._mask_hash.update(raw_mask)
+            self.trained_tokens += int(np.count_nonzero(np.asarray(mask, dtype=bool)))
         raw = memoryview(np.ascontiguousarray(tokens, dtype=self.dtype)).cast("B")
         ends = self.num_tokens + np.cumsum(doc_lens, dtype=np.int64)
         with naming(self._bin_tmp):
@@ -209,12 +281,17 @@ class ShardWriter:
         self.max_token_id = max(self.max_token_id, int(tokens.max()))
 
     def close(self, extra: dict | None = None) -> ShardMeta:
-        for f, path in ((self._bin, self._bin_tmp), (self._off, self._off_tmp)):
+        for f, path in self._files():
             with naming(path):
                 f.flush()
                 os.fsync(f.fileno())
             f.close()
         os.replace(self._bin_tmp, bin_path(self.directory, self.index))
+        mask_fields = {}
+        if self._mask is not None:
+            os.replace(self._mask_tmp, mask_path(self.directory, self.index))
+            mask_fields = dict(mask=mask_path(self.directory, self.index).name, mask_checksum="sha256:" + self._mask_hash.hexdigest(),
+                               trained_tokens=self.trained_tokens)
         offsets = np.memmap(self._off_tmp, dtype="<i8", mode="r") if self.num_docs else np.zeros(1, dtype="<i8")
         npy_tmp = offsets_path(self.directory, self.index).with_suffix(".tmp.npy")
         out = np.lib.format.open_memmap(npy_tmp, mode="w+", dtype="<i8", shape=(self.num_docs + 1,))
@@ -238,8 +315,9 @@ class ShardWriter:
             checksum="sha256:" + self._hash.hexdigest(),
             bin=bin_path(self.directory, self.index).name,
             offsets=offsets_path(self.directory, self.index).name,
+            **mask_fields,
         )
-        atomic_write_json(meta_path(self.directory, self.index), {**(extra or {}), **dataclasses.asdict(meta)})
+        atomic_write_json(meta_path(self.directory, self.index), {**(extra or {}), **meta.to_dict()})
         return meta
 
     def abort(self) -> None:
@@ -248,7 +326,7 @@ class ShardWriter:
         Runs after a failed write, typically a full disk, where closing flushes the buffer and fails
         again; that data is being thrown away, so the error must not stop the clean-up or hide the first.
         """
-        for f, path in ((self._bin, self._bin_tmp), (self._off, self._off_tmp)):
+        for f, path in self._files():
             with contextlib.suppress(OSError):
                 f.close()
             path.unlink(missing_ok=True)
@@ -292,8 +370,9 @@ class ShardedWriter:
     Shard boundaries depend only on the document stream, so the same documents always give the same shards.
     """
 
-    def __init__(self, directory: Path, shard_tokens: int, *, vocab_size: int, eos_id: int, next_index: int = 0):
+    def __init__(self, directory: Path, shard_tokens: int, *, vocab_size: int, eos_id: int, next_index: int = 0, masked: bool = False):
         self.directory = Path(directory)
+        self.masked = masked
         self.shard_tokens = shard_tokens
         self.vocab_size = vocab_size
         self.eos_id = eos_id
@@ -301,16 +380,18 @@ class ShardedWriter:
         self.writer: ShardWriter | None = None
         self.cutter = ShardCutter(shard_tokens)
 
-    def add(self, tokens: np.ndarray, lens: np.ndarray, close_extra=None) -> None:
-        """Append documents; `close_extra(k)` gives the metadata extras of a shard closed just before
-        document k of this batch (e.g. where in the input the next shard starts)."""
+    def add(self, tokens: np.ndarray, lens: np.ndarray, close_extra=None, mask: np.ndarray | None = None) -> None:
+        """Append documents (and their tokens' loss mask, for a `masked` writer); `close_extra(k)` gives the
+        metadata extras of a shard closed just before document k of this batch (e.g. where in the input
+        the next shard starts)."""
         ends = np.cumsum(lens, dtype=np.int64)
         start = 0
         for k in [*self.cutter.feed(lens), len(lens)]:
             if k > start:
                 if self.writer is None:
-                    self.writer = ShardWriter(self.directory, self.next_index, vocab_size=self.vocab_size, eos_id=self.eos_id)
-                self.writer.append(tokens[(ends[start - 1] if start else 0) : ends[k - 1]], lens[start:k])
+                    self.writer = ShardWriter(self.directory, self.next_index, vocab_size=self.vocab_size, eos_id=self.eos_id, masked=self.masked)
+                lo, hi = (ends[start - 1] if start else 0), ends[k - 1]
+                self.writer.append(tokens[lo:hi], lens[start:k], None if mask is None else mask[lo:hi])
             if k < len(lens):
                 self._close(close_extra(k) if close_extra else None)
             start = k
@@ -487,6 +568,11 @@ class Manifest:
         extra = d.pop("extra")
         atomic_write_json(Path(directory) / MANIFEST, {**extra, **d})
 
+    @property
+    def masked(self) -> bool:
+        """Whether the source's shards carry loss masks (fine-tuning data)."""
+        return bool(self.extra.get("masked", False))
+
 
 def write_manifest(directory: Path, tokenizer, split: str, extra: dict, metas: list[ShardMeta] | None = None, names: list[str] | None = None) -> Manifest:
     """Write `manifest.json` last, over the shards in `metas` (default: the directory's, in order).
@@ -499,6 +585,11 @@ def write_manifest(directory: Path, tokenizer, split: str, extra: dict, metas: l
     """
     if metas is None:
         metas = [ShardMeta.load(p.with_suffix(".json")) for p in list_shards(directory)]
+    masked = {m.masked for m in metas}
+    if len(masked) > 1:
+        raise ValueError(f"{directory}: some shards carry a loss mask and some do not; a source is all fine-tuning data or none")
+    if masked == {True}:
+        extra = {**extra, "masked": True, "trained_tokens": sum(m.trained_tokens for m in metas)}
     manifest = Manifest(
         num_tokens=sum(m.num_tokens for m in metas),
         num_docs=sum(m.num_docs for m in metas),

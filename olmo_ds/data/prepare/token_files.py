@@ -31,7 +31,6 @@ import io
 import json
 import multiprocessing as mp
 import os
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -170,7 +169,7 @@ def register_token_files(inputs: list[str], output: Path, tokenizer, dtype: str 
                                 checksum=r["checksum"], bin=str(f), offsets=shards.offsets_path(out, i).name)
         inner = r["inner_eos"]
         atomic_write_json(shards.meta_path(out, i), {"in_place": {"index": r["index"], "docs_with_inner_eos": inner["docs"], "inner_eos": inner["eos"],
-                                                                  "inner_eos_docs": inner["first_docs"]}, **asdict(meta)})
+                                                                  "inner_eos_docs": inner["first_docs"]}, **meta.to_dict()})
         metas.append(meta)
     root = os.path.commonpath([str(f) for f in files]) if len(files) > 1 else str(files[0].parent)
     extra = {"tool": {"name": "olmo-ds register_token_files", "version": olmo_ds.__version__},
