@@ -20,6 +20,7 @@ typed record that the trainer, the memory estimate and the tools read, instead o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -92,7 +93,21 @@ def plan_run(cfg: TrainConfig, *, resume: str | None = None, start_over: bool = 
     for warning in cfg.warnings():
         log.warning(warning)
     run_dir = Path(cfg.run_dir)
+    created = not run_dir.exists()
     run_lock = claim_run_dir(run_dir, resume, start_over, env.rank)
+    try:
+        return _plan(cfg, env, run_dir, run_lock, resume)
+    except BaseException:
+        if run_lock is not None:  # a refused start leaves the run dir as it found it
+            run_lock.release()
+            if created:
+                run_lock.path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    run_dir.rmdir()  # only if nothing else was written there
+        raise
+
+
+def _plan(cfg: TrainConfig, env: DistEnv, run_dir: Path, run_lock: RunDirLock | None, resume: str | None) -> RunPlan:
     check_launch(cfg, env.rank, env.local_rank, env.world_size)
     tokenizer, loader = open_tokenizer_and_data(cfg, env)
     vocab = tokenizer.vocab_size if tokenizer is not None else loader.vocab_size
