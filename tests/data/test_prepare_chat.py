@@ -244,3 +244,21 @@ def test_default_template_is_the_tokenizer_config_beside_the_tokenizer(tmp_path)
     a, b = read_masked(tmp_path / "a"), read_masked(tmp_path / "b")
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
     assert shards.Manifest.load(tmp_path / "a").extra["chat"]["template_sha256"] == shards.Manifest.load(tmp_path / "b").extra["chat"]["template_sha256"]
+
+
+def test_parquet_and_compressed_conversations_give_the_jsonl_bytes(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [json.loads(line) for line in (CHAT / "val.jsonl").read_text(encoding="utf-8").splitlines()]
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"id": [r["id"] for r in rows], "messages": [r["messages"] for r in rows]}), tmp_path / "pq" / "val.parquet", row_group_size=7)
+    (tmp_path / "zst").mkdir()
+    import zstandard
+
+    (tmp_path / "zst" / "val.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress((CHAT / "val.jsonl").read_bytes()))
+    run([CHAT / "val.jsonl"], tmp_path / "a", shard_tokens=3000)
+    run([tmp_path / "pq"], tmp_path / "b", shard_tokens=3000)
+    run([tmp_path / "zst"], tmp_path / "c", shard_tokens=3000)
+    for other in ("b", "c"):
+        for name in ("shard-00000.bin", "shard-00000.mask", "shard-00002.mask", "shard-00002.offsets.npy"):
+            assert (tmp_path / "a" / name).read_bytes() == (tmp_path / other / name).read_bytes(), (other, name)

@@ -388,6 +388,8 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
                 p.unlink()
         result = _run(_Setup(cfg, files, (lo, hi), tok, ident, file_stats, backend, log), workers)
         result.layout = workers.layout()
+        if chat:
+            result.conversations = True
     result.check_seconds, result.total_seconds = check_seconds, time.perf_counter() - started
     return result
 
@@ -521,7 +523,8 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
         _no_documents(setup, skiplog, created)
 
     if cfg.dry_run:
-        return PrepareResult(None, file_stats, run.docs, run.tokens, 0, 0, 0, skiplog, seconds, run.text_bytes, run.tokens, noted=noted, backend=setup.backend["name"])
+        return PrepareResult(None, file_stats, run.docs, run.tokens, 0, 0, 0, skiplog, seconds, run.text_bytes, run.tokens, noted=noted, backend=setup.backend["name"],
+                             run_docs=run.docs)
 
     manifests = {}
     for name in (["val"] if "val" in resume else []) + ["train"]:  # the top-level manifest last
@@ -530,7 +533,7 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
     return PrepareResult(
         out, file_stats, train.num_docs, train.num_tokens, val.num_docs if val else 0, val.num_tokens if val else 0,
         len(train.shards) + (len(val.shards) if val else 0), skiplog, seconds, run.text_bytes, run.tokens, resumed_from,
-        noted=noted, backend=setup.backend["name"],
+        noted=noted, backend=setup.backend["name"], run_docs=run.docs,
     )
 
 
