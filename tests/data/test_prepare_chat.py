@@ -262,3 +262,30 @@ def test_parquet_and_compressed_conversations_give_the_jsonl_bytes(tmp_path):
     for other in ("b", "c"):
         for name in ("shard-00000.bin", "shard-00000.mask", "shard-00002.mask", "shard-00002.offsets.npy"):
             assert (tmp_path / "a" / name).read_bytes() == (tmp_path / other / name).read_bytes(), (other, name)
+
+
+def test_rerun_after_sigkill_is_byte_identical(tmp_path):
+    import signal
+    import time
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for k in range(12):
+        (raw / f"train-{k:02d}.jsonl").write_bytes((CHAT / "train.jsonl").read_bytes())
+    (raw / "train-05.jsonl").write_bytes((CHAT / "train.jsonl").read_bytes() + (CHAT / "bad.jsonl").read_bytes())
+    args = ["--format", "chat", "--chat-template", "olmo3", "--input", str(raw), "--tokenizer", str(DOLMA2), "--shard-tokens", "20000",
+            "--no-progress", "--val-fraction", "0.05", "--max-tokens", "3000", "--long-conversations", "truncate"]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    subprocess.run([sys.executable, "scripts/prepare_data.py", *args, "--output", str(ref)], cwd=REPO, check=True, capture_output=True)
+    proc = subprocess.Popen([sys.executable, "scripts/prepare_data.py", *args, "--output", str(out)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("shard-*.json"))) < 8 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists(), "the run finished before it could be killed"
+    r = subprocess.run([sys.executable, "scripts/prepare_data.py", *args, "--output", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout
+    assert dir_bytes(out) == dir_bytes(ref)

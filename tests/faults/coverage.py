@@ -10,6 +10,8 @@ OWNER_TESTS: dict[str, list[str]] = {
         "tests/data/test_prepare.py::test_rerun_after_sigkill_is_byte_identical",
         "tests/data/test_prepare.py::test_whole_files_resume_after_a_crash_in_either_mode",
         "tests/data/test_prepare.py::test_a_resume_with_a_validation_split_tokenizes_only_what_is_not_kept",
+        "tests/data/test_prepare_chat.py::test_rerun_after_sigkill_is_byte_identical",
+        "tests/data/test_prepare_chat.py::test_resume_after_a_crash_is_byte_identical",
     ],
     "bad input: corrupt shard (flipped byte, no EOS, offsets)": [
         "tests/data/test_validate.py::test_flipped_byte_and_missing_eos",
