@@ -129,3 +129,8 @@ def test_export_refuses_plain_shards_and_a_used_output(tmp_path, tok):
     with pytest.raises(ExportError, match="not an empty directory"):
         export_olmocore(tmp_path / "src", tmp_path / "used", tok)
     assert (tmp_path / "used" / "x").read_text() == "keep"
+
+
+def test_masks_beside_the_named_token_files_are_taken_too(tmp_path, tok):
+    m = register_token_files([str(SAMPLE / "token_ids_part_*.npy")], tmp_path / "src", tok)
+    assert m.masked and m.extra["trained_tokens"] == 36_995

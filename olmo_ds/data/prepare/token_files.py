@@ -91,6 +91,10 @@ def pair_masks(files: list[Path]) -> tuple[list[Path], list[Path] | None]:
     A token file without its mask, or a mask without its token file, is an error naming it."""
     masks = [f for f in files if is_mask_file(f)]
     tokens = [f for f in files if not is_mask_file(f)]
+    # Masks lying beside token files count even when only the token files were named (a glob of
+    # token_ids_part_*.npy): registering fine-tuning data without its masks would train every token.
+    beside = [mask_file(t) for t in tokens if t.name.startswith(TOKEN_PREFIX) and mask_file(t).is_file()]
+    masks = sorted(set(masks) | set(beside), key=str)
     if not masks:
         return tokens, None
     if not tokens:
