@@ -26,6 +26,10 @@ each followed by EOS, whatever the number of workers. Hence the design:
 - An HF tokenizer.json is encoded with `fastokens` only where it gives HF's exact ids
   (`backend`); what the user reads while and after it runs is `report`.
 
+- Conversations (`format="chat"`, `conversations`): each record's `messages` rendered with a chat
+  template into one document ending in its EOS, with a loss mask that travels beside the ids
+  through every writer above (blocks, pieces, the partition merge) into masked shards.
+
 This module is the coordinating process; what a worker process does (parse, tokenize, check the
 fast backend) is `worker`.
 """
@@ -133,6 +137,7 @@ class PrepareConfig:
     chat_mask: str | None = None  # "assistant" (default) | "all" | "last"
     max_tokens: int | None = None
     long_conversations: str | None = None  # "drop" (default) | "truncate"
+    _chat: dict | None = dataclasses.field(default=None, repr=False)  # settled by `_resolve_chat` before any work
 
     def validate(self) -> None:
         self._validate_format()
