@@ -6,6 +6,11 @@ Writes OUTPUT/manifest.json and small per-file entries over the existing files (
 copied), after one parallel scan that refuses out-of-range ids (file and offset), sizes that are no
 multiple of the dtype, a wrong dtype and a missing final EOS. Use OUTPUT in `data.sources` like any
 shard directory; olmo_ds/data/prepare/token_files.py has the details.
+
+open-instruct's OLMo-core SFT output (token_ids_part_*.npy, labels_mask_part_*.npy, .csv.gz) registers
+the same way, masks included (a fine-tuning source):
+
+    python scripts/register_token_files.py --input sft-data/ --tokenizer dolma2-tokenizer.json --output data/sft
 """
 
 import argparse
@@ -30,7 +35,8 @@ def main(argv=None) -> int:
     except (TokenFileError, OSError, ValueError) as e:
         print(f"register_token_files: error: {e}", file=sys.stderr)
         return 2
-    print(f"{a.output}: {len(m.shards):,} token files in place, {m.num_docs:,} documents, {m.num_tokens:,} tokens ({m.dtype})")
+    print(f"{a.output}: {len(m.shards):,} token files in place, {m.num_docs:,} documents, {m.num_tokens:,} tokens ({m.dtype})"
+          + (f", loss masks beside them: {m.extra['trained_tokens']:,} trained tokens" if m.masked else ""))
     inner = inner_eos_report(a.output)
     if inner:
         print(f"note: {m.extra['source']['docs_with_inner_eos']:,} documents in {len(inner):,} files hold EOS inside, kept whole as their "

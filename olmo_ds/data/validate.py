@@ -11,6 +11,14 @@ Per directory: the manifest lists exactly the shards on disk, its totals are the
 (and are not 0: a source of no tokens is refused), and (given a tokenizer) its fingerprint,
 vocabulary size and EOS match the tokenizer's. A validation split in `val/` is checked the same way.
 
+Loss masks (fine-tuning sources, `manifest.masked`): every shard of a masked source has its mask
+(`ShardMeta.mask`, the file present) and no shard of a plain one does (no metadata key, no orphan
+`shard-NNNNN.mask`); the mask is one byte per token, each 0 or 1, its sha256 is `mask_checksum`, its
+ones are `trained_tokens`, the shards' trained tokens sum to the manifest's, and no padding token
+(`pad_id`) is trained. A conversation source prepared with `--long-conversations truncate` may hold
+documents that do not end in EOS (the cut ones; open-instruct appends none either): counted, not an
+error; anywhere else a document must end in EOS.
+
 How the reading is spread over `workers` processes: a shard's sha256 must read it whole, in order,
 so it is one task; the id checks (largest id, EOS count) are cut into ranges of `SCAN_BYTES` and
 the document checks (offsets, EOS at each end) are one more task. All shards of both splits go to
@@ -49,6 +57,8 @@ class ShardReport:
     inner_eos: int = 0  # EOS ids before a document's end: readers that split at EOS see this many documents more
     inner_eos_docs: list[int] = field(default_factory=list)  # the first few such documents (indexes in the shard)
     inner_eos_why: str = ""  # why they are allowed (empty: they are an error)
+    trained_tokens: int | None = None  # masked shards: the ones of the loss mask, as counted
+    docs_without_eos: int = 0  # truncated conversations (allowed only where the source says so)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -63,6 +73,7 @@ class Report:
     errors: list[str] = field(default_factory=list)  # directory-level: manifest, tokenizer, missing shards
     num_tokens: int = 0
     num_docs: int = 0
+    trained_tokens: int | None = None  # masked sources: the total over the shards' masks (train split)
 
     @property
     def ok(self) -> bool:
@@ -85,6 +96,8 @@ class _Shard:
     bin_file: Path
     offsets_file: Path
     inner_eos_why: str  # why EOS ids inside documents are counted, not an error ("": they are an error; `_Split.inner_eos_why`)
+    rules: "_Rules | None" = None
+    mask_file: Path | None = None
     checksum: str = ""
     eos_count: int = 0
     document_errors: list[str] = field(default_factory=list)
@@ -95,8 +108,18 @@ class _Shard:
         return self.meta.num_tokens * np.dtype(self.meta.dtype).itemsize
 
 
-def _open_shard(directory: Path, bin_name: str, prefix: str, inner_eos_why: str) -> tuple[ShardReport, _Shard | None]:
-    """The checks that read no ids: metadata, dtype, the `.bin` size. None when one fails."""
+@dataclass(frozen=True)
+class _Rules:
+    """What a split's manifest says its shards must be, beyond the format: masked or not, the padding id
+    that must never be trained, whether documents may end without EOS (truncated conversations)."""
+
+    masked: bool = False
+    pad_id: int | None = None
+    eos_less_ok: bool = False
+
+
+def _open_shard(directory: Path, bin_name: str, prefix: str, inner_eos_why: str, rules: _Rules = _Rules()) -> tuple[ShardReport, _Shard | None]:
+    """The checks that read no ids: metadata, dtype, the `.bin` size, the loss mask's presence and size. None when one fails."""
     report = ShardReport(prefix + bin_name)
     meta_file = (directory / bin_name).with_suffix(".json")
     if not meta_file.is_file():
@@ -123,7 +146,23 @@ def _open_shard(directory: Path, bin_name: str, prefix: str, inner_eos_why: str)
     if size != meta.num_tokens * itemsize:
         report.errors.append(f"size {size} bytes != num_tokens {meta.num_tokens} x {itemsize} (truncated or corrupt)")
         return report, None
-    return report, _Shard(report, meta, bin_file, directory / meta.offsets, inner_eos_why)
+    mask_file = None
+    orphan = directory / (Path(bin_name).name.split(".")[0] + ".mask")
+    if rules.masked and not meta.masked:
+        report.errors.append(f"no loss mask: the manifest says the source is masked, but {meta_file.name} names no mask")
+        return report, None
+    if not rules.masked and (meta.masked or orphan.is_file()):
+        report.errors.append(f"loss mask {meta.mask or orphan.name} on a shard of a source whose manifest is not masked (a mixed or damaged directory)")
+        return report, None
+    if meta.masked:
+        mask_file = directory / meta.mask
+        if not mask_file.is_file():
+            report.errors.append(f"missing loss mask {meta.mask}")
+            return report, None
+        if mask_file.stat().st_size != meta.num_tokens:
+            report.errors.append(f"loss mask {meta.mask}: {mask_file.stat().st_size} bytes != num_tokens {meta.num_tokens} (one byte per token; truncated or corrupt)")
+            return report, None
+    return report, _Shard(report, meta, bin_file, directory / meta.offsets, inner_eos_why, rules, mask_file)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,28 +197,51 @@ def _scan(path: str, start: int, end: int, dtype: str, eos_id: int, sha256: bool
     return "sha256:" + digest.hexdigest() if sha256 else "", top, eos
 
 
-def _documents(bin_file: str, offsets_file: str, meta: shards.ShardMeta) -> tuple[list[str], bool]:
-    """Offsets from 0 to num_tokens, increasing, one per document plus one, each document's last id EOS.
-    Returns the problems, and whether the offsets are sound and every document ends in EOS."""
+def _documents(bin_file: str, offsets_file: str, meta: shards.ShardMeta, eos_less_ok: bool = False) -> tuple[list[str], bool, int]:
+    """Offsets from 0 to num_tokens, increasing, one per document plus one, each document's last id EOS
+    (`eos_less_ok`: those that do not are counted, not an error). Returns the problems, whether the
+    offsets are sound and every document ends in EOS, and how many do not."""
     if not Path(offsets_file).is_file():
-        return [f"missing offsets {meta.offsets}"], False
+        return [f"missing offsets {meta.offsets}"], False, 0
     try:
         offsets = shards.load_offsets(Path(offsets_file))
     except ValueError as e:
-        return [f"unreadable offsets {meta.offsets}: {e}"], False
+        return [f"unreadable offsets {meta.offsets}: {e}"], False, 0
     if len(offsets) != meta.num_docs + 1:
-        return [f"{len(offsets)} offsets for {meta.num_docs} documents (expected num_docs + 1)"], False
+        return [f"{len(offsets)} offsets for {meta.num_docs} documents (expected num_docs + 1)"], False, 0
     if len(offsets) and (offsets[0] != 0 or offsets[-1] != meta.num_tokens):
-        return [f"offsets run {offsets[0]}..{offsets[-1]}, not 0..{meta.num_tokens}"], False
+        return [f"offsets run {offsets[0]}..{offsets[-1]}, not 0..{meta.num_tokens}"], False, 0
     if np.any(np.diff(offsets) <= 0):
-        return [f"offsets not strictly increasing (first at document {int(np.argmax(np.diff(offsets) <= 0))})"], False
+        return [f"offsets not strictly increasing (first at document {int(np.argmax(np.diff(offsets) <= 0))})"], False, 0
     if not meta.num_docs:
-        return [], False
+        return [], False, 0
     ends = shards.open_tokens(Path(bin_file), meta)[np.asarray(offsets[1:]) - 1]
     bad = np.flatnonzero(ends != meta.eos_id)
+    if len(bad) and eos_less_ok:
+        return [], False, len(bad)
     if len(bad):
-        return [f"{len(bad)} documents do not end in EOS {meta.eos_id} (first: document {int(bad[0])})"], False
-    return [], True
+        return [f"{len(bad)} documents do not end in EOS {meta.eos_id} (first: document {int(bad[0])})"], False, len(bad)
+    return [], True, 0
+
+
+def _mask(bin_file: str, mask_file: str, meta: shards.ShardMeta, pad_id: int | None) -> tuple[str, int, str]:
+    """A shard's loss mask against its ids: its sha256, its ones, and the first problem ("" if none):
+    a value that is not 0 or 1, or a trained padding token."""
+    tokens = shards.open_tokens(Path(bin_file), meta)
+    raw = shards.map_file(Path(mask_file))[: meta.num_tokens]
+    digest, trained, problem = hashlib.sha256(), 0, ""
+    step = BLOCK_BYTES
+    for a in range(0, meta.num_tokens, step):
+        block = np.asarray(raw[a:a + step])
+        digest.update(block.tobytes())
+        trained += int(np.count_nonzero(block))
+        if not problem and (bad := np.flatnonzero(block > 1)).size:
+            problem = f"loss mask {meta.mask}: byte {a + int(bad[0])} is {int(block[bad[0]])}, not 0 or 1"
+        if not problem and pad_id is not None:
+            hit = np.flatnonzero((block != 0) & (np.asarray(tokens[a:a + step]) == pad_id))
+            if hit.size:
+                problem = f"loss mask {meta.mask}: padding token {pad_id} trained at token {a + int(hit[0])} ({hit.size} in this block): padding must never be a target"
+    return "sha256:" + digest.hexdigest(), trained, problem
 
 
 INNER_EOS_SHOWN = 5  # documents with an inner EOS named in the report
@@ -197,7 +259,7 @@ def _inner_eos(bin_file: str, offsets_file: str, meta: shards.ShardMeta) -> tupl
     return len(docs), len(inner), docs[:INNER_EOS_SHOWN].tolist(), int(inner[0])
 
 
-_TASKS = {"scan": _scan, "documents": _documents, "inner_eos": _inner_eos}
+_TASKS = {"scan": _scan, "documents": _documents, "inner_eos": _inner_eos, "mask": _mask}
 
 
 def _run(task: tuple) -> tuple:
@@ -211,7 +273,10 @@ def _first_round(k: int, s: _Shard, split: bool) -> tuple[tuple, list[tuple]]:
     hashing pass checks the ids too."""
     m = s.meta
     path, dtype = str(s.bin_file), np.dtype(m.dtype).newbyteorder("<").str
-    others = [("documents", k, (path, str(s.offsets_file), m))]
+    rules = s.rules or _Rules()
+    others = [("documents", k, (path, str(s.offsets_file), m, rules.eos_less_ok))]
+    if s.mask_file is not None:
+        others.append(("mask", k, (path, str(s.mask_file), m, rules.pad_id)))
     if split:
         step = SCAN_BYTES - SCAN_BYTES % np.dtype(dtype).itemsize
         others += [("scan", k, (path, a, min(a + step, s.nbytes), dtype, m.eos_id, False, True)) for a in range(0, s.nbytes, step)]
@@ -225,7 +290,17 @@ def _record(s: _Shard, kind: str, value) -> None:
         s.report.vocab_max = max(s.report.vocab_max, top)
         s.eos_count += eos
     elif kind == "documents":
-        s.document_errors, s.ends_in_eos = value
+        s.document_errors, s.ends_in_eos, s.report.docs_without_eos = value
+    elif kind == "mask":
+        checksum, trained, problem = value
+        m = s.meta
+        s.report.trained_tokens = trained
+        if checksum != m.mask_checksum:
+            s.document_errors.append(f"loss mask {m.mask}: checksum mismatch: {checksum} != metadata {m.mask_checksum}")
+        if trained != m.trained_tokens:
+            s.document_errors.append(f"loss mask {m.mask}: {trained} trained tokens != metadata trained_tokens {m.trained_tokens}")
+        if problem:
+            s.document_errors.append(problem)
     else:
         docs, inner, first_docs, first_token = value
         r = s.report
@@ -249,8 +324,8 @@ def _finish(s: _Shard) -> None:
     r.errors += s.document_errors
 
 
-def _check_shards(entries: list[tuple[Path, str, str, str]], workers: int, meanwhile: Callable[[], None]) -> list[ShardReport]:
-    """Every per-shard check of `entries` (directory, .bin name, report prefix, why inner EOS is allowed), the
+def _check_shards(entries: list[tuple], workers: int, meanwhile: Callable[[], None]) -> list[ShardReport]:
+    """Every per-shard check of `entries` (directory, .bin name, report prefix, why inner EOS is allowed, `_Rules`), the
     reading spread over `workers` processes; `meanwhile` runs here while they read."""
     opened = [_open_shard(*e) for e in entries]
     todo = {k: s for k, (_, s) in enumerate(opened) if s is not None}
@@ -264,7 +339,8 @@ def _check_shards(entries: list[tuple[Path, str, str, str]], workers: int, meanw
         meanwhile()
         for kind, k, value in results:
             _record(todo[k], kind, value)
-        second = [("inner_eos", k, (str(s.bin_file), str(s.offsets_file), s.meta)) for k, s in todo.items() if s.ends_in_eos and s.eos_count != s.meta.num_docs]
+        second = [("inner_eos", k, (str(s.bin_file), str(s.offsets_file), s.meta)) for k, s in todo.items()
+                  if (s.ends_in_eos or s.report.docs_without_eos) and s.eos_count != s.meta.num_docs - s.report.docs_without_eos]
         for kind, k, value in run(second):
             _record(todo[k], kind, value)
     for s in todo.values():
@@ -309,6 +385,13 @@ class _Split:
             return "prepared with --match-special-tokens"
         return ""
 
+    @property
+    def rules(self) -> _Rules:
+        if self.manifest is None:
+            return _Rules()
+        extra = self.manifest.extra
+        return _Rules(self.manifest.masked, extra.get("pad_id"), (extra.get("chat") or {}).get("long_conversations") == "truncate")
+
 
 def validate_directory(directory: Path, tokenizer=None, workers: int = 1) -> Report:
     """Validate a shard directory and its `val/` split; `workers` processes read the shards.
@@ -323,7 +406,7 @@ def validate_directory(directory: Path, tokenizer=None, workers: int = 1) -> Rep
     val = splits[0].manifest.extra.get("val") if splits[0].manifest else None
     if val:
         splits.append(_Split.read(directory / val["dir"], f"{val['dir']}/"))
-    entries = [(s.directory, name, s.prefix, s.inner_eos_why) for s in splits for name in s.listed]
+    entries = [(s.directory, name, s.prefix, s.inner_eos_why, s.rules) for s in splits for name in s.listed]
     loaded = {}
 
     def load() -> None:
@@ -335,6 +418,10 @@ def validate_directory(directory: Path, tokenizer=None, workers: int = 1) -> Rep
         tokens, docs = sum(r.num_tokens for r in mine), sum(r.num_docs for r in mine)
         if s.manifest is not None:
             _check_manifest(s, mine, tokens, docs, loaded["tokenizer"])
+            if s.manifest.masked:
+                _check_trained(s, mine)
+                if not s.prefix:
+                    report.trained_tokens = sum(r.trained_tokens or 0 for r in mine)
         report.shards += mine
         report.errors += s.errors
         report.num_tokens += tokens
@@ -371,6 +458,24 @@ def _check_manifest(split: _Split, reports: list[ShardReport], tokens: int, docs
             split.errors.append(f"{where}: eos_id {manifest.eos_id} != the tokenizer's {tokenizer.eos_id}")
 
 
+def _check_trained(split: _Split, reports: list[ShardReport]) -> None:
+    """A masked split's trained-token total: the manifest's against the shards' metadata (each shard's own
+    count against its mask is checked with the shard)."""
+    where = f"{split.prefix}{shards.MANIFEST}"
+    recorded = split.manifest.extra.get("trained_tokens")
+    metas = []
+    for s in reports:
+        meta_file = (split.directory / Path(s.name).name).with_suffix(".json")
+        try:
+            metas.append(shards.ShardMeta.load(meta_file).trained_tokens or 0)
+        except (OSError, ValueError, TypeError):
+            return  # the shard's own report says why
+    if recorded != sum(metas):
+        split.errors.append(f"{where}: trained_tokens {recorded} != sum over the shards' metadata {sum(metas)}")
+    if split.manifest.extra.get("pad_id") is None:
+        split.errors.append(f"{where}: a masked source must record pad_id (the padding id that is never trained)")
+
+
 def describe_inner_eos(docs: int, inner: int, first_docs: list[int], num_docs: int) -> str:
     """What readers see of documents that hold EOS before their end (shared with the registration's report)."""
     shown = ", ".join(map(str, first_docs)) + (", ..." if docs > len(first_docs) else "")
@@ -383,7 +488,10 @@ def format_report(report: Report) -> str:
     lines = []
     for s in report.shards:
         if s.ok:
-            lines.append(f"{s.name}: OK ({s.num_tokens:,} tokens, vocab_max={s.vocab_max})")
+            trained = f", {s.trained_tokens:,} trained" if s.trained_tokens is not None else ""
+            lines.append(f"{s.name}: OK ({s.num_tokens:,} tokens{trained}, vocab_max={s.vocab_max})")
+            if s.docs_without_eos:
+                lines.append(f"  {s.docs_without_eos:,} documents end without EOS (conversations cut by --max-tokens with --long-conversations truncate, as open-instruct cuts them)")
             if s.docs_with_inner_eos:
                 lines.append(f"  {describe_inner_eos(s.docs_with_inner_eos, s.inner_eos, s.inner_eos_docs, s.num_docs)} ({s.inner_eos_why})")
         else:
@@ -391,5 +499,6 @@ def format_report(report: Report) -> str:
     lines += [f"error: {e}" for e in report.errors]
     bad = sum(not s.ok for s in report.shards)
     status = "OK" if report.ok else f"FAIL ({bad} bad shards, {len(report.errors)} other problems)"
-    lines.append(f"total: {status}: {len(report.shards)} shards, {report.num_docs:,} docs, {report.num_tokens:,} tokens")
+    trained = f", {report.trained_tokens:,} trained (loss mask)" if report.trained_tokens is not None else ""
+    lines.append(f"total: {status}: {len(report.shards)} shards, {report.num_docs:,} docs, {report.num_tokens:,} tokens{trained}")
     return "\n".join(lines)

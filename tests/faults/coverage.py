@@ -10,12 +10,26 @@ OWNER_TESTS: dict[str, list[str]] = {
         "tests/data/test_prepare.py::test_rerun_after_sigkill_is_byte_identical",
         "tests/data/test_prepare.py::test_whole_files_resume_after_a_crash_in_either_mode",
         "tests/data/test_prepare.py::test_a_resume_with_a_validation_split_tokenizes_only_what_is_not_kept",
+        "tests/data/test_prepare_chat.py::test_rerun_after_sigkill_is_byte_identical",
+        "tests/data/test_prepare_chat.py::test_resume_after_a_crash_is_byte_identical",
     ],
     "bad input: corrupt shard (flipped byte, no EOS, offsets)": [
         "tests/data/test_validate.py::test_flipped_byte_and_missing_eos",
         "tests/data/test_validate.py::test_bad_offsets",
         "tests/data/test_validate.py::test_corrupt_val_split",
         "tests/data/test_loader.py::test_document_index_that_does_not_span_its_shard_is_named",
+    ],
+    "bad input: damaged loss mask (missing, short, flipped, not 0/1, trained padding; validate, register, merge)": [
+        "tests/data/test_validate_masks.py::test_a_damaged_mask_fails_naming_its_shard",
+        "tests/data/test_validate_masks.py::test_a_trained_padding_token_fails",
+        "tests/data/test_validate_masks.py::test_trained_counts_must_agree_with_the_manifest",
+        "tests/data/test_olmocore_interop.py::test_a_missing_extra_or_wrong_mask_is_refused_naming_it",
+        "tests/data/test_prepare_chat.py::test_partitions_merge_into_the_single_run_masks_included",
+    ],
+    "bad input: malformed conversations (prepare --format chat)": [
+        "tests/data/test_prepare_chat.py::test_every_bad_record_is_reported_as_expected",
+        "tests/data/test_prepare_chat.py::test_strict_stops_at_the_first_bad_conversation_naming_file_line_and_reason",
+        "tests/data/test_prepare_chat.py::test_contradictory_or_missing_flags_are_refused_by_name",
     ],
     "bad input: truncated shard": [
         "tests/data/test_validate.py::test_truncated_bin",

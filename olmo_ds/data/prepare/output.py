@@ -45,20 +45,23 @@ def resume_point(next_record: int, state: dict) -> dict:
 class SplitWriter:
     """The shards of one split (train or val), skipping documents already in complete shards."""
 
-    def __init__(self, directory: Path, shard_tokens: int, vocab_size: int, eos_id: int, next_index: int, resume_pos: int):
+    def __init__(self, directory: Path, shard_tokens: int, vocab_size: int, eos_id: int, next_index: int, resume_pos: int, masked: bool = False):
         self.directory = directory
-        self.sharded = shards.ShardedWriter(directory, shard_tokens, vocab_size=vocab_size, eos_id=eos_id, next_index=next_index)
+        self.sharded = shards.ShardedWriter(directory, shard_tokens, vocab_size=vocab_size, eos_id=eos_id, next_index=next_index, masked=masked)
         self.resume_pos = resume_pos  # documents before this input position are already in complete shards
 
     @property
     def next_index(self) -> int:
         return self.sharded.next_index
 
-    def add(self, tokens: np.ndarray, lens: np.ndarray, positions: np.ndarray, state_at: Callable[[int], dict]) -> None:
+    def add(self, tokens: np.ndarray, lens: np.ndarray, positions: np.ndarray, state_at: Callable[[int], dict], loss_mask: np.ndarray | None = None) -> None:
+        """`loss_mask`: one bool per token, for a split of conversations (masked shards)."""
         if len(lens) and positions[0] < self.resume_pos:
             keep = positions >= self.resume_pos
-            tokens, lens, positions = tokens[np.repeat(keep, lens)], lens[keep], positions[keep]
-        self.sharded.add(tokens, lens, lambda k: resume_point(int(positions[k]), state_at(int(positions[k]))))
+            token_keep = np.repeat(keep, lens)
+            tokens, lens, positions = tokens[token_keep], lens[keep], positions[keep]
+            loss_mask = None if loss_mask is None else loss_mask[token_keep]
+        self.sharded.add(tokens, lens, lambda k: resume_point(int(positions[k]), state_at(int(positions[k]))), mask=loss_mask)
 
     def finish(self, end: int, state: dict) -> None:
         self.sharded.finish(resume_point(end, state))
@@ -134,6 +137,9 @@ def complete_shards(directory: Path) -> list[dict]:
             break
         meta = json.loads(mp_.read_text())
         if bp.stat().st_size != meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize or "prepare" not in meta:
+            break
+        mask = directory / meta["mask"] if meta.get("mask") else None
+        if mask is not None and not (mask.is_file() and mask.stat().st_size == meta["num_tokens"]):
             break
         metas.append(meta)
     keep = {shards.shard_stem(i) for i in range(len(metas))}

@@ -152,6 +152,7 @@ def _must_match(m: shards.Manifest) -> dict:
         "input contents (a sample of each file)": m.extra["partition"].get("content_samples"),
         "tokenizer": (canonical_fingerprint(m.tokenizer_fingerprint), m.vocab_size, m.eos_id, m.dtype, m.extra.get("pad_id")),
         "arguments": arguments,
+        "chat settings (template by content, mask, length rule)": {k: v for k, v in m.extra.get("chat", {}).items() if k != "template"},
         "olmo-ds version": m.extra["tool"]["version"],
     }
 
@@ -218,25 +219,35 @@ def _prepare_output(out: Path, ident: dict) -> str:
 
 def _copy_split(sources: list[tuple[Path, shards.Manifest]], directory: Path, shard_tokens: int, m: shards.Manifest) -> None:
     """Feed every document of `sources`, in order, to one `ShardedWriter`, checking each source
-    shard's sha256 as it is read."""
+    shard's sha256 (and its loss mask's, for conversations: the masks are re-cut with the ids) as it is read."""
     directory.mkdir(parents=True, exist_ok=True)
-    writer = shards.ShardedWriter(directory, shard_tokens, vocab_size=m.vocab_size, eos_id=m.eos_id)
+    masked = any(manifest.masked for _, manifest in sources)
+    writer = shards.ShardedWriter(directory, shard_tokens, vocab_size=m.vocab_size, eos_id=m.eos_id, masked=masked)
     try:
         for src_dir, manifest in sources:
             for name in manifest.shards:
                 meta = shards.ShardMeta.load((src_dir / name).with_suffix(".json"))
+                if meta.masked != masked:
+                    raise MergeError(f"{src_dir / name}: {'has' if meta.masked else 'lacks'} a loss mask, unlike the other parts' shards; the parts are not of one run")
                 tokens = shards.open_tokens(src_dir / meta.bin, meta)
+                loss_mask = shards.open_mask(src_dir / meta.mask, meta) if masked else None
                 offsets = np.asarray(shards.load_offsets(src_dir / meta.offsets))
-                digest = hashlib.sha256()
+                digest, mask_digest = hashlib.sha256(), hashlib.sha256()
                 d = 0
                 while d < meta.num_docs:
                     e = max(int(np.searchsorted(offsets, offsets[d] + BLOCK_TOKENS, side="right")) - 1, d + 1)
                     block = np.asarray(tokens[offsets[d] : offsets[e]])
                     digest.update(block.tobytes())
-                    writer.add(block, np.diff(offsets[d : e + 1]))
+                    block_mask = None
+                    if masked:
+                        block_mask = np.asarray(loss_mask[offsets[d] : offsets[e]])
+                        mask_digest.update(shards.mask_bytes(block_mask))
+                    writer.add(block, np.diff(offsets[d : e + 1]), mask=block_mask)
                     d = e
                 if "sha256:" + digest.hexdigest() != meta.checksum:
                     raise MergeError(f"{src_dir / meta.bin}: sha256 differs from its metadata; the part is damaged: prepare it again (rerun with --overwrite)")
+                if masked and "sha256:" + mask_digest.hexdigest() != meta.mask_checksum:
+                    raise MergeError(f"{src_dir / meta.mask}: sha256 differs from its metadata; the part's loss mask is damaged: prepare it again (rerun with --overwrite)")
         writer.finish()
     except BaseException:
         writer.abort()
@@ -252,7 +263,7 @@ def _merged_logs(parts: list[Part], key: str) -> SkipLog:
 
 def _extra(template: dict, parts: list[Part], skipped: SkipLog, noted: SkipLog) -> dict:
     extra = copy.deepcopy(template)
-    for key in ("partition", "split", "pad_id", "val"):  # written anew by the merge or by write_manifest
+    for key in ("partition", "split", "pad_id", "val", "masked", "trained_tokens"):  # written anew by the merge or by write_manifest
         extra.pop(key, None)
     extra["skipped"], extra["noted"] = skipped.to_dict(), noted.to_dict()
     backends = [p.manifest.extra.get("tokenizer_backend") for p in parts]

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import shutil
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Container
 
@@ -65,6 +65,11 @@ class Task:
 
     def piece(self, split: str) -> str:
         return str(Path(self.pieces) / f"piece-{self.index:06d}.{split}.bin")
+
+
+def mask_piece(piece: str) -> str:
+    """The loss mask beside a piece of conversations (`--format chat`): one byte per id of the piece."""
+    return piece[: -len(".bin")] + ".mask"
 
 
 def plan_tasks(files: list[Path], start: int, end_file: int, workers: int, chunk_bytes: int, pieces: Path | None, train_from: int = 0) -> list[Task]:
@@ -96,6 +101,7 @@ class PieceResult:
     skips: list[tuple[int, str]]  # (input position, reason)
     text_bytes: int
     files: list[tuple[int, int, int, int]]  # per file: (index, documents, tokens, skipped records)
+    notes: list[tuple[int, str]] = field(default_factory=list)  # (input position, reason) of documents kept but noted
 
 
 @dataclass
@@ -109,6 +115,7 @@ class ShardJob:
     eos_id: int
     segments: list[tuple[str, int, int, np.ndarray]]  # (piece file, first id, end id, its documents' lengths)
     extra: dict | None  # the resume point, stored in the shard's metadata, on the part that closes it; None: more parts follow
+    masked: bool = False  # conversations: each piece has its loss mask beside it (`mask_piece`)
 
     @property
     def shard(self) -> tuple[str, int]:
@@ -153,17 +160,20 @@ _writers: dict[tuple[str, int], shards.ShardWriter] = {}  # in a worker: the sha
 def write_shard_job(job: ShardJob) -> ShardJob:
     """Append the part's piece ranges to its shard through `ShardWriter` (opened by the first part,
     kept open in this worker for the next), in blocks of whole documents; close it on the last part."""
-    writer = _writers.pop(job.shard, None) or shards.ShardWriter(Path(job.directory), job.index, vocab_size=job.vocab_size, eos_id=job.eos_id)
+    writer = _writers.pop(job.shard, None) or shards.ShardWriter(Path(job.directory), job.index, vocab_size=job.vocab_size, eos_id=job.eos_id,
+                                                                 masked=job.masked)
     try:
         for path, first, end, lens in job.segments:
             ids = np.memmap(path, dtype=writer.dtype, mode="r", offset=first * writer.dtype.itemsize, shape=(end - first,))
+            mask = np.memmap(mask_piece(path), dtype=np.bool_, mode="r", offset=first, shape=(end - first,)) if job.masked else None
             ends = np.cumsum(lens, dtype=np.int64)
             d = 0
             while d < len(lens):
                 e = max(int(np.searchsorted(ends, (ends[d - 1] if d else 0) + BLOCK_TOKENS, side="right")), d + 1)
-                writer.append(ids[(ends[d - 1] if d else 0) : ends[e - 1]], lens[d:e])
+                lo, hi = (ends[d - 1] if d else 0), ends[e - 1]
+                writer.append(ids[lo:hi], lens[d:e], None if mask is None else mask[lo:hi])
                 d = e
-            del ids
+            del ids, mask
         if job.extra is None:
             _writers[job.shard] = writer
         else:
@@ -181,8 +191,9 @@ class PieceSplit:
     Each piece's share of a shard is a `ShardJob` at once, so a shard is written while it fills,
     and what is left when the last file is tokenized is that file's share and the closing."""
 
-    def __init__(self, directory: Path, shard_tokens: int, vocab_size: int, eos_id: int, next_index: int, resume_pos: int):
+    def __init__(self, directory: Path, shard_tokens: int, vocab_size: int, eos_id: int, next_index: int, resume_pos: int, masked: bool = False):
         self.directory = directory
+        self.masked = masked
         self.cutter = shards.ShardCutter(shard_tokens)
         self.vocab_size, self.eos_id = vocab_size, eos_id
         self.next_index = next_index
@@ -212,11 +223,16 @@ class PieceSplit:
 
     def _part(self, extra: dict | None) -> ShardJob:
         """The open segments as the next part of shard `next_index`; `extra`: it closes with them."""
-        job = ShardJob(str(self.directory), self.next_index, self.vocab_size, self.eos_id, self.open, extra)
+        job = ShardJob(str(self.directory), self.next_index, self.vocab_size, self.eos_id, self.open, extra, self.masked)
         self.open = []
         self.opened = extra is None
         self.next_index += extra is not None
         return job
+
+
+def _unlink_piece(piece: str) -> None:
+    Path(piece).unlink(missing_ok=True)
+    Path(mask_piece(piece)).unlink(missing_ok=True)
 
 
 class Pieces:
@@ -236,13 +252,13 @@ class Pieces:
         self.readers.update(seg[0] for job in jobs for seg in job.segments if seg[0] in mine)
         for piece in mine:
             if self.readers[piece] == 0:
-                Path(piece).unlink(missing_ok=True)
+                _unlink_piece(piece)
 
     def written(self, job: ShardJob) -> None:
         self.readers.subtract(job.pieces)
         for piece in set(job.pieces):
             if self.readers[piece] <= 0:
-                Path(piece).unlink(missing_ok=True)
+                _unlink_piece(piece)
 
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)

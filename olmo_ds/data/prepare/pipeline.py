@@ -26,6 +26,10 @@ each followed by EOS, whatever the number of workers. Hence the design:
 - An HF tokenizer.json is encoded with `fastokens` only where it gives HF's exact ids
   (`backend`); what the user reads while and after it runs is `report`.
 
+- Conversations (`format="chat"`, `conversations`): each record's `messages` rendered with a chat
+  template into one document ending in its EOS, with a loss mask that travels beside the ids
+  through every writer above (blocks, pieces, the partition merge) into masked shards.
+
 This module is the coordinating process; what a worker process does (parse, tokenize, check the
 fast backend) is `worker`.
 """
@@ -36,6 +40,7 @@ import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
+import json
 import shutil
 import time
 from collections import deque
@@ -125,8 +130,17 @@ class PrepareConfig:
     # workers' pieces, `pieces`), "blocks" (~1 MiB blocks handed out by this process, which
     # decompresses compressed files itself), or "auto": files when there are many (`work_unit`).
     work_unit: str = "auto"
+    # "text" (documents) or "chat" (conversations → masked shards, `conversations`). The chat options
+    # are None unless given, so that one given with --format text can be refused by name.
+    format: str = "text"
+    chat_template: str | None = None  # built-in name, tokenizer_config.json, directory or Jinja file; None: the one beside the tokenizer
+    chat_mask: str | None = None  # "assistant" (default) | "all" | "last"
+    max_tokens: int | None = None
+    long_conversations: str | None = None  # "drop" (default) | "truncate"
+    _chat: dict | None = dataclasses.field(default=None, repr=False)  # settled by `_resolve_chat` before any work
 
     def validate(self) -> None:
+        self._validate_format()
         if self.workers < 1:
             raise PrepareError(f"--workers must be >= 1, got {self.workers}")
         if self.shard_tokens < 1:
@@ -145,6 +159,37 @@ class PrepareConfig:
             i, m = self.partition
             if not (m >= 1 and 0 <= i < m):
                 raise PrepareError(f"--partition {i}/{m}: expected I/M with 0 <= I < M")
+
+    def _validate_format(self) -> None:
+        from olmo_ds.chat import MASKS
+        from olmo_ds.data.prepare.conversations import LONG_CONVERSATIONS
+
+        if self.format not in ("text", "chat"):
+            raise PrepareError(f"--format must be text or chat, got {self.format!r}")
+        given = {"--chat-template": self.chat_template, "--mask": self.chat_mask, "--max-tokens": self.max_tokens,
+                 "--long-conversations": self.long_conversations}
+        if self.format == "text":
+            for flag, value in given.items():
+                if value is not None:
+                    raise PrepareError(f"{flag} is for conversations: it needs --format chat (this run prepares text documents)")
+            return
+        if self.text_field != "text":
+            raise PrepareError(f"--text-field {self.text_field!r}: --format chat reads each record's 'messages' list, not a text field")
+        if self.eos_token is not None:
+            raise PrepareError("--eos-token: --format chat ends each conversation with the chat template's own EOS, appends none")
+        if self.match_special_tokens:
+            raise PrepareError("--match-special-tokens: with --format chat only the template's own markers become special ids; "
+                               "special-token text inside content always stays text")
+        if self.tokenizer_backend == "fast":
+            raise PrepareError("--tokenizer-backend fast: --format chat encodes with HF tokenizers (it needs their offsets); use auto or hf")
+        if self.chat_mask is not None and self.chat_mask not in MASKS:
+            raise PrepareError(f"--mask must be one of {', '.join(MASKS)}, got {self.chat_mask!r}")
+        if self.long_conversations is not None and self.long_conversations not in LONG_CONVERSATIONS:
+            raise PrepareError(f"--long-conversations must be one of {', '.join(LONG_CONVERSATIONS)}, got {self.long_conversations!r}")
+        if self.long_conversations is not None and self.max_tokens is None:
+            raise PrepareError("--long-conversations needs --max-tokens N (the length a conversation is dropped or truncated at)")
+        if self.max_tokens is not None and self.max_tokens < 2:
+            raise PrepareError(f"--max-tokens must be >= 2, got {self.max_tokens}")
 
 
 def _single_threaded() -> None:
@@ -244,7 +289,41 @@ def _settings(cfg: PrepareConfig) -> dict:
     settings = {"text_field": cfg.text_field, "shard_tokens": cfg.shard_tokens, "val_fraction": cfg.val_fraction}
     if cfg.partition is not None:
         settings["partition"] = list(cfg.partition)
+    if cfg.format == "chat":
+        settings["chat"] = {k: v for k, v in _chat_record(cfg).items() if k != "template"}  # the template by content, wherever it lies
     return settings if cfg.match_special_tokens else settings | {"special_tokens": "as_text"}
+
+
+def _chat_record(cfg: PrepareConfig) -> dict:
+    """What a run of conversations records (in its resume identity and its manifest): the template
+    and its fingerprint, the mask, the length rule. Set by `_resolve_chat`."""
+    return dict(cfg._chat)
+
+
+def _resolve_chat(cfg: PrepareConfig, tok) -> object:
+    """Load the chat template (checked against the tokenizer before any work) and settle the chat
+    options; returns the template."""
+    from olmo_ds.chat import ChatEncoder, load_chat_template
+    from olmo_ds.data.prepare.conversations import template_sha256
+
+    spec = cfg.chat_template
+    if spec is None:
+        beside = Path(tok.path).parent / "tokenizer_config.json"
+        if not (beside.is_file() and "chat_template" in json.loads(beside.read_text(encoding="utf-8"))):
+            raise PrepareError(f"--format chat needs a chat template and {tok.path} has no tokenizer_config.json with a 'chat_template' beside it; "
+                               "pass --chat-template olmo3 (OLMo 3's, built in), a tokenizer_config.json, a directory or a Jinja file")
+        spec = str(beside)
+    elif Path(spec).exists():
+        spec = str(Path(spec).resolve())
+    try:
+        template = load_chat_template(spec, tok)
+        ChatEncoder(template, tok, mask=cfg.chat_mask or "assistant")
+    except (OSError, ValueError) as e:
+        raise PrepareError(f"--chat-template {cfg.chat_template or spec}: {e}") from e
+    cfg._chat = {"template": spec, "template_sha256": template_sha256(template), "template_tokens": dict(template.tokens),
+                 "mask": cfg.chat_mask or "assistant", "max_tokens": cfg.max_tokens,
+                 "long_conversations": (cfg.long_conversations or "drop") if cfg.max_tokens else None, "special_token_text": "escape"}
+    return template
 
 
 def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareResult:
@@ -254,7 +333,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     try:
         files = readers.resolve_inputs(list(cfg.inputs))
         for f in files:
-            readers.check_input(f, cfg.text_field)
+            readers.check_input(f, cfg.text_field, chat=cfg.format == "chat")
         lo, hi = partition.file_range(files, cfg.partition) if cfg.partition else (0, len(files))
     except (OSError, ValueError) as e:
         raise PrepareError(str(e)) from e
@@ -265,6 +344,11 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     except (OSError, ValueError) as e:
         raise PrepareError(str(e)) from e
     tok.split_special_tokens = not cfg.match_special_tokens
+    chat = cfg.format == "chat"
+    if chat:
+        if tok.kind != "hf":
+            raise PrepareError(f"--tokenizer {cfg.tokenizer}: --format chat needs an HF tokenizer.json (its special tokens and offsets), not a {tok.kind} model")
+        _resolve_chat(cfg, tok)
     out = Path(cfg.output)
     ident = identity(tok, files, _settings(cfg))
     file_stats = [FileStats(str(f), f.stat().st_size) for f in files[lo:hi]]
@@ -277,9 +361,13 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
 
     _single_threaded()
     threads_before = _thread_count()
-    fast, difference = fast_candidate(cfg.tokenizer_backend, tok)
+    fast, difference = fast_candidate(cfg.tokenizer_backend, tok) if not chat else (None, None)
     spec = Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if fast else "hf", cfg.text_field, cfg.val_fraction,
                 not cfg.match_special_tokens, special_token_texts(tok))
+    if chat:
+        c = cfg._chat
+        spec = dataclasses.replace(spec, format="chat", chat_template=c["template"], chat_mask=c["mask"], max_tokens=c["max_tokens"],
+                                   long_conversations=c["long_conversations"] or "drop")
     loaded_tokenizers[spec] = fast or tok
     loaded_tokenizers[dataclasses.replace(spec, backend="hf")] = tok  # the check's reference; forked workers inherit both
     unit = work_unit(cfg.work_unit, cfg.workers, hi - lo)
@@ -294,7 +382,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
         if fast is not None:
             texts, labels = check_texts(files, cfg.text_field)
             difference = _first_difference(workers, texts, labels)
-        encoder, backend = choose(cfg.tokenizer_backend, tok, fast, difference, len(texts), log)
+        encoder, backend = choose("hf" if chat else cfg.tokenizer_backend, tok, fast, difference, len(texts), log)
         if fast is not None and encoder is not fast:
             if workers.pool:
                 workers.pool.close()
@@ -305,6 +393,8 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
                 p.unlink()
         result = _run(_Setup(cfg, files, (lo, hi), tok, ident, file_stats, backend, log), workers)
         result.layout = workers.layout()
+        if chat:
+            result.conversations = True
     result.check_seconds, result.total_seconds = check_seconds, time.perf_counter() - started
     return result
 
@@ -438,7 +528,8 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
         _no_documents(setup, skiplog, created)
 
     if cfg.dry_run:
-        return PrepareResult(None, file_stats, run.docs, run.tokens, 0, 0, 0, skiplog, seconds, run.text_bytes, run.tokens, noted=noted, backend=setup.backend["name"])
+        return PrepareResult(None, file_stats, run.docs, run.tokens, 0, 0, 0, skiplog, seconds, run.text_bytes, run.tokens, noted=noted, backend=setup.backend["name"],
+                             run_docs=run.docs)
 
     manifests = {}
     for name in (["val"] if "val" in resume else []) + ["train"]:  # the top-level manifest last
@@ -447,7 +538,7 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
     return PrepareResult(
         out, file_stats, train.num_docs, train.num_tokens, val.num_docs if val else 0, val.num_tokens if val else 0,
         len(train.shards) + (len(val.shards) if val else 0), skiplog, seconds, run.text_bytes, run.tokens, resumed_from,
-        noted=noted, backend=setup.backend["name"],
+        noted=noted, backend=setup.backend["name"], run_docs=run.docs,
     )
 
 
@@ -501,7 +592,8 @@ class _Run:
         """Blocks of ~1 MiB handed out in order; this process writes the shards (`SplitWriter`)."""
         lo, hi = self.part
         tok = self.tok
-        splits = {name: SplitWriter(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos) for name, (d, k, pos) in resume.items()}
+        masked = self.cfg.format == "chat"
+        splits = {name: SplitWriter(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos, masked) for name, (d, k, pos) in resume.items()}
         next_line = 1  # the file line where the next block of the current file starts
         try:
             for (fi, first_line, consumed), res in _ordered_results(_tasks(self.files, start, hi, self.cfg.chunk_bytes, self.train_from), workers):
@@ -512,7 +604,7 @@ class _Run:
                 next_line += res.n_lines
                 stats = self.file_stats[fi - lo]
                 stats.docs, stats.tokens, stats.skipped = stats.docs + len(res.doc_lens), stats.tokens + len(res.tokens), stats.skipped + len(res.skips)
-                self._add(res, splits, lambda name, mask: (res.tokens if mask is None else res.tokens[np.repeat(mask, res.doc_lens)],))
+                self._add(res, splits, lambda name, sel: _select(res, sel))
                 self._count(len(res.doc_lens), len(res.tokens), res.text_bytes, self._disk_before(fi) + consumed)
             for s in splits.values():
                 s.finish(position(hi, 0), _state(self.skiplog, self.noted))
@@ -529,7 +621,8 @@ class _Run:
         lo, hi = self.part
         tok, workers = self.tok, len(pool.procs)
         pieces = None if self.cfg.dry_run else Pieces(Path(self.cfg.output) / PIECES_DIR)
-        splits = {name: PieceSplit(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos) for name, (d, k, pos) in resume.items()}
+        masked = self.cfg.format == "chat"
+        splits = {name: PieceSplit(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos, masked) for name, (d, k, pos) in resume.items()}
         tasks = deque(plan_tasks(self.files, start, hi, workers, self.cfg.chunk_bytes, pieces.directory if pieces else None, self.train_from))
         by_index = {t.index: t for t in tasks}
         done: dict[int, PieceResult] = {}  # tokenized, waiting for the tasks before them
@@ -580,32 +673,54 @@ class _Run:
             stats = self.file_stats[fi - lo]
             stats.docs, stats.tokens, stats.skipped = stats.docs + docs, stats.tokens + tokens, stats.skipped + skipped
         jobs = []
-        self._add(res, splits, lambda name, mask: (task.piece(name),), jobs)
+        self._add(res, splits, lambda name, sel: {"piece": task.piece(name)}, jobs)
         last = task.files[-1][0]
         self._count(len(res.doc_lens), sum(f[2] for f in res.files), res.text_bytes, self._disk_before(last + 1))
         return jobs
 
     def _add(self, res: ChunkResult | PieceResult, splits: dict, ids, jobs: list | None = None) -> None:
         """Hand a block's or a piece's documents to the split writers and count its skips and notes,
-        in input order. `ids(split, mask)`: the split's ids (or where they are) as the writer's first
-        arguments, `mask` selecting the split's documents (None: all)."""
-        if self.cfg.strict and res.skips:
-            pos, reason = res.skips[0]
-            fi, line = split_position(pos)
-            raise PrepareError(f"{self.files[fi]}:{line}: {reason.replace('_', ' ')} (--strict stops at the first bad record)")
+        in input order. `ids(split, sel)`: the split's ids and loss mask (or where they are) as the
+        writer's keyword arguments, `sel` selecting the split's documents (None: all)."""
+        if self.cfg.strict:
+            from olmo_ds.data.prepare.conversations import POLICY_REASONS
+
+            bad = [s for s in res.skips if s[1] not in POLICY_REASONS]
+            if bad:
+                pos, reason, *detail = bad[0]
+                fi, line = split_position(pos)
+                raise PrepareError(f"{self.files[fi]}:{line}: {reason.replace('_', ' ')}" + (f": {detail[0]}" if detail and detail[0] else "")
+                                   + " (--strict stops at the first bad record)")
         special_at = res.special_at
+        notes = getattr(res, "notes", [])
         if splits:
-            state_at = _logs_before(self.skiplog, self.noted, res.skips, special_at, self.files)
+            state_at = _logs_before(self.skiplog, self.noted, res.skips, special_at, self.files, notes)
             masks = {"train": None} if res.is_val is None else {"train": ~res.is_val, "val": res.is_val}
             for name, mask in masks.items():
                 lens, positions = (res.doc_lens, res.positions) if mask is None else (res.doc_lens[mask], res.positions[mask])
-                made = splits[name].add(*ids(name, mask), lens, positions, state_at)
+                made = splits[name].add(**ids(name, mask), lens=lens, positions=positions, state_at=state_at)
                 if jobs is not None:
                     jobs.extend(made)
-        for p, reason in res.skips:
-            self.skiplog.add(reason, _where(self.files, p))
-        for p in special_at:
-            self.noted.add(SPECIAL_TEXT, _where(self.files, int(p)))
+        for p, reason, *detail in res.skips:
+            self.skiplog.add(reason, _where(self.files, p, *detail))
+        _note(self.noted, special_at, notes, self.files, None)
+
+
+def _select(res: ChunkResult, sel: np.ndarray | None) -> dict:
+    """A block's ids (and loss mask, for conversations) as `SplitWriter.add`'s arguments; `sel`: the
+    split's documents (None: all)."""
+    if sel is None:
+        return {"tokens": res.tokens, "loss_mask": res.mask}
+    token_sel = np.repeat(sel, res.doc_lens)
+    return {"tokens": res.tokens[token_sel], "loss_mask": None if res.mask is None else res.mask[token_sel]}
+
+
+def _note(noted: SkipLog, special_at: np.ndarray, notes: list, files: list[Path], before: int | None) -> None:
+    """Add the notes of a block or piece (those before input position `before`, None: all), in input order."""
+    entries = [(int(p), SPECIAL_TEXT) for p in special_at] + list(notes)
+    for p, reason in sorted(entries, key=lambda e: e[0]):
+        if before is None or p < before:
+            noted.add(reason, _where(files, p))
 
 
 def _state(skiplog: SkipLog, noted: SkipLog) -> dict:
@@ -613,18 +728,17 @@ def _state(skiplog: SkipLog, noted: SkipLog) -> dict:
     return {"skipped": skiplog.to_dict(), "noted": noted.to_dict()}
 
 
-def _logs_before(skiplog: SkipLog, noted: SkipLog, skips: list[tuple[int, str]], special_at: np.ndarray, files: list[Path]) -> Callable[[int], dict]:
+def _logs_before(skiplog: SkipLog, noted: SkipLog, skips: list[tuple], special_at: np.ndarray, files: list[Path], notes: list = ()) -> Callable[[int], dict]:
     """`state_at(pos)`: the counts as they stand just before input position `pos`, a position within
     the block or piece whose skips and notes these are (and whose earlier input `skiplog` and `noted` hold)."""
     before, noted_before = skiplog.copy(), noted.copy()
 
     def state_at(pos: int) -> dict:
         s, n = before.copy(), noted_before.copy()
-        for p, reason in skips:
+        for p, reason, *detail in skips:
             if p < pos:
-                s.add(reason, _where(files, p))
-        for p in special_at[special_at < pos]:
-            n.add(SPECIAL_TEXT, _where(files, int(p)))
+                s.add(reason, _where(files, p, *detail))
+        _note(n, special_at, notes, files, pos)
         return _state(s, n)
 
     return state_at
@@ -635,9 +749,10 @@ def _where_or_end(files: list[Path], pos: int, end_file: int) -> str:
     return "the end of the input" if fi >= end_file else f"{files[fi]}:{max(line, 1)}"  # line 0: the file's start
 
 
-def _where(files: list[Path], pos: int) -> str:
+def _where(files: list[Path], pos: int, detail: str = "") -> str:
+    """`file:line`, and what was wrong there where the reason key does not say it all (a conversation's)."""
     fi, line = split_position(pos)
-    return f"{files[fi]}:{line}"
+    return f"{files[fi]}:{line}" + (f" ({detail})" if detail else "")
 
 
 def _write_manifest(setup: _Setup, directory: Path, state: dict, split: str, val: shards.Manifest | None) -> shards.Manifest:
@@ -657,6 +772,10 @@ def _write_manifest(setup: _Setup, directory: Path, state: dict, split: str, val
         **state,
         "tokenizer_backend": setup.backend,
     }
+    if cfg.format == "chat":
+        extra["arguments"]["format"] = "chat"
+        extra["format"] = "chat"
+        extra["chat"] = _chat_record(cfg)
     if cfg.partition is not None:
         extra["partition"] = partition.record(files, cfg.partition)
     if val is not None:

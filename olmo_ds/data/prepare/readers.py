@@ -43,6 +43,8 @@ NOT_A_STRING = "text_not_a_string"
 INVALID_UTF8 = "invalid_utf8"
 EMPTY = "empty_document"
 SKIP_REASONS = (MALFORMED_JSON, MISSING_FIELD, NOT_A_STRING, INVALID_UTF8, EMPTY)
+MISSING_MESSAGES = "missing_messages"  # a conversation record (`--format chat`) without its `messages` field
+CHAT_FIELD = "messages"  # where a conversation record keeps its turns (open-instruct / Tulu 3 SFT data)
 
 CHUNK_BYTES = 1 << 20
 
@@ -71,10 +73,12 @@ def _pyarrow_parquet(path: Path):
     return pq
 
 
-def check_input(path: Path, text_field: str) -> None:
+def check_input(path: Path, text_field: str, chat: bool = False) -> None:
     """Checks that need the text field, done for every file before any work: a Parquet file must be
-    readable and hold `text_field` as a string column."""
+    readable and hold `text_field` as a string column (`chat`: a `messages` list column)."""
     if not is_parquet(path):
+        if chat and is_text_file(path):
+            raise ValueError(f"{path}: a .txt file holds no conversations; --format chat reads JSON lines or Parquet with a {CHAT_FIELD!r} field")
         return
     pq = _pyarrow_parquet(path)
     import pyarrow as pa
@@ -83,6 +87,13 @@ def check_input(path: Path, text_field: str) -> None:
         schema = pq.ParquetFile(path).schema_arrow
     except (OSError, pa.ArrowException) as e:
         raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+    if chat:
+        if CHAT_FIELD not in schema.names:
+            raise ValueError(f"{path}: no column {CHAT_FIELD!r} (columns: {', '.join(schema.names)}); --format chat reads conversations from it")
+        kind = schema.field(CHAT_FIELD).type
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+            raise ValueError(f"{path}: column {CHAT_FIELD!r} holds {kind}, not lists of messages")
+        return
     if text_field not in schema.names:
         raise ValueError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); choose one with --text-field")
     kind = schema.field(text_field).type
@@ -391,6 +402,40 @@ def _parse(data: bytes, first_line: int, text_file: bool, text_field: str) -> tu
         else:
             out.append((lineno, text, None))
     return out, len(lines) - 1
+
+
+def _parse_chat(data: bytes) -> tuple[list[tuple[int, object, str | None]], int]:
+    """A block of conversation records: `(line, messages, None)` per record holding a `messages`
+    field (whatever it holds: the chat encoder judges it), `(line, None, reason)` per skip."""
+    out = []
+    lines = data.split(b"\n")
+    for lineno, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            out.append((lineno, None, INVALID_UTF8 if "surrogate" in str(e) or not _is_utf8(line) else MALFORMED_JSON))
+            continue
+        if not isinstance(record, dict) or CHAT_FIELD not in record:
+            out.append((lineno, None, MISSING_MESSAGES))
+            continue
+        out.append((lineno, record[CHAT_FIELD], None))
+    return out, len(lines) - 1
+
+
+def load_chat_block(block: "Block") -> tuple[list[tuple[int, object, str | None]], int, int]:
+    """`load_block` for conversations (`--format chat`): records `(line, messages, reason)`, lines
+    counted from 0 within the block, the number of lines (rows) and the bytes read."""
+    if isinstance(block, RowGroup):
+        pq = _pyarrow_parquet(Path(block.path))
+        column = pq.ParquetFile(block.path).read_row_group(block.index, columns=[CHAT_FIELD]).column(0).slice(block.skip)
+        rows = column.to_pylist()
+        records = [(i, None, MISSING_MESSAGES) if m is None else (i, m, None) for i, m in enumerate(rows)]
+        return records, len(rows), column.nbytes
+    data = block.data if isinstance(block, InMemory) else read_range(block.path, block.start, block.end)
+    records, newlines = _parse_chat(data)
+    return records, newlines, len(data)
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,8 @@ class PrepareResult:
     layout: str = ""  # who tokenized (`pool_layout`), for the summary
     check_seconds: float = 0.0  # the fast backend's check against HF (`backend`), 0 when there was none
     total_seconds: float = 0.0  # the whole of `prepare`, from checking the inputs to the last manifest
+    run_docs: int = 0  # documents written by this run (less than the totals after a resume)
+    conversations: bool = False  # `--format chat`: the documents are conversations (the summary says conversations/s)
 
 
 class Progress:
@@ -163,6 +165,7 @@ def format_summary(r: PrepareResult, dry_run: bool = False) -> str:
         if r.check_seconds:
             lines.append(f"  backend check {r.check_seconds:>10,.3f} s  ({r.backend} against HF tokenizers before any shard, `--tokenizer-backend hf` skips it)")
         if r.seconds > 0:
-            lines.append(f"  tokenizing    {r.seconds:>10,.3f} s  (reading, tokenizing, writing: {r.run_tokens / r.seconds / 1e6:,.2f}M tokens/s, {r.text_bytes / r.seconds / 1e6:,.1f} MB/s of text)")
+            per_s = f"{r.run_docs / r.seconds:,.0f} conversations/s, " if r.conversations else ""
+            lines.append(f"  tokenizing    {r.seconds:>10,.3f} s  (reading, tokenizing, writing: {per_s}{r.run_tokens / r.seconds / 1e6:,.2f}M tokens/s, {r.text_bytes / r.seconds / 1e6:,.1f} MB/s of text)")
         lines.append(f"  the rest      {rest:>10,.3f} s  (checking inputs and output, loading the tokenizer, starting workers, manifests)")
     return "\n".join(lines)

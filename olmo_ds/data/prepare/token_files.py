@@ -20,6 +20,15 @@ a quoted `<|endoftext|>` into the EOS id) is not refused: the files are released
 entry records how many (`docs_with_inner_eos`, the first few indexes), the manifest the totals,
 `inner_eos_report` says what readers see, and `validate_shards.py` passes such a source with the
 same counts (`data/validate.py`).
+
+Fine-tuning data from open-instruct's OLMo-core converter (`convert_sft_data_for_olmocore.py`):
+`token_ids_part_XXXX.npy` with `labels_mask_part_XXXX.npy` beside each (headerless `np.bool_`, one
+byte per token, 1 = a training target) and the `.csv.gz` of `start,end` per conversation. When the
+inputs hold any `labels_mask_*.npy`, every token file must have its mask (`mask_file`) and every mask
+its token file, else the registration is refused naming the file; each mask must be exactly one
+byte (0 or 1) per token of its token file. The entries then point at the masks in place too
+(`ShardMeta.mask`, an absolute path, with `mask_checksum` and `trained_tokens`), and the manifest
+says `masked: true` with the trained-token total, so the loader reads it as masked shards.
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ from olmo_ds.data.validate import describe_inner_eos
 BLOCK_TOKENS = 1 << 24
 INNER_EOS_SHOWN = 5  # documents with an inner EOS named per file
 NPY_MAGIC = b"\x93NUMPY"
+MASK_PREFIX = "labels_mask"  # open-instruct's loss masks: labels_mask_part_XXXX.npy beside token_ids_part_XXXX.npy
+TOKEN_PREFIX = "token_ids"
 
 
 class TokenFileError(ValueError):
@@ -61,6 +72,59 @@ def resolve_token_files(specs: list[str]) -> list[Path]:
             raise FileNotFoundError(f"{spec}: names no .npy token files")
         files.update(f.resolve() for f in found)
     return sorted(files, key=str)
+
+
+def is_mask_file(path: Path) -> bool:
+    return path.name.startswith(MASK_PREFIX)
+
+
+def mask_file(path: Path) -> Path:
+    """Where open-instruct's converter puts a token file's loss mask: `token_ids_part_0003.npy` →
+    `labels_mask_part_0003.npy` beside it (the name OLMo-core's SFT scripts glob for)."""
+    if not path.name.startswith(TOKEN_PREFIX):
+        raise TokenFileError(f"{path}: beside loss masks ({MASK_PREFIX}_*.npy), a token file must be named {TOKEN_PREFIX}_*.npy to say which mask is its own")
+    return path.with_name(MASK_PREFIX + path.name[len(TOKEN_PREFIX):])
+
+
+def pair_masks(files: list[Path]) -> tuple[list[Path], list[Path] | None]:
+    """Split the resolved `.npy` files into token files and their masks (None: no masks at all).
+    A token file without its mask, or a mask without its token file, is an error naming it."""
+    masks = [f for f in files if is_mask_file(f)]
+    tokens = [f for f in files if not is_mask_file(f)]
+    # Masks lying beside token files count even when only the token files were named (a glob of
+    # token_ids_part_*.npy): registering fine-tuning data without its masks would train every token.
+    beside = [mask_file(t) for t in tokens if t.name.startswith(TOKEN_PREFIX) and mask_file(t).is_file()]
+    masks = sorted(set(masks) | set(beside), key=str)
+    if not masks:
+        return tokens, None
+    if not tokens:
+        raise TokenFileError(f"{masks[0]}: loss masks but no token files given ({TOKEN_PREFIX}_*.npy)")
+    paired = [mask_file(t) for t in tokens]
+    for t, m in zip(tokens, paired):
+        if not m.is_file():
+            raise TokenFileError(f"{m}: missing: the loss mask of {t} (the other token files have theirs; a fine-tuning source needs one per token file)")
+    extra = sorted(set(masks) - set(paired))
+    if extra:
+        raise TokenFileError(f"{extra[0]}: a loss mask whose token file {extra[0].with_name(TOKEN_PREFIX + extra[0].name[len(MASK_PREFIX):])} is not among the inputs")
+    return tokens, paired
+
+
+def scan_mask(path: Path, num_tokens: int, token_file: Path) -> dict:
+    """A loss mask's checks: one byte per token of `token_file`, each 0 or 1; its sha256 and trained count."""
+    size = path.stat().st_size
+    if size != num_tokens:
+        raise TokenFileError(f"{path}: {size:,} bytes, but {token_file} holds {num_tokens:,} tokens (a loss mask is one byte per token)")
+    digest, trained, base = hashlib.sha256(), 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(BLOCK_TOKENS):
+            values = np.frombuffer(block, dtype=np.uint8)
+            bad = np.flatnonzero(values > 1)
+            if len(bad):
+                raise TokenFileError(f"{path}: byte {base + int(bad[0]):,} is {int(values[bad[0]])}, not 0 or 1 (not a boolean loss mask)")
+            digest.update(block)
+            trained += int(np.count_nonzero(values))
+            base += len(values)
+    return {"mask_checksum": "sha256:" + digest.hexdigest(), "trained_tokens": trained}
 
 
 def index_path(path: Path) -> Path:
@@ -131,15 +195,19 @@ def _read_index(index: Path, num_tokens: int) -> np.ndarray:
 
 
 def _scan_one(args) -> dict | str:
+    *args, mask = args
     try:
-        return scan(*args)
+        result = scan(*args)
+        if mask is not None:
+            result["mask"] = {"path": mask, **scan_mask(mask, result["num_tokens"], args[0])}
+        return result
     except (TokenFileError, OSError) as e:
         return str(e)
 
 
 def register_token_files(inputs: list[str], output: Path, tokenizer, dtype: str | None = None, workers: int = 1) -> shards.Manifest:
     """Scan the token files (in parallel) and write the source directory OUTPUT over them."""
-    files = resolve_token_files(inputs)
+    files, masks = pair_masks(resolve_token_files(inputs))
     dtype = dtype or shards.dtype_for_vocab(tokenizer.vocab_size).name
     if dtype not in ("uint16", "uint32"):
         raise TokenFileError(f"--dtype {dtype}: OLMo's token files are uint16 or uint32")
@@ -148,7 +216,7 @@ def register_token_files(inputs: list[str], output: Path, tokenizer, dtype: str 
     out = Path(output)
     if out.exists() and any(out.iterdir()):
         raise TokenFileError(f"--output {out}: not empty; register into a new directory (the token files themselves are never written)")
-    tasks = [(f, dtype, tokenizer.vocab_size, tokenizer.eos_id) for f in files]
+    tasks = [(f, dtype, tokenizer.vocab_size, tokenizer.eos_id, masks[i] if masks else None) for i, f in enumerate(files)]
     if workers > 1 and len(tasks) > 1:
         with mp.get_context("fork").Pool(min(workers, len(tasks))) as pool:
             results = pool.map(_scan_one, tasks)
@@ -166,14 +234,16 @@ def register_token_files(inputs: list[str], output: Path, tokenizer, dtype: str 
         num_docs = len(r["offsets"]) - 1
         meta = shards.ShardMeta(num_tokens=r["num_tokens"], num_docs=num_docs, avg_doc_len=r["num_tokens"] / num_docs, dtype=dtype,
                                 vocab_size=tokenizer.vocab_size, max_token_id=r["max_token_id"], eos_id=tokenizer.eos_id,
-                                checksum=r["checksum"], bin=str(f), offsets=shards.offsets_path(out, i).name)
+                                checksum=r["checksum"], bin=str(f), offsets=shards.offsets_path(out, i).name,
+                                **({"mask": str(r["mask"]["path"]), "mask_checksum": r["mask"]["mask_checksum"],
+                                    "trained_tokens": r["mask"]["trained_tokens"]} if "mask" in r else {}))
         inner = r["inner_eos"]
         atomic_write_json(shards.meta_path(out, i), {"in_place": {"index": r["index"], "docs_with_inner_eos": inner["docs"], "inner_eos": inner["eos"],
                                                                   "inner_eos_docs": inner["first_docs"]}, **meta.to_dict()})
         metas.append(meta)
     root = os.path.commonpath([str(f) for f in files]) if len(files) > 1 else str(files[0].parent)
     extra = {"tool": {"name": "olmo-ds register_token_files", "version": olmo_ds.__version__},
-             "source": {"format": "olmo-npy", "in_place": True, "root": root, "files": len(files), "dtype": dtype, "tokenizer": str(tokenizer.path),
+             "source": {"format": "olmocore-sft" if masks else "olmo-npy", "in_place": True, "root": root, "files": len(files), "dtype": dtype, "tokenizer": str(tokenizer.path),
                         "docs_with_inner_eos": sum(r["inner_eos"]["docs"] for r in results), "inner_eos": sum(r["inner_eos"]["eos"] for r in results)}}
     return shards.write_manifest(out, tokenizer, "train", extra, metas=metas, names=[shards.bin_path(out, i).name for i in range(len(metas))])
 

@@ -21,7 +21,7 @@ from olmo_ds.data import shards
 from olmo_ds.data.prepare import readers
 from olmo_ds.data.prepare.long_docs import encode_documents
 from olmo_ds.data.prepare.output import position, split_position
-from olmo_ds.data.prepare.pieces import PieceResult, ShardJob, Task, write_shard_job
+from olmo_ds.data.prepare.pieces import PieceResult, ShardJob, Task, mask_piece, write_shard_job
 from olmo_ds.tokenizer import first_difference, load_tokenizer
 
 # Per worker process: the loaded tokenizer for a `Spec`, so each worker loads it once.
@@ -39,6 +39,12 @@ class Spec:
     val_fraction: float
     split_special_tokens: bool
     special_texts: tuple[str, ...]  # the special tokens' text, to count the documents holding any
+    # Conversations (`--format chat`, `prepare.conversations`); the defaults are the text path's.
+    format: str = "text"  # "text" | "chat"
+    chat_template: str | None = None  # what `load_chat_template` loads: a built-in name or a path
+    chat_mask: str = "assistant"
+    max_tokens: int | None = None
+    long_conversations: str = "drop"
 
 
 
@@ -79,12 +85,15 @@ class ChunkResult:
     special_at: np.ndarray  # int64 positions of the documents whose text holds a special token's text, like `positions`
     text_bytes: int
     n_lines: int  # newlines in the block: the next block starts this many lines later
+    mask: np.ndarray | None = None  # conversations: the loss mask, one bool per token of `tokens`
+    notes: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (position, reason) of documents kept but noted, like `positions`
 
     def at_line(self, first_line: int) -> None:
         """Turn block-relative line numbers into the file's, the block starting at `first_line`."""
         self.positions += first_line
         self.special_at += first_line
-        self.skips = [(p + first_line, reason) for p, reason in self.skips]
+        self.skips = [(p + first_line, *rest) for p, *rest in self.skips]
+        self.notes = [(p + first_line, reason) for p, reason in self.notes]
 
 
 ALL_LINES = 1 << 40  # `train_done`: every line of the block
@@ -126,6 +135,8 @@ def process_chunk(spec: Spec, file_index: int, block: readers.Block, train_done:
     split's; `train_lines_done`). Those documents are not tokenized and not in the result; their
     skips and special-token notes are, since the counts a shard records start from the re-read."""
     tok = tokenizer_for(spec)
+    if spec.format == "chat":
+        return _chat_chunk(spec, tok, file_index, block, train_done)
     records, n_lines, text_bytes = readers.load_block(block, spec.text_field)
     base = position(file_index, 0)
     texts = [text for _, text, _ in records if text is not None]
@@ -143,6 +154,27 @@ def process_chunk(spec: Spec, file_index: int, block: readers.Block, train_done:
     ids, offsets = encode_documents(tok, texts) if texts else (np.zeros(0, np.uint32), np.zeros(1, np.int64))
     tokens, doc_lens = append_eos(ids, offsets, tok.eos_id, shards.dtype_for_vocab(tok.vocab_size))
     return ChunkResult(file_index, tokens, doc_lens, base + lines, is_val, skips, special_at, text_bytes, n_lines)
+
+
+def _chat_chunk(spec: Spec, tok, file_index: int, block: readers.Block, train_done: int) -> ChunkResult:
+    """`process_chunk` for conversations: every record is encoded (its skip or note counts even where
+    its document is already in a complete shard), then the documents before `train_done` are left out."""
+    from olmo_ds.data.prepare.conversations import encode_records
+
+    records, n_lines, text_bytes = readers.load_chat_block(block)
+    base = position(file_index, 0)
+    dtype = shards.dtype_for_vocab(tok.vocab_size)
+    lines, tokens, doc_lens, mask, skips, special, notes, texts = encode_records(spec, tok, records, base, dtype)
+    is_val = None
+    if spec.val_fraction > 0:
+        threshold = int(spec.val_fraction * 2**64)
+        is_val = np.array([val_hash(t) < threshold for t in texts], dtype=bool)
+    if train_done > 0:
+        keep = lines >= train_done if is_val is None else (lines >= train_done) | is_val
+        token_keep = np.repeat(keep, doc_lens)
+        tokens, mask, doc_lens, lines = tokens[token_keep], mask[token_keep], doc_lens[keep], lines[keep]
+        is_val = None if is_val is None else is_val[keep]
+    return ChunkResult(file_index, tokens, doc_lens, base + lines, is_val, skips, base + special, text_bytes, n_lines, mask, notes)
 
 
 def _tokenize_task(spec: Spec, task: Task) -> PieceResult:
@@ -163,12 +195,12 @@ def _tokenize_task(spec: Spec, task: Task) -> PieceResult:
                 if task.pieces is not None:
                     _append_to_pieces(task, outs, res)
                 docs, tokens, skipped = docs + len(res.doc_lens), tokens + len(res.tokens), skipped + len(res.skips)
-                res.tokens = None
+                res.tokens = res.mask = None
                 results.append(res)
             per_file.append((fi, docs, tokens, skipped))
     finally:
         for split, f in outs.items():
-            with shards.naming(Path(task.piece(split))):
+            with shards.naming(Path(split if split not in ("train", "val") else task.piece(split))):
                 f.close()
     return PieceResult(
         doc_lens=_concat([r.doc_lens for r in results], np.int64),
@@ -178,22 +210,30 @@ def _tokenize_task(spec: Spec, task: Task) -> PieceResult:
         skips=[skip for r in results for skip in r.skips],
         text_bytes=sum(r.text_bytes for r in results),
         files=per_file,
+        notes=[note for r in results for note in r.notes],
     )
 
 
 def _append_to_pieces(task: Task, outs: dict, res: ChunkResult) -> None:
     """Append a block's ids to the task's piece files, each split's to its own (opened on first use)."""
     if res.is_val is None:
-        parts = {"train": res.tokens}
+        parts = {"train": (res.tokens, res.mask)}
     else:
         token_is_val = np.repeat(res.is_val, res.doc_lens)
-        parts = {"train": res.tokens[~token_is_val], "val": res.tokens[token_is_val]}
-    for split, ids in parts.items():
+        parts = {"train": (res.tokens[~token_is_val], None if res.mask is None else res.mask[~token_is_val]),
+                 "val": (res.tokens[token_is_val], None if res.mask is None else res.mask[token_is_val])}
+    for split, (ids, mask) in parts.items():
         if len(ids):
             with shards.naming(Path(task.piece(split))):
                 if split not in outs:
                     outs[split] = open(task.piece(split), "wb")
                 outs[split].write(memoryview(ids).cast("B"))
+            if mask is not None:
+                path = mask_piece(task.piece(split))
+                with shards.naming(Path(path)):
+                    if path not in outs:
+                        outs[path] = open(path, "wb")
+                    outs[path].write(shards.mask_bytes(mask))
 
 
 def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
