@@ -127,3 +127,24 @@ def test_validation_batches_of_a_masked_source_cover_every_row_once(source, conv
     # Every trained token but each conversation's first (never trained by the template) and truncated tails.
     want = sum(int(m[1:min(len(c), SEQ)].sum()) for c, m in conversations)
     assert targets == want
+
+
+def test_a_masked_manifest_without_pad_id_or_a_shard_without_its_mask_is_refused(tmp_path, conversations):
+    import json
+
+    src = write_masked_source(tmp_path / "a", conversations[:20], shard_docs=10)
+    manifest = json.loads((src / "manifest.json").read_text())
+    del manifest["pad_id"]
+    (src / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="manifest.json: a masked .* needs an integer pad_id"):
+        loader(src)
+    src = write_masked_source(tmp_path / "b", conversations[:20], shard_docs=10)
+    (src / "shard-00001.mask").unlink()
+    with pytest.raises(FileNotFoundError, match="shard-00001.mask: missing"):
+        loader(src)
+    meta = json.loads((src / "shard-00001.json").read_text())
+    for key in ("mask", "mask_checksum", "trained_tokens"):
+        del meta[key]
+    (src / "shard-00001.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="shard-00001.json: carries no loss mask, but .*manifest.json says masked: true"):
+        loader(src)
