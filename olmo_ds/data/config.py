@@ -21,7 +21,12 @@ class SourceConfig:
 class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)
     seed: int = 0
-    document_masking: bool = False  # attend only within each document (needs doc boundaries)
+    # Attend only within each document (needs doc boundaries). Unset: off for pretraining data, on for
+    # masked (fine-tuning) data, where `false` is refused (packed conversations must not see each other).
+    document_masking: bool | None = None
+    # Masked (fine-tuning) data: a conversation longer than batch.seq_len keeps its first seq_len tokens
+    # (`truncate`, as OLMo-core) or is left out (`drop`); either is counted and logged.
+    long_conversations: str = "truncate"
     prefetch: int = 2  # global batches prepared ahead in a background thread
     val_sources: list[SourceConfig] = field(default_factory=list)  # fixed, unshuffled validation streams
     allow_data_change: bool = False  # resume even if the data fingerprint differs (explicit opt-in)
@@ -37,5 +42,7 @@ class DataConfig:
                 raise ValueError(f"data source {s.path}: weight must be > 0, got {s.weight}")
             if s.max_epochs is not None and s.max_epochs <= 0:
                 raise ValueError(f"data source {s.path}: max_epochs must be > 0 (or null for 1), got {s.max_epochs}")
+        if self.long_conversations not in ("truncate", "drop"):
+            raise ValueError(f"data.long_conversations {self.long_conversations!r}: expected truncate or drop")
         if self.prefetch < 0:
             raise ValueError(f"data.prefetch must be >= 0 (0 = no background thread), got {self.prefetch}")

@@ -11,6 +11,15 @@ open time: a shard's ids and offsets are memory maps that hold no file descripto
 so a source of any number of files keeps none open, and an instance is read straight from the page
 cache into the caller's batch buffer.
 
+Fine-tuning sources (a manifest with `masked: true`, shards with a `shard-NNNNN.mask` loss mask, see
+`olmo_ds.data.shards`) are read differently: their instances are PACKED ROWS, whole conversations (the
+shards' documents) placed into rows of `seq_len` by best-fit decreasing (`olmo_ds.data.packing`), padded
+with the manifest's `pad_id`. Conversations longer than a row are truncated to their first `seq_len`
+tokens or dropped (`long_docs`, `data.long_conversations`), counted and logged. The row list is a
+function of the data, `seq_len` and `long_docs` only, so instance ids, the global order built on them,
+and resume on any world size work as for pretraining; `read_packed` copies row r with its loss mask
+and its conversations' lengths.
+
 Every inconsistency the loader can detect without reading the data is raised here, naming the file,
 before training starts: a missing shard, a truncated `.bin`, a document index that does not span its
 shard, shards of different tokenizers or dtypes in one directory, and a sequence length that the
@@ -29,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from olmo_ds.data import shards
+from olmo_ds.data.packing import LONG_DOCS, Packing, pack_documents
 from olmo_ds.data.shards import MANIFEST, Manifest, ShardMeta
 
 log = logging.getLogger("olmo_ds")
@@ -64,10 +74,12 @@ class DataError(ValueError):
     written); the message names the source, the file and the place in it."""
 
 
-def check_ids(input_ids: np.ndarray, sources: list["TokenSource"], rows: list[tuple[int, int]], model_vocab_size: int | None = None) -> None:
+def check_ids(input_ids: np.ndarray, sources: list["TokenSource"], rows: list[tuple[int, int]], model_vocab_size: int | None = None,
+              seq_len: int | None = None) -> None:
     """Raise `DataError` if a row of `input_ids` holds an id its source's vocabulary does not have.
 
-    Row b holds the tokens of `sources[s]` from stream position `p`, (s, p) = rows[b]. The check
+    Row b holds instance `i` of `sources[s]`, (s, i) = rows[b]: stream tokens [i * T, (i + 1) * T) of a
+    plain source, packed row i of a masked one (T = `seq_len`, default the rows' width). The check
     costs one max over the batch (the batch is already in memory); only a failing batch is searched
     for the place to name. Shards whose ids exceed their metadata's `max_token_id` pass every check
     made when the data is opened, and an embedding lookup with such an id fails deep in the forward
@@ -78,18 +90,23 @@ def check_ids(input_ids: np.ndarray, sources: list["TokenSource"], rows: list[tu
         limit = min(limit, model_vocab_size)
     if input_ids.size == 0 or int(input_ids.max()) < limit:
         return
-    for b, (s, start) in enumerate(rows):
+    seq_len = seq_len or input_ids.shape[1]
+    for b, (s, inst) in enumerate(rows):
         src = sources[s]
         vocab = min(src.vocab_size, model_vocab_size or src.vocab_size)
         bad = np.flatnonzero(input_ids[b] >= vocab)
+        if len(bad) and src.masked and src.position_of(inst, int(bad[0]), seq_len) is None:
+            raise DataError(f"data source {src.name!r} ({src.directory}): its pad_id {src.pad_id} (manifest.json) is beyond the "
+                            f"vocabulary ({src.vocab_size}, the model's {model_vocab_size}); prepare the data with the model's tokenizer")
         if len(bad):
             token_id = int(input_ids[b, bad[0]])
-            file, offset, doc = src.locate(start + int(bad[0]))
+            position = src.position_of(inst, int(bad[0]), seq_len)
+            file, offset, doc = src.locate(position)
             model = f"; the model's is {model_vocab_size}" if model_vocab_size is not None else ""
             raise DataError(
                 f"data source {src.name!r} ({src.directory}): {file} holds token id {token_id} at token {offset} "
                 f"(document {doc} of that shard), beyond the vocabulary (the data's vocab_size is {src.vocab_size}{model}); its metadata says "
-                f"max_token_id {src.metas[src.shard_of(start + int(bad[0]))].max_token_id}, so the file changed after it was written. "
+                f"max_token_id {src.metas[src.shard_of(position)].max_token_id}, so the file changed after it was written. "
                 f"Check the source with scripts/validate_shards.py {src.directory} and prepare it again"
             )
 
@@ -106,8 +123,11 @@ class ShardInfo:
 class TokenSource:
     """The concatenated token stream of one shard directory (see the module docstring)."""
 
-    def __init__(self, path: str | Path, name: str | None = None) -> None:
+    def __init__(self, path: str | Path, name: str | None = None, long_docs: str = "truncate") -> None:
         raise_open_file_limit()
+        if long_docs not in LONG_DOCS:
+            raise ValueError(f"data.long_conversations {long_docs!r}: expected one of {', '.join(LONG_DOCS)}")
+        self.long_docs = long_docs
         self.directory = Path(path)
         if not self.directory.is_dir():
             raise FileNotFoundError(f"data source {self.directory}: no such directory (expected shards written by scripts/prepare_data.py)")
@@ -122,6 +142,8 @@ class TokenSource:
         self._tokens: list[np.ndarray] = []
         self._bin_files: list[Path] = []
         self._offset_files: list[Path] = []
+        self._masks: list[np.ndarray] = []
+        self.masked = self.manifest.masked
         for listed in self.manifest.shards:
             stem = listed[: -len(".bin")] if listed.endswith(".bin") else listed
             meta_file = self.directory / f"{stem}.json"
@@ -142,6 +164,16 @@ class TokenSource:
                 )
             if meta.max_token_id >= meta.vocab_size:
                 raise ValueError(f"{meta_file}: max_token_id {meta.max_token_id} >= vocab_size {meta.vocab_size}; the shard is corrupt or mislabelled")
+            if meta.masked != self.masked:
+                raise ValueError(
+                    f"{meta_file}: {'carries a loss mask' if meta.masked else 'carries no loss mask'}, but {manifest_file} says "
+                    f"masked: {str(self.masked).lower()}; a source's shards are all fine-tuning data or none (prepare it again)"
+                )
+            if self.masked:
+                mask_file = self.directory / meta.mask
+                if not mask_file.exists():
+                    raise FileNotFoundError(f"{mask_file}: missing; {meta_file} names it as the shard's loss mask")
+                self._masks.append(shards.open_mask(mask_file, meta))  # raises on a mask of the wrong size
             self._tokens.append(shards.open_tokens(bin_file, meta))  # raises on a truncated .bin
             self._bin_files.append(bin_file)
             self._offset_files.append(offsets_file)
@@ -159,6 +191,20 @@ class TokenSource:
         self.max_token_id = max(m.max_token_id for m in self.metas)
         # Memory-mapped and checked now, so a broken index fails before step one, not at the first batch.
         self._offsets = [self._load_offsets(k) for k in range(len(self.metas))]
+        self.pad_id: int | None = None
+        self._packings: dict[int, Packing] = {}
+        if self.masked:
+            pad = self.manifest.extra.get("pad_id")
+            if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < self.vocab_size:
+                raise ValueError(f"{manifest_file}: a masked (fine-tuning) source needs an integer pad_id in [0, vocab_size "
+                                 f"{self.vocab_size}) to pad its packed rows, got {pad!r}")
+            self.pad_id = pad
+            # Conversations = the shards' documents, as stream positions and lengths (a document never spans shards).
+            starts = [self.starts[k] + self._offsets[k][:-1].astype(np.int64) for k in range(len(self.metas))]
+            lens = [np.diff(self._offsets[k]).astype(np.int64) for k in range(len(self.metas))]
+            doc_start, doc_len = np.concatenate(starts), np.concatenate(lens)
+            keep = doc_len > 0  # an empty document holds nothing to train on
+            self.doc_start, self.doc_len = doc_start[keep], doc_len[keep]
 
     @property
     def vocab_size(self) -> int:
@@ -176,8 +222,28 @@ class TokenSource:
     def dtype(self) -> np.dtype:
         return np.dtype(self.manifest.dtype)
 
+    def packing(self, seq_len: int) -> Packing:
+        """A masked source's conversations packed into rows of `seq_len` (computed once per length, logged)."""
+        if not self.masked:
+            raise ValueError(f"data source {self.directory}: not a masked (fine-tuning) source; its instances are not packed")
+        if seq_len not in self._packings:
+            p = pack_documents(self.doc_len, seq_len, long_docs=self.long_docs)
+            self._packings[seq_len] = p
+            s = p.summary()
+            log.info("data source %s: %d conversations packed into %d rows of %d tokens (packing efficiency %.4f, the lower "
+                     "bound %d rows); longer than a row: %d truncated (%d tokens cut), %d dropped (data.long_conversations %s)",
+                     self.name, s["documents"], s["rows"], seq_len, s["efficiency"], s["min_rows"], s["truncated"],
+                     s["tokens_truncated"], s["dropped"], self.long_docs)
+        return self._packings[seq_len]
+
     def num_instances(self, seq_len: int) -> int:
-        """How many whole instances of `seq_len` tokens the stream holds; raises if not even one."""
+        """How many whole instances of `seq_len` tokens the stream holds (a masked source: packed rows); raises if not even one."""
+        if self.masked:
+            n = self.packing(seq_len).num_rows
+            if n == 0:
+                raise ValueError(f"data source {self.directory}: no conversation fits a row of seq_len {seq_len} "
+                                 f"(data.long_conversations {self.long_docs} dropped all {len(self.doc_len)})")
+            return n
         n = self.num_tokens // seq_len
         if n == 0:
             raise ValueError(f"data source {self.directory}: {self.num_tokens} tokens cannot fill even one instance of seq_len {seq_len}")
@@ -185,10 +251,14 @@ class TokenSource:
 
     def fingerprint_record(self) -> dict:
         """The identity of this source's data: shard names, sizes, checksums and the tokenizer."""
-        return {
+        record = {
             "tokenizer_fingerprint": self.tokenizer_fingerprint,
             "shards": [[s.name, s.num_tokens, s.checksum] for s in self.shard_info],
         }
+        if self.masked:  # only then: pretraining sources keep their fingerprint
+            record["masks"] = [m.mask_checksum for m in self.metas]
+            record["long_docs"] = self.long_docs
+        return record
 
     def fingerprint(self) -> str:
         blob = json.dumps(self.fingerprint_record(), sort_keys=True).encode()
@@ -196,6 +266,42 @@ class TokenSource:
 
     def read(self, start: int, out: np.ndarray) -> None:
         """Copy tokens [start, start + len(out)) of the stream into `out`, across shard boundaries."""
+        self._copy(self._tokens, start, out)
+
+    def read_mask(self, start: int, out: np.ndarray) -> None:
+        """Copy the loss mask of tokens [start, start + len(out)) into the bool array `out` (a masked source)."""
+        self._copy(self._masks, start, out)
+
+    def read_packed(self, row: int, seq_len: int, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Packed row `row` into `ids` and `mask` (length `seq_len` each): its conversations in row order,
+        then `pad_id` with mask False. Returns the row's piece lengths: each conversation's tokens, then
+        the padding as one piece (absent in a full row); they sum to `seq_len`."""
+        p = self.packing(seq_len)
+        lo, hi = int(p.row_offsets[row]), int(p.row_offsets[row + 1])
+        pos = 0
+        for d, n in zip(p.doc_index[lo:hi].tolist(), p.doc_tokens[lo:hi].tolist()):
+            start = int(self.doc_start[d])
+            self.read(start, ids[pos:pos + n])
+            self.read_mask(start, mask[pos:pos + n])
+            pos += n
+        ids[pos:] = self.pad_id
+        mask[pos:] = False
+        pieces = p.doc_tokens[lo:hi]
+        return np.append(pieces, seq_len - pos) if pos < seq_len else pieces.copy()
+
+    def position_of(self, instance: int, t: int, seq_len: int) -> int | None:
+        """The stream position of token t of instance `instance` (None: a packed row's padding)."""
+        if not self.masked:
+            return instance * seq_len + t
+        p = self.packing(seq_len)
+        lo, hi = int(p.row_offsets[instance]), int(p.row_offsets[instance + 1])
+        ends = np.cumsum(p.doc_tokens[lo:hi])
+        j = int(np.searchsorted(ends, t, side="right"))
+        if j == hi - lo:
+            return None
+        return int(self.doc_start[p.doc_index[lo + j]]) + t - (int(ends[j - 1]) if j else 0)
+
+    def _copy(self, arrays: list[np.ndarray], start: int, out: np.ndarray) -> None:
         end = start + len(out)
         if start < 0 or end > self.num_tokens:
             raise IndexError(f"data source {self.directory}: tokens [{start}, {end}) outside the stream of {self.num_tokens}")
@@ -204,7 +310,7 @@ class TokenSource:
         while filled < len(out):
             local = pos - int(self.starts[k])
             take = min(len(out) - filled, int(self.starts[k + 1]) - pos)
-            out[filled : filled + take] = self._tokens[k][local : local + take]
+            out[filled : filled + take] = arrays[k][local : local + take]
             filled += take
             pos += take
             k += 1

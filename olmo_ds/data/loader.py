@@ -17,6 +17,20 @@ What a batch is. A dict of CPU tensors (pinned when CUDA is available) with
 Rank r holds rows [r * B, (r + 1) * B) of the global batch; the trainer cuts its rows into
 micro-batches itself.
 
+Fine-tuning data (masked sources, `DataLoader.masked`): each row is a packed row of whole
+conversations (`olmo_ds.data.dataset`), and the batch differs thus:
+- `input_ids`: the conversations, then the source's `pad_id` to `seq_len`.
+- `labels`: `input_ids[t + 1]` where the loss mask of token t + 1 is 1, else -100 (OLMo-core's
+  `get_labels`, `olmo_ds.model.loss.labels_from_mask`); also -100 at each conversation's last token
+  (it never learns the next conversation's first token; the OLMo templates never train that token
+  anyway) and at the row's end. Padding's mask is 0, so it is never a target.
+- `doc_lens`: always (document masking is forced on): each conversation's length, then the padding
+  as its own piece.
+- `positions` int64 [B, T]: RoPE positions restarting at 0 in each piece, as OLMo-core does when it
+  has document lengths (allenai/OLMo-core@fa6c501 src/olmo_core/nn/rope.py:547-555, reached from
+  src/olmo_core/nn/attention/__init__.py:537,619) and as a conversation run alone sees them.
+- `row_tokens` int64 [B]: conversation tokens per row (the rest is padding), for packing efficiency.
+
 Order. Global batch k is the next `global_batch_size(k)` instance ids of the stream described in
 `olmo_ds.data.order`, a function of (data, seed, batch-size schedule, seq_len) only. So the state is
 two numbers, the step and the instances consumed, plus what they are valid for (seed, seq_len, data
@@ -70,12 +84,46 @@ def _to_tensors(arrays: dict[str, np.ndarray | torch.Tensor], pin: bool) -> dict
     return out
 
 
-def _open_sources(configs: list[SourceConfig]) -> list[TokenSource]:
-    sources = [TokenSource(c.path, c.name) for c in configs]
+def packed_batch(sources: list[TokenSource], rows: list[tuple[int, int]], seq_len: int, pad_rows: int = 0,
+                 model_vocab_size: int | None = None) -> dict[str, np.ndarray]:
+    """The batch arrays of packed rows: row b is packed row i of `sources[s]`, (s, i) = rows[b] (see the
+    module docstring for the keys); `pad_rows` more rows of padding only (no targets) are appended.
+    Ids are checked against the vocabulary (`check_ids`)."""
+    n, T = len(rows) + pad_rows, seq_len
+    input_ids = np.empty((n, T), dtype=np.int64)
+    mask = np.zeros((n, T), dtype=bool)
+    pieces = []
+    row_tokens = np.zeros(n, dtype=np.int64)
+    for b, (s, i) in enumerate(rows):
+        pieces.append(sources[s].read_packed(i, T, input_ids[b], mask[b]))
+        row_tokens[b] = int(sources[s].packing(T).row_doc_lengths(i).sum())
+    input_ids[len(rows):] = sources[0].pad_id
+    pieces += [np.array([T], dtype=np.int64)] * pad_rows
+    check_ids(input_ids[:len(rows)], sources, rows, model_vocab_size, T)
+    labels = np.full((n, T), IGNORE_INDEX, dtype=np.int64)
+    labels[:, :-1] = np.where(mask[:, 1:], input_ids[:, 1:], IGNORE_INDEX)
+    positions = np.empty((n, T), dtype=np.int64)
+    for b, p in enumerate(pieces):
+        ends = np.cumsum(p)
+        labels[b, ends - 1] = IGNORE_INDEX  # a conversation's last token predicts nothing (nor does the padding's)
+        positions[b] = np.arange(T) - np.repeat(ends - p, p)
+    return {"input_ids": input_ids, "labels": labels, "doc_lens": pad_doc_lens(pieces), "positions": positions, "row_tokens": row_tokens}
+
+
+def _open_sources(configs: list[SourceConfig], long_docs: str = "truncate") -> list[TokenSource]:
+    sources = [TokenSource(c.path, c.name, long_docs) for c in configs]
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         raise ValueError(f"data sources have duplicate names {names}; give each a distinct `name`")
     first = sources[0]
+    for s in sources[1:]:
+        if s.masked != first.masked:
+            masked, plain = (first, s) if first.masked else (s, first)
+            raise ValueError(
+                f"data sources {masked.directory} (masked: fine-tuning conversations with a loss mask) and {plain.directory} "
+                f"(no loss mask: pretraining text) in one mixture: a batch is either packed conversations trained on their "
+                f"masked tokens or pretraining rows trained on every token; prepare both as chat data, or train them in separate stages"
+            )
     for s in sources[1:]:
         if not same_tokenizer(s.tokenizer_fingerprint, first.tokenizer_fingerprint):
             raise ValueError(
@@ -101,7 +149,14 @@ class DataLoader:
         self.dp_world_size = dp_world_size
         self.schedule = BatchSizeSchedule.parse(global_batch_size)
 
-        self.sources = _open_sources(cfg.sources)
+        self.sources = _open_sources(cfg.sources, cfg.long_conversations)
+        self.masked = self.sources[0].masked  # fine-tuning data: packed rows, a loss mask, the step's token mean
+        if self.masked and cfg.document_masking is False:
+            raise ValueError(
+                f"data.document_masking: false, but {self.sources[0].directory} is a masked (fine-tuning) source: its rows pack "
+                "several conversations, which must not attend to each other; remove the key (masked data turns document masking on)"
+            )
+        self.document_masking = bool(cfg.document_masking) or self.masked
         self.mixture = Mixture(
             [s.name for s in self.sources],
             [c.weight for c in cfg.sources],
@@ -169,7 +224,13 @@ class DataLoader:
         for row, src in zip(rows, self.sources):
             row["path"] = str(src.directory)
             row["tokens_on_disk"] = src.num_tokens
-            row["dropped_tail_tokens"] = src.num_tokens - row["instances"] * self.seq_len
+            if src.masked:  # packed rows: nothing is cut off the end; padding, truncation and drops instead
+                p = src.packing(self.seq_len)
+                row["dropped_tail_tokens"] = 0
+                row["packing"] = {**p.summary(), "long_conversations": src.long_docs,
+                                  "trained_tokens": int(src.manifest.extra.get("trained_tokens", 0))}
+            else:
+                row["dropped_tail_tokens"] = src.num_tokens - row["instances"] * self.seq_len
         return rows
 
     def _fingerprint(self) -> str:
@@ -186,10 +247,13 @@ class DataLoader:
         """Assemble the instances `ids` (global ids) into a batch."""
         src, inst = self.mixture.source_of(ids)
         T = self.seq_len
+        if self.masked:
+            batch = packed_batch(self.sources, list(zip(src.tolist(), inst.tolist())), T, model_vocab_size=self._model_vocab_size)
+            return _to_tensors(batch, self._pin)
         input_ids = np.empty((len(ids), T), dtype=np.int64)
-        rows = [(s, i * T) for s, i in zip(src.tolist(), inst.tolist())]
-        for row, (s, start) in enumerate(rows):
-            self.sources[s].read(start, input_ids[row])
+        rows = [(s, i) for s, i in zip(src.tolist(), inst.tolist())]
+        for row, (s, i) in enumerate(rows):
+            self.sources[s].read(i * T, input_ids[row])
         check_ids(input_ids, self.sources, rows, self._model_vocab_size)
         batch: dict = {"input_ids": input_ids, "labels": _labels_for(input_ids)}
         if self.cfg.document_masking:
@@ -201,7 +265,8 @@ class DataLoader:
         return self._rows(self.order.ids(position + self.dp_rank * per_rank, per_rank))
 
     def global_batch_instances(self, step: int, position: int | None = None) -> list[tuple[str, int]]:
-        """(source name, first token in that source's stream) of every instance of global batch `step`.
+        """(source name, first token in that source's stream) of every instance of global batch `step`
+        (for masked data: (source name, packed row index)).
 
         `position` is the stream position the step starts at; by default the one the schedule gives
         (right for any run whose schedule never changed). This is how one finds which tokens a step saw.
@@ -209,6 +274,8 @@ class DataLoader:
         if position is None:
             position = self.schedule.instances_before(step)
         src, inst = self.mixture.source_of(self.order.ids(position, self.schedule.at(step)))
+        if self.masked:  # (source name, packed row index)
+            return [(self.sources[s].name, i) for s, i in zip(src.tolist(), inst.tolist())]
         return [(self.sources[s].name, i * self.seq_len) for s, i in zip(src.tolist(), inst.tolist())]
 
     def _produce(self, step: int, position: int, q: queue.Queue, stop: threading.Event) -> None:
@@ -326,6 +393,7 @@ def validation_batches(
     dp_world_size: int,
     *,
     document_masking: bool = False,
+    long_docs: str = "truncate",
 ) -> Iterator[dict[str, torch.Tensor]]:
     """A fixed, unshuffled pass over a validation source: every instance exactly once, in order.
 
@@ -334,12 +402,16 @@ def validation_batches(
     block of `batch_size`. The last global batch is filled up with padding rows (input_ids EOS,
     labels all -100) so that every rank runs the same number of equally shaped batches; sum the
     loss over labels != -100 and count them to get the exact mean over real tokens.
+
+    A masked (fine-tuning) source gives its packed rows in packing order (`long_docs` as
+    `data.long_conversations`), batched as in training (module docstring; document masking always),
+    its padding rows all `pad_id`: the loss over its labels is the masked validation loss.
     """
     # Opened and checked here, not at the first iteration, so bad data fails before training starts.
     if isinstance(source, SourceConfig):
-        src = TokenSource(source.path, source.name)
+        src = TokenSource(source.path, source.name, long_docs)
     else:
-        src = TokenSource(source)
+        src = TokenSource(source, long_docs=long_docs)
     if not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank {dp_rank} outside 0 .. dp_world_size - 1 = {dp_world_size - 1}")
     if batch_size < 1:
@@ -352,10 +424,13 @@ def _validation_stream(src: TokenSource, n: int, seq_len: int, batch_size: int, 
     for g in range(math.ceil(n / per_global)):
         first = g * per_global + dp_rank * batch_size
         real = max(0, min(batch_size, n - first))
+        if src.masked:
+            yield _to_tensors(packed_batch([src], [(0, first + row) for row in range(real)], seq_len, batch_size - real), False)
+            continue
         input_ids = np.full((batch_size, seq_len), src.eos_id, dtype=np.int64)
         for row in range(real):
             src.read((first + row) * seq_len, input_ids[row])
-        check_ids(input_ids[:real], [src], [(0, (first + row) * seq_len) for row in range(real)])
+        check_ids(input_ids[:real], [src], [(0, first + row) for row in range(real)])
         labels = _labels_for(input_ids)
         labels[real:] = IGNORE_INDEX
         batch: dict = {"input_ids": input_ids, "labels": labels}

@@ -137,16 +137,20 @@ def evaluate_perplexity(
     def step(b: int) -> tuple[float, int, float, int, int, int, int]:
         batch = batches[b]
         labels = batch["labels"].to(device)
+        # Packed conversations (a masked source's validation_batches): attention and RoPE positions per conversation.
+        packed = {k: batch[k].to(device) for k in ("doc_lens", "positions") if k in batch} if "positions" in batch and olmo_of(model) is not None else {}
         if scoring:
+            if packed and tuple(batch["input_ids"].shape) != (rows, width):
+                raise ValueError(f"packed validation batches must all be [{rows}, {width}], got {tuple(batch['input_ids'].shape)}")
             ids, labels = _top_up(batch["input_ids"].to(device), labels, rows, width)
             flat = labels.reshape(-1)
             index = (flat != IGNORE_INDEX).nonzero().squeeze(1)
             targets = flat[index]
-            nats = -model(ids, score=(index, targets)).logprob.double()
+            nats = -model(ids, score=(index, targets), **packed).logprob.double()
             mask = torch.ones_like(targets, dtype=torch.bool)
         else:
             ids = batch["input_ids"].to(device)
-            logits = logits_of(model, ids)
+            logits = logits_of(model, ids, **packed)
             targets = labels.clamp(min=0)
             # Row by row, so no float32 copy of the whole batch's logits is ever made.
             nats = -torch.stack([target_logprobs(logits[r], targets[r]) for r in range(logits.shape[0])]).double()

@@ -403,12 +403,13 @@ class LMHead(nn.Module):
             _trunc_normal_(self.weight, init_std)
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, z_loss_coef: float = 0.0,
-                chunk_size: int = CHUNK_SIZE, score: tuple[torch.Tensor, torch.Tensor] | None = None, compiled: bool = False):
+                chunk_size: int = CHUNK_SIZE, score: tuple[torch.Tensor, torch.Tensor] | None = None, compiled: bool = False,
+                divisor: float | torch.Tensor | None = None):
         if score is not None:
             return score_targets(hidden, self.weight, *score, compiled=compiled)
         if labels is None:
             return F.linear(hidden, self.weight)
-        return ModelOutput(*fused_linear_cross_entropy(hidden, self.weight, labels, z_loss_coef, chunk_size))
+        return ModelOutput(*fused_linear_cross_entropy(hidden, self.weight, labels, z_loss_coef, chunk_size, divisor=divisor))
 
 
 class OLMo(nn.Module):
@@ -416,7 +417,9 @@ class OLMo(nn.Module):
 
     `forward(input_ids, labels=None, doc_lens=None, z_loss_coef=0.0)` returns logits
     [B, T, padded_vocab] when `labels` is None, else a `ModelOutput`. `doc_lens` ([B, max_docs],
-    zero-padded, rows summing to T) restricts attention to each packed document.
+    zero-padded, rows summing to T) restricts attention to each packed document. `loss_divisor`: the
+    loss is the sum over the targets divided by it rather than their mean (fine-tuning's step token
+    mean, `olmo_ds.model.loss.token_mean_divisor`); None (pretraining) leaves the loss as it was.
 
     Scoring (evaluation, `olmo_ds.eval`): `score=(index, targets)`, int64 [N] each, returns `Scores`:
     the log-prob and arg-max test of `targets[n]` at flat position `index[n]` (b * T + t) only, the head
@@ -461,7 +464,7 @@ class OLMo(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_lens: torch.Tensor | None = None, z_loss_coef: float = 0.0, cache: KVCache | None = None, *,
                 positions: torch.Tensor | None = None, branches: torch.Tensor | None = None,
-                score: tuple[torch.Tensor, torch.Tensor] | None = None):
+                score: tuple[torch.Tensor, torch.Tensor] | None = None, loss_divisor: float | torch.Tensor | None = None):
         b, t = input_ids.shape
         start = cache.pos if cache is not None else 0
         if cache is not None and (doc_lens is not None or positions is not None or branches is not None or score is not None):
@@ -497,7 +500,7 @@ class OLMo(nn.Module):
         x = self.norm(x)
         if score is not None:
             return self.head(x, score=score, compiled=self.cfg.compiles_blocks(x.device.type))
-        return self.head(x, labels, z_loss_coef)
+        return self.head(x, labels, z_loss_coef, divisor=loss_divisor)
 
 
 def build_model(cfg: ModelConfig) -> OLMo:

@@ -49,10 +49,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import olmo_ds.model.model as model_mod
+from olmo_ds.data import shards
+from olmo_ds.data.dataset import TokenSource
 from olmo_ds.data.loader import DataLoader
 from olmo_ds.model import OLMo
 from olmo_ds.model.config import preset as model_preset
@@ -95,8 +98,8 @@ def apply_experiments(exp: Experiments) -> list[str]:
         chunk = int(exp.loss_chunk)
         original = model_mod.fused_linear_cross_entropy
 
-        def chunked(hidden, weight, labels, z_loss_coef=0.0, chunk_size=None):
-            return original(hidden, weight, labels, z_loss_coef, chunk)
+        def chunked(hidden, weight, labels, z_loss_coef=0.0, chunk_size=None, **kw):
+            return original(hidden, weight, labels, z_loss_coef, chunk, **kw)  # kw: fine-tuning's divisor=
 
         model_mod.fused_linear_cross_entropy = chunked
         applied.append(f"loss_chunk={chunk}")
@@ -289,8 +292,17 @@ def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> d
         trainer.engine.compile(backend=opts.experiments.compile_backend)
     init_s = time.perf_counter() - t0
     try:
-        result = _time_steps(lambda: trainer.train_step(trainer.loader.next_batch())["loss"], trainer.loader, opts, flops, peak,
-                             cfg.batch.global_batch_size * cfg.batch.seq_len, "deepspeed")
+        seen = {"_trained": 0, "_positions": 0}
+
+        def step() -> float:
+            m = trainer.train_step(trainer.loader.next_batch())
+            seen["_trained"] += m.get("trained_tokens", 0)
+            seen["_positions"] += m["tokens"]
+            return m["loss"]
+
+        result = _time_steps(step, trainer.loader, opts, flops, peak, cfg.batch.global_batch_size * cfg.batch.seq_len, "deepspeed")
+        if trainer.masked:
+            result.update(seen)
     finally:
         trainer.loader.close()
     result["init_s"] = init_s
@@ -310,7 +322,49 @@ def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> d
     return result
 
 
-def run_bench(opts: BenchOptions) -> dict:
+def write_sft_shards(opts: BenchOptions, directory: Path, vocab_size: int, seed: int = 0) -> Path:
+    """Synthetic fine-tuning data for `--sft`: random-id conversations (never zeros) with a loss mask, written as a
+    masked source (`shards.write_shard` with a mask). Lengths are log-normal, median a quarter row, the longest cut
+    to the row, so packing leaves some padding as real chat data does; each conversation's second half is trained
+    (answers after a prompt). Enough rows for warm-up and timed steps."""
+    meta_file = directory / shards.MANIFEST
+    rows = (opts.warmup + opts.steps + 2) * opts.micro_batch_size * opts.grad_accum
+    if meta_file.exists() and shards.Manifest.load(directory).extra.get("bench_rows") == rows:
+        return directory
+    rng = np.random.default_rng(seed)
+    lens = []
+    while sum(lens) < rows * opts.seq_len * 1.05:
+        lens.append(int(np.clip(rng.lognormal(np.log(opts.seq_len / 4), 0.8), 8, opts.seq_len)))
+    lens = np.asarray(lens, dtype=np.int64)
+    tokens = rng.integers(1, vocab_size - 2, int(lens.sum())).astype(shards.dtype_for_vocab(vocab_size))
+    mask = np.zeros(len(tokens), dtype=bool)
+    ends = np.cumsum(lens)
+    for start, n in zip(ends - lens, lens):
+        mask[start + n // 2:start + n] = True
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = shards.write_shard(directory, 0, tokens, np.concatenate([[0], ends]), vocab_size=vocab_size, eos_id=vocab_size - 2, mask=mask)
+
+    class _Ids:  # what write_manifest reads of a tokenizer
+        fingerprint, eos_id, pad_id = "sha256:random-ids", vocab_size - 2, vocab_size - 1
+
+    _Ids.vocab_size = vocab_size
+    shards.write_manifest(directory, _Ids, "train", {"bench_rows": rows, "generated_by": "olmo_ds.tools.bench_train --sft"}, [meta])
+    return directory
+
+
+def run_sft(opts: BenchOptions, work: Path, vocab: int, flops: dict, peak: float | None) -> dict:
+    """The DeepSpeed trainer on packed rows of masked conversations at the same row length (`--sft`)."""
+    data_dir = write_sft_shards(opts, work / f"sft-shards-v{vocab}-t{opts.seq_len}", vocab)
+    cfg = build_train_config(opts, data_dir, work)
+    cfg.data.document_masking = None  # masked data turns it on
+    cfg.run_dir = str(work / "run-sft")
+    result = run_deepspeed(cfg, opts, flops, peak)
+    result["packing"] = TokenSource(data_dir).packing(opts.seq_len).summary()
+    result["trained_fraction"] = result.pop("_trained", 0) / max(result.pop("_positions", 1), 1)
+    return result
+
+
+def run_bench(opts: BenchOptions, sft: bool = False) -> dict:
     """Reference step first (it needs the device to itself), then the DeepSpeed trainer; one result dict."""
     setup_console_logging(0)
     normalize_cuda_arch_list()
@@ -357,6 +411,12 @@ def run_bench(opts: BenchOptions) -> dict:
     if opts.deepspeed:
         log.info("DeepSpeed trainer (%s): %d warm-up + %d timed steps", cfg.deepspeed_config, opts.warmup, opts.steps)
         result["deepspeed"] = run_deepspeed(cfg, opts, flops, peak)
+    if sft:
+        log.info("DeepSpeed trainer on fine-tuning data (packed masked conversations, seq %d): %d warm-up + %d timed steps",
+                 opts.seq_len, opts.warmup, opts.steps)
+        result["deepspeed_sft"] = run_sft(opts, work, vocab, flops, peak)
+        if opts.deepspeed:
+            result["ratio_sft_to_pretraining"] = result["deepspeed_sft"]["tokens_per_s"] / result["deepspeed"]["tokens_per_s"]
     if opts.reference and opts.deepspeed:
         result["ratio_deepspeed_to_reference"] = result["deepspeed"]["tokens_per_s"] / result["reference"]["tokens_per_s"]
     if opts.reference_fp32_master and opts.deepspeed:
@@ -404,7 +464,7 @@ def format_report(r: dict) -> str:
         f"{'run':<28} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'step ms':>8} {'data wait':>9} {'peak GiB':>8} {'loss':>14}",
     ]
     for name, key in (("plain PyTorch (fused AdamW)", "reference"), ("plain PyTorch, fp32 master", "reference_fp32_master"),
-                      (f"DeepSpeed {Path(o['ds_config']).name}", "deepspeed")):
+                      (f"DeepSpeed {Path(o['ds_config']).name}", "deepspeed"), ("DeepSpeed, SFT packed rows", "deepspeed_sft")):
         m = r.get(key)
         if m is None:
             continue
@@ -421,6 +481,15 @@ def format_report(r: dict) -> str:
         if r.get(key, {}).get("counters"):
             lines.append(f"{key} block calls: {r[key]['counters']}; graphs built while timed: {r[key]['dynamo_graphs_while_timed']}")
             lines.append(f"{key}: {_float8_text(r[key]['counters'], r['model'].get('float8', 'off'), r['precision'])}")
+    if r.get("deepspeed_sft"):
+        sft = r["deepspeed_sft"]
+        pk = sft["packing"]
+        ratio = r.get("ratio_sft_to_pretraining")
+        lines.append(f"SFT (--sft): {sft['tokens_per_s']:,.0f} row tokens/s (padding included), "
+                     f"{sft['tokens_per_s'] * pk['efficiency']:,.0f} conversation tokens/s, "
+                     f"{sft['tokens_per_s'] * sft['trained_fraction']:,.0f} trained tokens/s; packing efficiency {pk['efficiency']:.4f} "
+                     f"({pk['documents']:,} conversations in {pk['rows']:,} rows of {pk['seq_len']}), trained fraction {sft['trained_fraction']:.3f}"
+                     + (f"; SFT / pretraining tokens/s at seq {pk['seq_len']}: {ratio:.3f}" if ratio is not None else ""))
     ds = r.get("deepspeed", {})
     if ds.get("estimated_peak_gib") is not None:
         lines.append(f"DeepSpeed peak memory: {ds['peak_alloc_gib']:.1f} GiB measured, {ds['estimated_peak_gib']:.1f} GiB estimated "
@@ -603,6 +672,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--float8", default=None, metavar="RECIPE[,RECIPE]",
                    help="bf16 and FP8 side by side: each variant (or `baseline`) again with model.float8 = each recipe "
                         "(tensorwise, rowwise), one process per row, ratios to the bf16 rows at the end")
+    p.add_argument("--sft", action="store_true",
+                   help="also time the trainer on fine-tuning data (synthetic masked conversations packed into rows of the same "
+                        "--seq-len: packing, document masking, the global token-mean loss) and print SFT vs pretraining tokens/s")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
@@ -642,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
                                     engine_compile=args.engine_compile, compile_backend=args.compile_backend,
                                     cuda_graphs=args.cuda_graphs),
         )
-        result = run_bench(opts)
+        result = run_bench(opts, sft=args.sft)
     except (ConfigError, LaunchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -46,7 +46,8 @@ class InLoopEvaluator:
         for src in _val_sources(cfg):
             name = src.name or Path(src.path).name
             try:
-                stream = validation_batches(src, self.seq_len, cfg.batch.micro_batch_size, rank, world_size)
+                stream = validation_batches(src, self.seq_len, cfg.batch.micro_batch_size, rank, world_size,
+                                            long_docs=cfg.data.long_conversations)
             except (FileNotFoundError, ValueError) as err:
                 raise ConfigError(f"{cfg.source}: eval: validation source {src.path}: {err}") from None
             # Every rank gets the same number of batches from validation_batches; a prefix keeps that.

@@ -235,6 +235,8 @@ def console_line(step: int, max_steps: int, m: dict[str, float], eta_s: float) -
         f"gnorm {m['train/grad_norm']:.3f}" if m.get("train/grad_norm") is not None else "gnorm -",
         f"{m['perf/tokens_per_s']:,.0f} tok/s",
     ]
+    if m.get("train/trained_tokens") is not None:  # fine-tuning
+        parts.append(f"trained {m['train/trained_tokens']:,} tok, packing {100 * m['data/packing_efficiency']:.1f}%")
     if m.get("perf/mfu") is not None:
         parts.append(f"MFU {100 * m['perf/mfu']:.1f}%")
     parts.append(f"data {100 * m['perf/data_wait_fraction']:.1f}%")

@@ -11,6 +11,13 @@ the engine, and DeepSpeed steps at the accumulation boundary; a step whose loss 
 skipped by DeepSpeed (its overflow check discards the gradients) and counted here, and never saved
 (`olmo_ds.train.nonfinite` says why it probably happened when the run stops on it).
 
+Fine-tuning (masked data, `DataLoader.masked`): the loss is the mean over the trained tokens of the whole
+GLOBAL batch. Before the first forward the step's targets (labels != -100 over all micro-batches of the rank) and
+its rows' conversation tokens are summed and all-reduced, one collective; every micro-batch's summed loss is
+divided by `token_mean_divisor` of that count (which undoes DeepSpeed's division by the accumulation steps and its
+averaging over ranks), so the gradient is the same however the step is split into micro-batches and ranks, and
+the logged loss is that token mean. Pretraining runs exactly as before (a mean per micro-batch).
+
 SIGTERM, SIGUSR1 (preemption), SIGINT (Ctrl-C) and the launcher's exit (`launch.watch_launcher`) all stop the
 run the same way: the ranks agree at the next step's start, save a checkpoint and exit.
 """
@@ -38,6 +45,7 @@ from olmo_ds import weights
 from olmo_ds.checkpoint.async_save import AsyncSaveError, AsyncSaver, host_copy_fits, snapshot_bytes_estimate
 from olmo_ds.model import OLMo
 from olmo_ds.model.float8 import MATMULS_PER_BLOCK
+from olmo_ds.model.loss import count_targets, token_mean_divisor
 from olmo_ds.model.model import BLOCK_CALLS, Block
 from olmo_ds.ranks import local_world_size
 from olmo_ds.train.config import ConfigError, TrainConfig
@@ -108,6 +116,8 @@ class Trainer:
 
         self.step = 0
         self.tokens_seen = 0
+        self.trained_tokens_seen = 0  # fine-tuning: loss targets trained on so far (global)
+        self.masked = bool(getattr(self.loader, "masked", False))
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
         self.last_finite_step: int | None = None  # this process's last step with a finite loss and gradient norm
@@ -172,6 +182,7 @@ class Trainer:
         self._load_engine_state(self.resume_dir, state)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
+        self.trained_tokens_seen = state.get("trained_tokens_seen", 0)
         self.nonfinite_total = state.get("nonfinite_total", 0)
         self.last_finite_step = self.step  # a checkpoint holds a finite step (`save`)
         try:
@@ -268,14 +279,22 @@ class Trainer:
         # device idle. So the whole batch is copied once per step, and the loss bookkeeping is queued
         # while the forward still runs (BENCHMARKS.md, "The host between micro-batches").
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        sft: dict = {}
+        if self.masked:
+            # The step's trained tokens and conversation tokens over all ranks: one collective, before the first forward.
+            counts = torch.stack([count_targets(batch["labels"]), batch["row_tokens"].sum()]).to(torch.int64)
+            torch.distributed.all_reduce(counts)
+            sft["loss_divisor"] = token_mean_divisor(counts[0], self.world_size, n_micro)
         for i in range(n_micro):
             mb = {k: v[i * micro:(i + 1) * micro] for k, v in batch.items()}
             # Said explicitly: DeepSpeed would infer the boundary from its running micro-step count, which
             # a change of the batch size (and so of the accumulation steps) puts out of phase.
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
+            if self.masked:
+                sft["positions"] = mb["positions"]
             # The labels name these phases in a torch.profiler trace (scripts/bench_train.py --profile-dir).
             with record_function("olmo_ds.forward"):
-                out = engine(mb["input_ids"], labels=mb["labels"], doc_lens=mb.get("doc_lens"), z_loss_coef=cfg.optim.z_loss)
+                out = engine(mb["input_ids"], labels=mb["labels"], doc_lens=mb.get("doc_lens"), z_loss_coef=cfg.optim.z_loss, **sft)
                 ce = out.ce_loss.detach().double()
                 z = out.z_loss.detach().double() if out.z_loss is not None else torch.zeros((), dtype=torch.float64, device=self.device)
                 sums += torch.stack([ce, z, (~torch.isfinite(out.loss.detach())).double()])
@@ -284,14 +303,21 @@ class Trainer:
             with record_function("olmo_ds.step"):
                 engine.step()  # applies the update only at the accumulation boundary
         torch.distributed.all_reduce(sums)
+        # Pretraining: the mean of the micro-batch means. Fine-tuning: micro-batch k returned S_k / d (its summed
+        # loss over d = N / (world * n_micro), N the step's global targets), so this is sum_k S_k / N, the step's
+        # token mean.
         ce_loss, z_loss = (sums[:2] / (n_micro * self.world_size)).tolist()
         finite = bool(sums[2].item() == 0) and engine.was_step_applied()  # DeepSpeed skips a step whose gradients overflow
         grad_norm = engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
 
         self.step += 1
-        tokens = global_batch * cfg.batch.seq_len
+        tokens = global_batch * cfg.batch.seq_len  # row positions (padding of packed rows included): what the model computed
         self.tokens_seen += tokens
+        if self.masked:
+            trained, real = (int(c) for c in counts.tolist())
+            self.trained_tokens_seen += trained
+            sft = {"trained_tokens": trained, "packing_efficiency": real / tokens, "trained_fraction": trained / tokens}
         self.last_metrics = {"loss": ce_loss, "grad_norm": grad_norm}
         applied = engine.was_step_applied()
         finite = finite and (grad_norm is None or math.isfinite(grad_norm))
@@ -308,7 +334,7 @@ class Trainer:
                     f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient "
                     f"(optim.max_nonfinite_in_a_row = {cfg.optim.max_nonfinite_in_a_row}), so the run stops"))
         return {"loss": ce_loss, "z_loss": z_loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                "global_batch_size": global_batch, "skipped": not finite}
+                "global_batch_size": global_batch, "skipped": not finite, **(sft if self.masked else {})}
 
     def nonfinite_report(self, why_stopped: str) -> str:
         """The message of the `NonFiniteLossError` that stops the run at this step (`olmo_ds.train.nonfinite`)."""
@@ -335,6 +361,7 @@ class Trainer:
         cfg = self.cfg
         return {
             "tokens_seen": self.tokens_seen,
+            **({"trained_tokens_seen": self.trained_tokens_seen} if self.masked else {}),
             "data": self.loader.state_dict(),
             "schedule": {
                 "lr": lr_at(max(self.step - 1, 0), peak_lr=cfg.optim.lr, max_steps=cfg.max_steps, cfg=cfg.schedule),
@@ -581,6 +608,11 @@ class Trainer:
             "perf/data_wait_fraction": (self.loader.wait_seconds - window["wait"]) / elapsed,
             **self._block_metrics(window),
         }
+        if self.masked:  # this step's (global): loss targets, and the shares of its row positions holding conversations / targets
+            metrics["train/trained_tokens"] = m["trained_tokens"]
+            metrics["train/trained_tokens_seen"] = self.trained_tokens_seen
+            metrics["data/packing_efficiency"] = m["packing_efficiency"]
+            metrics["data/trained_fraction"] = m["trained_fraction"]
         logger.log(self.step, metrics)
         if self.rank == 0:
             eta = (self.cfg.max_steps - self.step) * elapsed / window["steps"]
