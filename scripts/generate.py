@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from olmo_ds.chat import ChatEncoder, ChatError, load_chat_template
+from olmo_ds.chat import ChatEncoder, load_chat_template
 from olmo_ds.model.generate import generate
 from olmo_ds.tokenizer import load_tokenizer
 from olmo_ds.weights import chat_template_of, describe_weights, load_model
@@ -44,25 +44,22 @@ def main() -> int:
     if not args.chat and (args.chat_template is not None or args.system is not None):
         p.error("--chat-template and --system need --chat")
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    encoder, prompts, stop_ids = None, None, []
     try:
         provenance = describe_weights(args.checkpoint)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-        encoder = chat_encoder(args, provenance, tokenizer) if args.chat else None  # before any weight is read
-        model, tokenizer, _ = load_model(provenance, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-                                         tokenizer=tokenizer)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    stop_ids = encoder.turn_end_ids() if encoder else []
-    try:
-        if encoder:
+        if args.chat:  # the template and the prompts are checked before any weight is read
+            encoder = chat_encoder(args, provenance, tokenizer)
             system = [{"role": "system", "content": args.system}] if args.system is not None else []
             prompts = [encoder.encode_prompt([*system, {"role": "user", "content": text}]) for text in args.prompt]
-        else:
+            stop_ids = encoder.turn_end_ids()
+        model, tokenizer, _ = load_model(provenance, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+                                         tokenizer=tokenizer)
+        if prompts is None:
             prompts = [tokenizer.encode(text) for text in args.prompt]
         outputs = generate(model, prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                            eos_id=tokenizer.eos_id, stop_ids=stop_ids, seed=args.seed)
-    except (ChatError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # ChatError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     for text, new in zip(args.prompt, outputs):

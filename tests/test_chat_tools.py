@@ -183,6 +183,14 @@ def test_generate_chat_needs_a_template_and_names_the_flag(tmp_path, tok, monkey
                                                              "--prompt", "Hi", "--max-new-tokens", "3"])
     assert rc == 0, err
     assert calls[0]["prompts"][0] == ChatEncoder(load_chat_template("olmo3", tok), tok).encode_prompt([{"role": "user", "content": "Hi"}])
+    tokenizer_dir = tmp_path / "tokenizer"  # --tokenizer: the template beside that tokenizer
+    tokenizer_dir.mkdir()
+    shutil.copy(DOLMA2, tokenizer_dir / "tokenizer.json")
+    (tokenizer_dir / "chat_template.jinja").write_text(load_chat_template("olmo3").text.replace("You are OLMo", "You are Test"))
+    rc, out, err, calls = run_generate(monkeypatch, capsys, [str(directory), "--chat", "--tokenizer", str(tokenizer_dir / "tokenizer.json"),
+                                                             "--prompt", "Hi", "--max-new-tokens", "3"])
+    assert rc == 0, err
+    assert tok.decode(calls[0]["prompts"][0]).startswith("<|im_start|>system\nYou are Test,")
     with pytest.raises(SystemExit):
         run_generate(monkeypatch, capsys, [str(directory), "--system", "x", "--prompt", "Hi"])
     assert "--chat-template and --system need --chat" in capsys.readouterr().err
