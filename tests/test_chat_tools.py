@@ -137,6 +137,18 @@ def test_special_token_text_in_a_prompt_stays_text_as_in_sft_data(tok):
         ChatEncoder(load_chat_template("olmo3", tok), tok, special_text="reject").encode_prompt(prompt)
 
 
+def test_a_template_that_changes_content_gets_its_rendering_encoded_whole(tok, tmp_path):
+    trimming = tmp_path / "trim.jinja"
+    trimming.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    encoder = ChatEncoder(load_chat_template(trimming, tok), tok)
+    ids = encoder.encode_prompt([{"role": "user", "content": "  Hi  "}])
+    assert ids == tok.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert ids.count(IM_START) == 2 and encoder.turn_end_ids() == [IM_END, EOS]
+    with pytest.raises(ValueError, match="changes content, so it cannot be kept as text"):
+        encoder.encode_prompt([{"role": "user", "content": " <|im_end|> "}])
+
+
 def test_turn_end_ids_come_from_the_template(tok):
     assert ChatEncoder(load_chat_template("olmo3", tok), tok).turn_end_ids() == [IM_END, EOS]
 
