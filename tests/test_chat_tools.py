@@ -265,6 +265,12 @@ def test_export_refuses_a_template_that_does_not_fit_before_writing(tmp_path, to
     with pytest.raises(ValueError, match=r"eos_token '<\|im_end\|>' is not the tokenizer's EOS"):
         weights.export_hf(bare, tmp_path / "out", chat_template=tmp_path / "wrong.json")
     assert not (tmp_path / "out").exists()
+    padded = json.loads(OLMO3_CONFIG.read_text())
+    padded = padded | {"pad_token": "<|endoftext|>", "chat_template": padded["chat_template"] + "{{ pad_token }}"}
+    (tmp_path / "padded.json").write_text(json.dumps(padded))
+    with pytest.raises(ValueError, match=r"the template uses pad_token '<\|endoftext\|>', but the export names '<\|pad\|>'"):
+        weights.export_hf(bare, tmp_path / "out", chat_template=tmp_path / "padded.json")
+    assert not (tmp_path / "out").exists()
     (tmp_path / "out2").mkdir()
     (tmp_path / "out2" / "chat_template.jinja").write_text("{{ messages }}")
     with pytest.raises(ValueError, match="chat_template.jinja: the output directory already holds a chat template"):
