@@ -31,6 +31,11 @@ only, `all` every message (system, user and assistant content and their closers;
 header, so a conversation's first token is never a target and nothing is learned across a document
 start in a packed row).
 
+Prompts for a chat model (`ChatEncoder.encode_prompt`, scripts/generate.py --chat) are rendered with
+`add_generation_prompt=True` and encoded by the same rule, so a model meets at inference exactly the
+ids it was trained on; `turn_end_ids` are the template's own turn closers, where generation stops.
+`template_beside` finds the template saved with weights or a tokenizer, where transformers finds it.
+
 Cost: one render of the skeleton and one of the real conversation, and one batched encoding of the
 text between markers; nothing is rendered or tokenised once per turn (see `encode_batch`).
 """
@@ -178,6 +183,47 @@ def load_chat_template(spec: str | Path, tokenizer: Tokenizer | None = None) -> 
     return ChatTemplate(str(path), path.read_text(encoding="utf-8"), _tokens_of(tokenizer))
 
 
+def template_beside(directory: str | Path, tokenizer: Tokenizer | None = None) -> ChatTemplate | None:
+    """The chat template saved in a model or tokenizer directory, found where transformers finds it:
+    `chat_template.jinja` (which `save_pretrained` writes and `from_pretrained` prefers), else
+    `tokenizer_config.json`'s `chat_template`; None when the directory has neither. The special-token
+    variables come from that tokenizer_config.json, else from `tokenizer`."""
+    directory = Path(directory)
+    jinja, config = directory / "chat_template.jinja", directory / "tokenizer_config.json"
+    if jinja.is_file():
+        tokens = _config_tokens(config) if config.is_file() else {}
+        if "eos_token" not in tokens:
+            if tokenizer is None:
+                raise ValueError(f"{jinja}: no tokenizer_config.json beside it names eos_token; give the tokenizer it is meant for")
+            tokens.update(_tokens_of(tokenizer, missing_only=tokens))
+        return ChatTemplate(str(jinja), jinja.read_text(encoding="utf-8"), tokens)
+    if config.is_file() and _read_json(config).get("chat_template"):
+        return load_chat_template(config, tokenizer)
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _config_tokens(path: Path) -> dict[str, str]:
+    """The special-token strings a tokenizer_config.json names (`eos_token`, ...)."""
+    config, tokens = _read_json(path), {}
+    for key in TOKEN_KEYS:
+        value = config.get(key)
+        if isinstance(value, dict):  # transformers' serialized AddedToken
+            value = value.get("content")
+        if isinstance(value, str):
+            tokens[key] = value
+    return tokens
+
+
 def _tokens_of(tokenizer: Tokenizer, missing_only: dict | None = None) -> dict[str, str]:
     tokens = {}
     for key in TOKEN_KEYS:
@@ -191,8 +237,9 @@ def _tokens_of(tokenizer: Tokenizer, missing_only: dict | None = None) -> dict[s
     return tokens
 
 
-def check_messages(messages, roles: tuple[str, ...] = ROLES) -> None:
-    """Raise `ChatError` with the first reason `messages` cannot be trained on (before any rendering).
+def check_messages(messages, roles: tuple[str, ...] = ROLES, *, prompt: bool = False) -> None:
+    """Raise `ChatError` with the first reason `messages` cannot be trained on (before any rendering);
+    `prompt=True` checks a conversation to be continued by the model instead (any last role).
 
     The OLMo templates silently skip a message with a missing or unknown role and render missing or
     null content as nothing, so all of that is refused here; so are text that is not valid Unicode
@@ -227,7 +274,7 @@ def check_messages(messages, roles: tuple[str, ...] = ROLES) -> None:
         for key, value in m.items():
             if isinstance(value, str):
                 _check_encodable(value, f"{where}: {key!r}")
-    if messages[-1]["role"] != "assistant":
+    if not prompt and messages[-1]["role"] != "assistant":
         raise ChatError(f"ends on a {messages[-1]['role']!r} turn: the last message must be the assistant's "
                         "(the template emits EOS only after a final assistant turn)")
 
@@ -297,6 +344,76 @@ class ChatEncoder:
         if isinstance(result, ChatError):
             raise result
         return result
+
+    def encode_prompt(self, messages) -> list[int]:
+        """The ids that ask a model for the next assistant turn: `messages` rendered with
+        `add_generation_prompt=True` and encoded by the same rule as training data (only the
+        template's own markers are special ids; special-token text in content stays text, or is
+        refused under special_text='reject'). No mask and no EOS: the model writes the rest."""
+        check_messages(messages, self.roles, prompt=True)
+        fields: list[str] = []
+        skeleton = []
+        for m in messages:
+            copy = {}
+            for key, value in m.items():
+                if isinstance(value, str) and key != "role":
+                    copy[key] = f"{_OPEN}{len(fields)}{_CLOSE}"
+                    fields.append(value)
+                else:
+                    copy[key] = value
+            skeleton.append(copy)
+        found = [m.group() for v in fields if self._special_ids and (m := self._special_re.search(v))]
+        if found and self.special_text == "reject":
+            raise ChatError(f"content holds special-token text {found[0]!r} (special_text='reject')")
+        real = self.template.render(messages, add_generation_prompt=True)
+        texts, markers = [""], []
+        if not any(_OPEN in v or _CLOSE in v for v in fields):
+            for j, part in enumerate(_SENTINEL.split(self.template.render(skeleton, add_generation_prompt=True))):
+                if j % 2:  # a field goes back in as text
+                    texts[-1] += fields[int(part)]
+                    continue
+                last = 0
+                for m in self._special_re.finditer(part) if self._special_ids else ():
+                    texts[-1] += part[last:m.start()]
+                    markers.append(m.group())
+                    texts.append("")
+                    last = m.end()
+                texts[-1] += part[last:]
+        if "".join(t + (markers[i] if i < len(markers) else "") for i, t in enumerate(texts)) != real:
+            # The template changes content (or content holds our sentinels): encode the rendering whole.
+            if found:
+                raise ChatError(f"content holds special-token text, and this template ({self.template.source}) changes "
+                                "content, so it cannot be kept as text")
+            self._tok.encode_special_tokens = False
+            try:
+                return self._tok.encode(real, add_special_tokens=False).ids
+            finally:
+                self._tok.encode_special_tokens = True
+        ids: list[int] = []
+        for i, enc in enumerate(self._tok.encode_batch(texts, add_special_tokens=False)):
+            ids.extend(enc.ids)
+            if i < len(markers):
+                ids.append(self._special_ids[markers[i]])
+        return ids
+
+    def turn_end_ids(self) -> list[int]:
+        """The ids that end an assistant turn under this template, where generation stops: the first
+        special marker after an assistant's content in a turn followed by another, and in a final turn
+        (`<|im_end|>` and the EOS for the OLMo templates, in that order), and always the EOS."""
+        reply = f"{_OPEN}0{_CLOSE}"
+        probes = ([{"role": "user", "content": "?"}, {"role": "assistant", "content": reply}, {"role": "user", "content": "?"}],
+                  [{"role": "user", "content": "?"}, {"role": "assistant", "content": reply}])
+        ids = []
+        for messages in probes:
+            try:
+                text = self.template.render(messages)
+            except ChatError:  # a template that wants other roles or fields: the EOS alone
+                continue
+            at = text.find(reply)
+            m = self._special_re.search(text, at + len(reply)) if at >= 0 and self._special_ids else None
+            if m is not None:
+                ids.append(self._special_ids[m.group()])
+        return list(dict.fromkeys([*ids, self.eos_id]))
 
     def encode_batch(self, conversations: list) -> list[EncodedChat | ChatError]:
         """Many conversations, the text of all of them encoded in one tokenizer call; a bad one's

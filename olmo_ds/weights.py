@@ -41,6 +41,7 @@ import torch
 
 from olmo_ds import checkpoint as ckpt
 from olmo_ds import hub
+from olmo_ds.chat import ChatEncoder, ChatTemplate, load_chat_template, template_beside
 from olmo_ds.model import hf
 from olmo_ds.model.config import ModelConfig
 from olmo_ds.model.model import OLMo
@@ -51,7 +52,7 @@ HF_CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 1024**3
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 HF_MODEL_TYPES = ("olmo2", "olmo3")
 KINDS = ("checkpoint", "model_dir", "hf")
 BACKENDS = ("olmo", "transformers")
@@ -227,6 +228,25 @@ def own_tokenizer(provenance: Provenance) -> Tokenizer:
     if provenance.tokenizer is None:
         raise FileNotFoundError(f"{provenance.directory}: no tokenizer.json beside the weights; evaluation must use the model's own tokenizer")
     return provenance.tokenizer
+
+
+def chat_template_of(provenance: Provenance, tokenizer: Tokenizer | None = None) -> ChatTemplate | None:
+    """The chat template that belongs to the weights, or None: the one saved beside them
+    (`chat_template.jinja` or tokenizer_config.json's `chat_template`, as `chat.template_beside` finds it),
+    else the one beside their tokenizer (`tokenizer`, else the one beside the weights), else, for a
+    checkpoint, the one beside the tokenizer file its run was configured with."""
+    tokenizer = tokenizer if tokenizer is not None else provenance.tokenizer
+    places = [provenance.directory]
+    if tokenizer is not None:
+        places.append(tokenizer.path.parent)
+    configured = provenance.train_config.get("tokenizer") if provenance.kind == "checkpoint" else None
+    if isinstance(configured, str) and Path(configured).is_file():
+        places.append(Path(configured).parent)
+    for place in dict.fromkeys(Path(p).resolve() for p in places):
+        template = template_beside(place, tokenizer)
+        if template is not None:
+            return template
+    return None
 
 
 def export_provenance(directory: Path) -> dict:
@@ -451,13 +471,21 @@ def _tokenizer_config(tok, max_len: int) -> dict:
     }
 
 
-def export_hf(source, out_dir, dtype: str = "float32", max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+def export_hf(source, out_dir, dtype: str = "float32", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+              chat_template: str | Path | None = None) -> Path:
     """Write a transformers model directory from anything `load_weights` reads (a checkpoint, a run, our model directory),
     with the tokenizer beside the weights (`tokenizer_beside`).
 
     config.json (Olmo2ForCausalLM or Olmo3ForCausalLM), generation_config.json, model.safetensors (or
     shards with an index), and the tokenizer: tokenizer.json plus a tokenizer_config.json naming its
     EOS and PAD tokens, so `AutoTokenizer.from_pretrained(out_dir)` works.
+
+    A chat model's template goes into tokenizer_config.json's `chat_template`, so `apply_chat_template`
+    works in the export and gives the ids olmo-ds's `ChatEncoder` gives: `chat_template` (a spec for
+    `load_chat_template`: "olmo3", a tokenizer_config.json, a directory, a Jinja file), else the one that
+    belongs to the weights (`chat_template_of`). generation_config.json's `eos_token_id` then lists the
+    template's turn ends before the EOS (`[<|im_end|>, <|endoftext|>]` for OLMo 3, as OLMo 3's chat
+    releases list them), so `generate()` in transformers stops at the end of the assistant's turn.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
@@ -467,8 +495,9 @@ def export_hf(source, out_dir, dtype: str = "float32", max_shard_bytes: int = DE
     tok = provenance.tokenizer if provenance.tokenizer is not None and provenance.tokenizer.kind == "hf" else None
     if tok is not None and tok.vocab_size > cfg.padded_vocab_size:
         raise ValueError(f"{tok.path}: vocab {tok.vocab_size} exceeds the model's embedding rows {cfg.padded_vocab_size}")
-    state = load_weights(provenance).state_dict
     out_dir = Path(out_dir)
+    template, stop_ids = _export_chat_template(provenance, tok, chat_template, out_dir)
+    state = load_weights(provenance).state_dict
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_state = {k: v.to(_DTYPES[dtype]) for k, v in hf.to_hf_state_dict(cfg, state).items()}
     save_safetensors(out_dir, hf_state, max_shard_bytes=max_shard_bytes)
@@ -476,12 +505,36 @@ def export_hf(source, out_dir, dtype: str = "float32", max_shard_bytes: int = DE
     pad = tok.pad_id if tok else None
     hf_cfg = hf.to_hf_config(cfg, eos_token_id=eos, pad_token_id=pad, dtype=dtype)
     (out_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-    generation = {"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None}
+    generation = {"eos_token_id": stop_ids if template is not None else eos, "pad_token_id": pad, "bos_token_id": None}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if tok is not None:
         shutil.copy2(tok.path, out_dir / "tokenizer.json")
-        (out_dir / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tok, cfg.max_seq_len), indent=2) + "\n")
+        tokenizer_config = _tokenizer_config(tok, cfg.max_seq_len)
+        if template is not None:
+            tokenizer_config["chat_template"] = template.text
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     return out_dir
+
+
+def _export_chat_template(provenance: Provenance, tok: Tokenizer | None, spec, out_dir: Path) -> tuple[ChatTemplate | None, list[int]]:
+    """The chat template an export writes and its turn-end ids, checked before any weight is read."""
+    if spec is not None and tok is None:
+        raise ValueError(f"{provenance.directory}: a chat template needs the HF tokenizer.json beside the weights, and there is none")
+    template = load_chat_template(spec, tok) if spec is not None else chat_template_of(provenance, tok) if tok is not None else None
+    foreign = out_dir / "chat_template.jinja"
+    if foreign.is_file():  # transformers would read it in place of tokenizer_config.json's chat_template
+        raise ValueError(f"{foreign}: the output directory already holds a chat template that transformers prefers to the "
+                         "exported one; remove it or export to a new directory")
+    if template is None:
+        return None, []
+    encoder = ChatEncoder(template, tok)  # a ValueError when the template's eos_token is not the tokenizer's EOS
+    exported = _tokenizer_config(tok, provenance.cfg.max_seq_len)
+    for key in ("bos_token", "pad_token"):
+        theirs = template.tokens.get(key)
+        if key in template.text and theirs is not None and exported[key] is not None and theirs != exported[key]:
+            raise ValueError(f"{template.source}: the template uses {key} {theirs!r}, but the export names {exported[key]!r} "
+                             f"({tok.path}); apply_chat_template would render other text than olmo-ds")
+    return template, encoder.turn_end_ids()
 
 
 def import_hf(hf_dir, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[ModelConfig, Path]:

@@ -7,6 +7,8 @@ single-position forward. Padded vocabulary rows are never sampled.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from olmo_ds.model.model import KVCache, OLMo
@@ -27,8 +29,10 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
 
 @torch.no_grad()
 def generate(model: OLMo, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, eos_id: int | None = None, seed: int | None = None) -> list[list[int]]:
-    """Continue each prompt by up to `max_new_tokens` ids (stopping after `eos_id`); returns the new ids."""
+             top_p: float = 1.0, eos_id: int | None = None, stop_ids: Iterable[int] = (),
+             seed: int | None = None) -> list[list[int]]:
+    """Continue each prompt by up to `max_new_tokens` ids, stopping after `eos_id` or any of `stop_ids`
+    (a chat model's turn end, `<|im_end|>`, as well as the EOS); returns the new ids, the stop id included."""
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     cfg = model.cfg
@@ -37,6 +41,7 @@ def generate(model: OLMo, prompts: list[list[int]], max_new_tokens: int, *, temp
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
+    stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
     was_training = model.training
     model.eval()
     outputs = []
@@ -53,7 +58,7 @@ def generate(model: OLMo, prompts: list[list[int]], max_new_tokens: int, *, temp
         for _ in range(max_new_tokens):
             next_id = sample_next(logits[:cfg.vocab_size].float(), temperature, top_p, generator)
             new.append(next_id)
-            if next_id == eos_id:
+            if next_id in stop:
                 break
             logits = model(torch.tensor([[next_id]], device=device), cache=cache)[0, -1]
         outputs.append(new)
