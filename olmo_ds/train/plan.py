@@ -239,6 +239,20 @@ def check_run(cfg: TrainConfig, model: ModelConfig, loader: DataLoader, tokenize
             f"batch.seq_len {cfg.batch.seq_len} exceeds model.max_seq_len {model.max_seq_len} "
             f"(model preset {cfg.model.preset!r}); lower batch.seq_len or set model.max_seq_len"
         )
+    log.info("%s", run_length(cfg, loader))
+
+
+def run_length(cfg: TrainConfig, loader: DataLoader) -> str:
+    """How much of the data `max_steps` reads, in epochs (SFT recipes are given in epochs: max_steps from them)."""
+    epoch, schedule = loader.mixture.epoch_size, cfg.batch.size_schedule()
+    total = schedule.instances_before(cfg.max_steps)
+    first = schedule.at(0)
+    what = "packed rows" if loader.masked else "instances"
+    line = (f"max_steps {cfg.max_steps} reads {total:,} {what} of {cfg.batch.seq_len} tokens: {total / epoch:.2f} epochs of the "
+            f"data (an epoch is {epoch:,} {what}")
+    if len(schedule.points) > 1:
+        return line + ")"
+    return line + f", {epoch / first:,.2f} steps at global batch {first}: N epochs are max_steps = ceil(N x {epoch / first:,.2f}))"
 
 
 def find_resume_point(resume: str | None, run_dir: Path) -> tuple[Path | None, dict | None]:

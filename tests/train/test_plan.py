@@ -177,3 +177,15 @@ def test_resume_logs_each_step_once_moving_later_metrics_lines_aside(tmp_path, d
     plan(tmp_path, data, resume="auto")
     assert log.read_text() == "".join(lines.splitlines(keepends=True)[:3])
     assert [p.read_text() for p in first.run_dir.glob("metrics.jsonl.after-step-3-*")] == ["".join(lines.splitlines(keepends=True)[3:])]
+
+
+def test_the_plan_says_how_many_epochs_max_steps_reads(tmp_path: Path, data: Path, capsys) -> None:
+    """SFT recipes are given in epochs: the plan logs the run's length in epochs and the steps one epoch takes."""
+    made = plan(tmp_path, data, max_steps=12)
+    epoch = made.loader.mixture.epoch_size
+    line = next(x for x in capsys.readouterr().out.splitlines() if "max_steps 12 reads" in x)
+    assert f"reads 96 instances of 32 tokens: {96 / epoch:.2f} epochs" in line, line
+    assert f"an epoch is {epoch} instances, {epoch / 8:,.2f} steps at global batch 8" in line, line
+    plan(tmp_path / "ramp", data, max_steps=12, batch={"global_batch_size": 8, "schedule": [{"step": 0, "global_batch_size": 4}, {"step": 4, "global_batch_size": 8}]})
+    line = next(x for x in capsys.readouterr().out.splitlines() if "max_steps 12 reads" in x)
+    assert "reads 80 instances" in line and "ceil" not in line, line  # 4 x 4 + 8 x 8
