@@ -14,6 +14,11 @@ A source is a shard directory (its `val/` split if it has one) or raw JSON lines
 with the checkpoint's tokenizer, documents each followed by EOS as data preparation writes them.
 Either way it becomes rows of `seq_len` consecutive tokens (the last row may be shorter) whose
 labels are the inputs shifted left by one, the last position ignored: the loader's layout.
+
+A masked shard directory (fine-tuning conversations, `masked: true` in its manifest) is scored as
+training scores it (`olmo_ds.data.loader.validation_batches`): whole conversations packed into rows,
+attention and RoPE positions per conversation, only the mask's targets labelled. Its `ce_loss` is
+the masked validation loss, the token mean over the trained tokens, as in-loop evaluation reports it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 
 from olmo_ds.data import shards
 from olmo_ds.data.dataset import TokenSource
+from olmo_ds.data.loader import validation_batches
 from olmo_ds.eval.jsonl import SUFFIXES as JSONL_SUFFIXES
 from olmo_ds.eval.jsonl import read_texts
 from olmo_ds.eval.scoring import DistContext, check_batching, logits_of, model_device, olmo_of, run_split, target_logprobs
@@ -201,6 +207,16 @@ def evaluate_perplexity(
     )
 
 
+def conversation_batches(directory: Path, seq_len: int, batch_size: int, max_tokens: int | None = None) -> list[dict]:
+    """A masked source's packed rows of `seq_len` (as training packs them; `long_conversations` truncate), `batch_size`
+    rows a batch, the last topped up with padding rows; with `max_tokens`, the first max_tokens // seq_len rows (at least 1)."""
+    batches = list(validation_batches(directory, seq_len, batch_size, 0, 1, document_masking=True))
+    if max_tokens is not None:
+        rows = max(1, max_tokens // seq_len)
+        batches = batches[: math.ceil(rows / batch_size)]
+    return batches
+
+
 def _top_up(ids: torch.Tensor, labels: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`ids`/`labels` padded to [rows, width]: padding ids 0, labels ignored (the model is causal and
     the rows are independent, so padding changes no score)."""
@@ -236,7 +252,7 @@ class TextSource:
 
     name: str
     path: Path
-    kind: str  # "shards" | "jsonl"
+    kind: str  # "shards" | "jsonl" | "conversations" (masked shards: scored by `conversation_batches`)
     tokens: np.ndarray
     documents: int  # whole documents among `tokens`
 
@@ -256,7 +272,7 @@ def load_source(spec: str, tokenizer, *, max_tokens: int | None = None, text_fie
         path = path / "val"
     if path.is_dir() and (path / shards.MANIFEST).exists():
         tokens = _shard_tokens(path, tokenizer, max_tokens)
-        kind = "shards"
+        kind = "conversations" if shards.Manifest.load(path).masked else "shards"
         default_name = path.parent.name if path.name == "val" else path.name
     elif path.is_file() and path.name.endswith(JSONL_SUFFIXES):
         tokens = _jsonl_tokens(path, tokenizer, max_tokens, text_field)

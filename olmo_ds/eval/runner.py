@@ -25,7 +25,7 @@ from olmo_ds import weights
 from olmo_ds.eval import olmes_suite
 from olmo_ds.eval import results as res
 from olmo_ds.eval.multiple_choice import PreparedTasks, evaluate_tasks, prepare_tasks
-from olmo_ds.eval.perplexity import TextSource, evaluate_perplexity, load_source, token_byte_lengths, window_batches
+from olmo_ds.eval.perplexity import TextSource, conversation_batches, evaluate_perplexity, load_source, token_byte_lengths, window_batches
 from olmo_ds.eval.scoring import DistContext, check_batching
 from olmo_ds.eval.tasks import Task, load_task, resolve_task
 from olmo_ds.model import OLMo
@@ -184,7 +184,9 @@ def _evaluate(loaded: weights.LoadedModel, inputs: _Inputs, options: EvalOptions
         raise ValueError(f"--seq-len {seq_len} exceeds the model's window {max_len}")
     ppl = {}
     for source in inputs.sources:
-        batches = window_batches(source.tokens, seq_len, max(1, batch_tokens // seq_len))
+        rows = max(1, batch_tokens // seq_len)
+        batches = (conversation_batches(source.path, seq_len, rows, options.max_tokens) if source.kind == "conversations"
+                   else window_batches(source.tokens, seq_len, rows))
         r = evaluate_perplexity(loaded.model, batches, inputs.token_bytes, dist_ctx=dist_ctx, batching=options.batching).to_dict()
         ppl[source.name] = {**r, "path": str(source.path), "kind": source.kind, "documents": source.documents, "seq_len": seq_len}
     if inputs.tasks is None:

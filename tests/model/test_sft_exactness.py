@@ -4,6 +4,8 @@ transformers' Olmo3ForCausalLM on the same weights one conversation at a time.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -107,3 +109,20 @@ def test_masked_validation_loss_is_the_per_conversation_loss(tmp_path):
         r = evaluate_perplexity(model, batches, table, batching=batching)
         assert r.tokens == ref_n
         assert abs(r.ce_loss - ref_sum / ref_n) <= 1e-5 * ref_sum / ref_n, (batching, r.ce_loss, ref_sum / ref_n)
+
+    # scripts/eval.py on the same source, the model as a model directory: the masked loss, not every token's.
+    import json
+    import runpy
+    import shutil
+
+    from olmo_ds import weights
+    from sft_testlib import DOLMA2
+
+    ours = tmp_path / "model"
+    weights.save_model_dir(ours, model.cfg, model.state_dict())
+    shutil.copy(DOLMA2, ours / "tokenizer.json")
+    main = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "eval.py"))["main"]
+    assert main([str(ours), "--data", f"chat={src}", "--seq-len", str(SEQ), "--batch-tokens", str(3 * SEQ), "--out", str(tmp_path / "eval")]) == 0
+    r = json.loads((tmp_path / "eval" / "results.json").read_text())["perplexity"]["chat"]
+    assert r["kind"] == "conversations" and r["tokens"] == ref_n, r
+    assert abs(r["ce_loss"] - ref_sum / ref_n) <= 1e-5 * ref_sum / ref_n, (r["ce_loss"], ref_sum / ref_n)
