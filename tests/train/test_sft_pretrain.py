@@ -5,6 +5,9 @@ the packing efficiency and the masked validation loss; an unmasked run's metrics
 from __future__ import annotations
 
 import json
+import shutil
+
+import pytest
 
 from sft_testlib import SmallVocab, encoded, folded, write_masked_source
 from train_testlib import ROOT, read_metrics, run, tiny_config, torchrun_cmd, write_config
@@ -41,3 +44,31 @@ def test_pretrain_on_masked_shards_logs_trained_tokens_packing_and_masked_val_lo
     assert evals and 0 < evals[0]["eval/chat/loss"] < 10
     state = json.loads(next((tmp_path / "run").rglob("train_state.json")).read_text())
     assert state["trained_tokens_seen"] == steps[-1]["train/trained_tokens_seen"]
+
+
+@pytest.mark.slow
+def test_a_fine_tuning_run_resumed_from_its_checkpoint_continues_exactly(tmp_path):
+    """Packed masked rows resume like pretraining data: from step 2's checkpoint, steps 3-4 give the uninterrupted
+    run's losses and trained-token counts bit for bit, and the running total of trained tokens carries over."""
+    tok = SmallVocab(VOCAB, eos_id=VOCAB - 2, pad_id=VOCAB - 1)
+    data = write_masked_source(tmp_path / "chat", folded(list(encoded("train")), VOCAB, {100257: VOCAB - 2}), tok=tok, shard_docs=100)
+    cfg = tiny_config(tmp_path, data, max_steps=4,
+                      model={"preset": "tiny", "d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 64,
+                             "max_seq_len": 512, "vocab_size": VOCAB},
+                      batch={"global_batch_size": 4, "micro_batch_size": 2, "seq_len": 512},
+                      data={"sources": [{"path": str(data)}], "prefetch": 1},
+                      checkpoint={"every": 2, "keep_last": 2}, logging={"every": 1, "tensorboard": False})
+    straight = tmp_path / "run"
+    result = run(torchrun_cmd(PRETRAIN, "--config", str(write_config(tmp_path / "sft.yaml", cfg)), nproc=1))
+    assert result.returncode == 0, result.stderr[-6000:]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "checkpoints" / "step-0000002", resumed / "checkpoints" / "step-0000002")
+    again = run(torchrun_cmd(PRETRAIN, "--config", str(write_config(tmp_path / "resumed.yaml", {**cfg, "run_dir": str(resumed)})),
+                             "--resume", "auto", nproc=1))
+    assert again.returncode == 0, again.stderr[-6000:]
+    ref = {r["step"]: r for r in read_metrics(straight) if "train/loss" in r}
+    got = {r["step"]: r for r in read_metrics(resumed) if "train/loss" in r}
+    assert sorted(got) == [3, 4]
+    for step in (3, 4):
+        for key in ("train/loss", "train/trained_tokens", "train/trained_tokens_seen", "data/packing_efficiency"):
+            assert got[step][key] == ref[step][key], (step, key, got[step][key], ref[step][key])
