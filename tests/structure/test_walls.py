@@ -122,3 +122,26 @@ def test_nothing_in_the_package_runs_a_script_by_path():
 @pytest.mark.parametrize("source", ['ROOT / "scripts" / "pretrain.py"', 'cmd = ["scripts/pretrain.py"]'])
 def test_the_script_check_catches_paths(source):
     assert path_literals_to_scripts(PACKAGE / "tools" / "_probe.py", source)
+
+
+def local_package_imports(path: Path, source: str | None = None) -> list[str]:
+    """olmo_ds imports inside a function or method: the package's own modules are imported at the top, where a reader
+    sees what a module depends on (tools/ may defer theirs, to time what they import)."""
+    hits = []
+    for fn in ast.walk(ast.parse(path.read_text() if source is None else source, str(path))):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+                hits += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {n}" for n in names if n == "olmo_ds" or n.startswith("olmo_ds.")]
+    return hits
+
+
+def test_the_package_imports_its_own_modules_at_the_top():
+    hits = [h for path in SOURCES if not under(module_name(path), "olmo_ds.tools") for h in local_package_imports(path)]
+    assert not hits, "function-local imports of olmo_ds modules (move them to the module's top):\n" + "\n".join(sorted(set(hits)))
+
+
+def test_the_local_import_check_can_fail():
+    assert local_package_imports(PACKAGE / "data" / "_probe.py", "def f():\n    if x:\n        from olmo_ds.chat import MASKS\n") == [
+        "olmo_ds/data/_probe.py:3: olmo_ds.chat"]

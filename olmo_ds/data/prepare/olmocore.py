@@ -34,6 +34,7 @@ import numpy as np
 
 import olmo_ds
 from olmo_ds.atomic import atomic_write_bytes
+from olmo_ds.chat import load_chat_template
 from olmo_ds.data import shards
 
 PART_BYTES = 1 << 30  # the converter's part size: 1 GiB of token ids
@@ -155,8 +156,6 @@ def _write_tokenizer_dir(directory: Path, m: shards.Manifest, tokenizer) -> None
     config: dict = {}
     template_text = None
     if chat.get("template"):
-        from olmo_ds.chat import load_chat_template
-
         try:
             template = load_chat_template(chat["template"], tokenizer)
         except (OSError, ValueError):

@@ -52,9 +52,11 @@ import numpy as np
 
 import olmo_ds
 from olmo_ds.atomic import atomic_write_json
+from olmo_ds.chat import MASKS, ChatEncoder, load_chat_template
 from olmo_ds.data import shards
 from olmo_ds.data.prepare import partition, readers
 from olmo_ds.data.prepare.backend import check_texts, choose, fast_candidate
+from olmo_ds.data.prepare.conversations import LONG_CONVERSATIONS, POLICY_REASONS, template_sha256
 from olmo_ds.data.prepare.output import (
     STATE_FILE,
     VAL_DIR,
@@ -161,9 +163,6 @@ class PrepareConfig:
                 raise PrepareError(f"--partition {i}/{m}: expected I/M with 0 <= I < M")
 
     def _validate_format(self) -> None:
-        from olmo_ds.chat import MASKS
-        from olmo_ds.data.prepare.conversations import LONG_CONVERSATIONS
-
         if self.format not in ("text", "chat"):
             raise PrepareError(f"--format must be text or chat, got {self.format!r}")
         given = {"--chat-template": self.chat_template, "--mask": self.chat_mask, "--max-tokens": self.max_tokens,
@@ -303,9 +302,6 @@ def _chat_record(cfg: PrepareConfig) -> dict:
 def _resolve_chat(cfg: PrepareConfig, tok) -> object:
     """Load the chat template (checked against the tokenizer before any work) and settle the chat
     options; returns the template."""
-    from olmo_ds.chat import ChatEncoder, load_chat_template
-    from olmo_ds.data.prepare.conversations import template_sha256
-
     spec = cfg.chat_template
     if spec is None:
         beside = Path(tok.path).parent / "tokenizer_config.json"
@@ -683,7 +679,6 @@ class _Run:
         in input order. `ids(split, sel)`: the split's ids and loss mask (or where they are) as the
         writer's keyword arguments, `sel` selecting the split's documents (None: all)."""
         if self.cfg.strict:
-            from olmo_ds.data.prepare.conversations import POLICY_REASONS
 
             bad = [s for s in res.skips if s[1] not in POLICY_REASONS]
             if bad:

@@ -19,6 +19,7 @@ import orjson
 
 from olmo_ds.data import shards
 from olmo_ds.data.prepare import readers
+from olmo_ds.data.prepare.conversations import encode_records
 from olmo_ds.data.prepare.long_docs import encode_documents
 from olmo_ds.data.prepare.output import position, split_position
 from olmo_ds.data.prepare.pieces import PieceResult, ShardJob, Task, mask_piece, write_shard_job
@@ -159,8 +160,6 @@ def process_chunk(spec: Spec, file_index: int, block: readers.Block, train_done:
 def _chat_chunk(spec: Spec, tok, file_index: int, block: readers.Block, train_done: int) -> ChunkResult:
     """`process_chunk` for conversations: every record is encoded (its skip or note counts even where
     its document is already in a complete shard), then the documents before `train_done` are left out."""
-    from olmo_ds.data.prepare.conversations import encode_records
-
     records, n_lines, text_bytes = readers.load_chat_block(block)
     base = position(file_index, 0)
     dtype = shards.dtype_for_vocab(tok.vocab_size)
