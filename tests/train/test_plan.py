@@ -17,7 +17,7 @@ import torch
 from olmo_ds.train.config import ConfigError, config_from_dict
 from olmo_ds.train.ds_config import AUTO, SHIPPED_DIR
 from olmo_ds.train.launch import DistEnv
-from olmo_ds.train.plan import RunPlan, plan_run
+from olmo_ds.train.plan import RunPlan, plan_run, run_length
 
 from train_testlib import tiny_config, write_markov_shards
 
@@ -179,13 +179,13 @@ def test_resume_logs_each_step_once_moving_later_metrics_lines_aside(tmp_path, d
     assert [p.read_text() for p in first.run_dir.glob("metrics.jsonl.after-step-3-*")] == ["".join(lines.splitlines(keepends=True)[3:])]
 
 
-def test_the_plan_says_how_many_epochs_max_steps_reads(tmp_path: Path, data: Path, capsys) -> None:
-    """SFT recipes are given in epochs: the plan logs the run's length in epochs and the steps one epoch takes."""
+def test_the_plan_says_how_many_epochs_max_steps_reads(tmp_path: Path, data: Path) -> None:
+    """SFT recipes are given in epochs: the plan logs (`run_length`) the run's length in epochs and the steps one epoch takes."""
     made = plan(tmp_path, data, max_steps=12)
     epoch = made.loader.mixture.epoch_size
-    line = next(x for x in capsys.readouterr().out.splitlines() if "max_steps 12 reads" in x)
-    assert f"reads 96 instances of 32 tokens: {96 / epoch:.2f} epochs" in line, line
+    line = run_length(made.cfg, made.loader)
+    assert line.startswith(f"max_steps 12 reads 96 instances of 32 tokens: {96 / epoch:.2f} epochs"), line
     assert f"an epoch is {epoch} instances, {epoch / 8:,.2f} steps at global batch 8" in line, line
-    plan(tmp_path / "ramp", data, max_steps=12, batch={"global_batch_size": 8, "schedule": [{"step": 0, "global_batch_size": 4}, {"step": 4, "global_batch_size": 8}]})
-    line = next(x for x in capsys.readouterr().out.splitlines() if "max_steps 12 reads" in x)
+    ramp = plan(tmp_path / "ramp", data, max_steps=12, batch={"global_batch_size": 8, "schedule": [{"step": 0, "global_batch_size": 4}, {"step": 4, "global_batch_size": 8}]})
+    line = run_length(ramp.cfg, ramp.loader)
     assert "reads 80 instances" in line and "ceil" not in line, line  # 4 x 4 + 8 x 8
