@@ -41,7 +41,6 @@ import torch
 from torch.profiler import record_function
 
 from olmo_ds import checkpoint as ckpt
-from olmo_ds import weights
 from olmo_ds.checkpoint.async_save import AsyncSaveError, AsyncSaver, host_copy_fits, snapshot_bytes_estimate
 from olmo_ds.model import OLMo
 from olmo_ds.model.float8 import MATMULS_PER_BLOCK
@@ -50,6 +49,7 @@ from olmo_ds.model.model import BLOCK_CALLS, Block
 from olmo_ds.ranks import local_world_size
 from olmo_ds.train.config import ConfigError, TrainConfig
 from olmo_ds.train.ds_config import device_type
+from olmo_ds.train.engine_state import init_record, init_weights, load_engine_state
 from olmo_ds.train.launch import init_distributed, launcher_gone
 from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops, tensorboard_purge_step
 from olmo_ds.train.nonfinite import nonfinite_report
@@ -128,8 +128,8 @@ class Trainer:
             self._restore()
         else:
             if self.init_info is not None and cfg.init_from.load_optimizer:
-                self._load_engine_state(self.init_info.directory, self.init_info.train_state)
-                self._record_init(fingerprint=plan.init_state_fingerprint)
+                load_engine_state(self.engine, self.init_info.directory, self.init_info.train_state, self.rank, self.world_size)
+                self.init_record = init_record(cfg.init_from, self.init_info, plan.init_state_fingerprint)
             seed_everything(cfg.seed + self.rank)  # per-rank streams for anything stochastic after init
 
     @classmethod
@@ -147,7 +147,8 @@ class Trainer:
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config, enabled=stage == 3):
             model = OLMo(self.model_cfg)
         if self.init_info is not None and not self.cfg.init_from.load_optimizer:
-            self._init_weights(model)
+            fingerprint = init_weights(model, self.init_info.directory, self.model_cfg, self.rank, self.world_size)
+            self.init_record = init_record(self.cfg.init_from, self.init_info, fingerprint)
         compiled = self.model_cfg.compiles_blocks(device_type())
         if compiled and stage == 3:
             # A compiled block runs as one function of its weights, so its submodules' forwards, whose
@@ -179,7 +180,7 @@ class Trainer:
 
     def _restore(self) -> None:
         state = self.resume_state  # the loader is at its data position already (`plan.restore_data_position`)
-        self._load_engine_state(self.resume_dir, state)
+        load_engine_state(self.engine, self.resume_dir, state, self.rank, self.world_size)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.trained_tokens_seen = state.get("trained_tokens_seen", 0)
@@ -190,70 +191,6 @@ class Trainer:
         except ckpt.CheckpointFileError as e:
             raise ConfigError(f"{self.resume_dir}: cannot be loaded: {e}") from None
         log.info("resumed from %s at step %d (%s tokens seen)", self.resume_dir, self.step, f"{self.tokens_seen:,}")
-
-    def _load_engine_state(self, ckpt_dir: Path, state: dict) -> None:
-        """Model weights and optimizer state of an olmo-ds checkpoint into the engine (on its world size
-        exactly, on another through DeepSpeed's universal form)."""
-        universal = state["world_size"] != self.world_size
-        if universal:
-            load_dir, tag = ckpt_dir, ckpt.universal_checkpoint(ckpt_dir, self.rank).name
-            log.info("%s was written by %d ranks: loading its universal form on %d", ckpt_dir, state["world_size"], self.world_size)
-        else:  # ZeRO's own partitions: bitwise exact
-            load_dir, tag = ckpt_dir.parent, ckpt_dir.name
-        # DeepSpeed reads this flag only inside load_checkpoint; set for the one load rather than in the
-        # DeepSpeed config, which is saved with every later checkpoint.
-        self.engine._config.load_universal_checkpoint = universal
-        groups = self.engine.optimizer.optimizer.param_groups
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        try:  # weights only, every file checked against the manifest (olmo_ds.checkpoint.safe_load)
-            with ckpt.safe_engine(self.engine):
-                load_path, _ = self.engine.load_checkpoint(
-                    str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
-                )
-        except ckpt.CheckpointFileError as e:
-            raise ConfigError(f"{ckpt_dir}: cannot be loaded: {e}") from None
-        if universal:
-            self.engine._config.load_universal_checkpoint = False
-            self._repair_universal_load(groups, hyper)
-        if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load {ckpt_dir}")
-
-    def _init_weights(self, model) -> None:
-        """The weights of `init_from` into the (partitioned) model, before DeepSpeed makes its fp32 master
-        copies from them. Only rank 0 reads the files; each rank receives only its own partitions."""
-        import torch.distributed as dist
-
-        state = weights.load_weights(self.init_info.directory).state_dict if self.rank == 0 else None
-        fingerprint = [weights.weights_fingerprint(state) if self.rank == 0 else None]
-        largest = weights.load_weights_into(model, state)
-        del state
-        received = [None] * self.world_size
-        dist.all_gather_object(received, largest)
-        dist.broadcast_object_list(fingerprint, src=0)
-        biggest_param = max(math.prod(s) for s in weights.expected_shapes(self.model_cfg).values())
-        log.info("init_from: largest tensor received per rank %s elements (largest parameter %s)", received, f"{biggest_param:,}")
-        self._record_init(fingerprint=fingerprint[0])
-
-    def _record_init(self, fingerprint: str) -> None:
-        info, cfg = self.init_info, self.cfg.init_from
-        self.init_record = {"path": cfg.path, "kind": info.kind, "directory": str(info.directory.resolve()), "step": info.step,
-                            "fingerprint": fingerprint, "load_optimizer": cfg.load_optimizer}
-        log.info("initialised from %s (%s %s, step %s, %s)%s", cfg.path, info.kind, info.directory, info.step, fingerprint,
-                 "; optimizer state loaded" if cfg.load_optimizer else "; fresh optimizer, schedule and data position")
-
-    def _repair_universal_load(self, groups: list[dict], hyper: list[dict]) -> None:
-        """Undo two slips of DeepSpeed 0.19's ZeRO-3 universal load that would bend the resumed run.
-
-        It copies the first group's hyperparameters onto every group, which would decay the embeddings
-        and norms: each group's own (this run's config) are put back. And it gives every parameter's
-        Adam state the same `step` tensor, which torch's AdamW increments in place once per parameter,
-        so the bias correction would run ahead: each state gets its own copy.
-        """
-        for g, h in zip(groups, hyper):
-            g.update(h)
-        for state in self.engine.optimizer.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
 
     # --- one optimizer step ----------------------------------------------------------------------
 
