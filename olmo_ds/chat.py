@@ -168,13 +168,7 @@ def load_chat_template(spec: str | Path, tokenizer: Tokenizer | None = None) -> 
             text = named.get("default")
         if not isinstance(text, str) or not text:
             raise ValueError(f"{path}: no 'chat_template' string (pass a Jinja file or a built-in: {', '.join(BUILTIN_TEMPLATES)})")
-        tokens = {}
-        for key in TOKEN_KEYS:
-            value = config.get(key)
-            if isinstance(value, dict):  # transformers' serialized AddedToken
-                value = value.get("content")
-            if isinstance(value, str):
-                tokens[key] = value
+        tokens = _tokens_in(config)
         if "eos_token" not in tokens and tokenizer is not None:
             tokens.update(_tokens_of(tokenizer, missing_only=tokens))
         return ChatTemplate(str(path), text, tokens)
@@ -214,7 +208,11 @@ def _read_json(path: Path) -> dict:
 
 def _config_tokens(path: Path) -> dict[str, str]:
     """The special-token strings a tokenizer_config.json names (`eos_token`, ...)."""
-    config, tokens = _read_json(path), {}
+    return _tokens_in(_read_json(path))
+
+
+def _tokens_in(config: dict) -> dict[str, str]:
+    tokens = {}
     for key in TOKEN_KEYS:
         value = config.get(key)
         if isinstance(value, dict):  # transformers' serialized AddedToken

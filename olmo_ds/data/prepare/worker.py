@@ -144,17 +144,25 @@ def process_chunk(spec: Spec, file_index: int, block: readers.Block, train_done:
     lines = np.array([line for line, text, _ in records if text is not None], dtype=np.int64)
     skips = [(base + line, reason) for line, text, reason in records if text is None]
     special_at = base + lines[holds_special_text(texts, spec.special_texts)]
-    is_val = None
-    if spec.val_fraction > 0:
-        threshold = int(spec.val_fraction * 2**64)
-        is_val = np.array([val_hash(t) < threshold for t in texts], dtype=bool)
-    if train_done > 0:
-        keep = lines >= train_done if is_val is None else (lines >= train_done) | is_val
+    is_val, keep = _split_and_keep(spec, texts, lines, train_done)
+    if keep is not None:
         texts, lines = [t for t, k in zip(texts, keep) if k], lines[keep]
         is_val = None if is_val is None else is_val[keep]
     ids, offsets = encode_documents(tok, texts) if texts else (np.zeros(0, np.uint32), np.zeros(1, np.int64))
     tokens, doc_lens = append_eos(ids, offsets, tok.eos_id, shards.dtype_for_vocab(tok.vocab_size))
     return ChunkResult(file_index, tokens, doc_lens, base + lines, is_val, skips, special_at, text_bytes, n_lines)
+
+
+def _split_and_keep(spec: Spec, texts: list[str], lines: np.ndarray, train_done: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Which documents go to the validation split (None without one), and which to keep on a resume (None: all):
+    those after `train_done`, where the train split resumes, and every validation document (its split lags)."""
+    is_val = None
+    if spec.val_fraction > 0:
+        threshold = int(spec.val_fraction * 2**64)
+        is_val = np.array([val_hash(t) < threshold for t in texts], dtype=bool)
+    if train_done <= 0:
+        return is_val, None
+    return is_val, (lines >= train_done if is_val is None else (lines >= train_done) | is_val)
 
 
 def _chat_chunk(spec: Spec, tok, file_index: int, block: readers.Block, train_done: int) -> ChunkResult:
@@ -164,12 +172,8 @@ def _chat_chunk(spec: Spec, tok, file_index: int, block: readers.Block, train_do
     base = position(file_index, 0)
     dtype = shards.dtype_for_vocab(tok.vocab_size)
     lines, tokens, doc_lens, mask, skips, special, notes, texts = encode_records(spec, tok, records, base, dtype)
-    is_val = None
-    if spec.val_fraction > 0:
-        threshold = int(spec.val_fraction * 2**64)
-        is_val = np.array([val_hash(t) < threshold for t in texts], dtype=bool)
-    if train_done > 0:
-        keep = lines >= train_done if is_val is None else (lines >= train_done) | is_val
+    is_val, keep = _split_and_keep(spec, texts, lines, train_done)
+    if keep is not None:
         token_keep = np.repeat(keep, doc_lens)
         tokens, mask, doc_lens, lines = tokens[token_keep], mask[token_keep], doc_lens[keep], lines[keep]
         is_val = None if is_val is None else is_val[keep]
