@@ -299,6 +299,25 @@ class EncodedChat:
         return int(self.mask.sum())
 
 
+def _skeleton(messages) -> tuple[list[dict], list[str], list[int]]:
+    """`messages` with every string field but the role replaced by its sentinel (module docstring): the skeleton,
+    the fields' texts in order, and the field number of each message's content."""
+    fields: list[str] = []
+    skeleton, content_field = [], []
+    for m in messages:
+        copy = {}
+        for key, value in m.items():
+            if isinstance(value, str) and key != "role":
+                if key == "content":
+                    content_field.append(len(fields))
+                copy[key] = f"{_OPEN}{len(fields)}{_CLOSE}"
+                fields.append(value)
+            else:
+                copy[key] = value
+        skeleton.append(copy)
+    return skeleton, fields, content_field
+
+
 class ChatEncoder:
     """Renders and tokenises conversations with one template and one HF tokenizer.
 
@@ -349,17 +368,7 @@ class ChatEncoder:
         template's own markers are special ids; special-token text in content stays text, or is
         refused under special_text='reject'). No mask and no EOS: the model writes the rest."""
         check_messages(messages, self.roles, prompt=True)
-        fields: list[str] = []
-        skeleton = []
-        for m in messages:
-            copy = {}
-            for key, value in m.items():
-                if isinstance(value, str) and key != "role":
-                    copy[key] = f"{_OPEN}{len(fields)}{_CLOSE}"
-                    fields.append(value)
-                else:
-                    copy[key] = value
-            skeleton.append(copy)
+        skeleton, fields, _ = _skeleton(messages)
         found = [m.group() for v in fields if self._special_ids and (m := self._special_re.search(v))]
         if found and self.special_text == "reject":
             raise ChatError(f"content holds special-token text {found[0]!r} (special_text='reject')")
@@ -442,20 +451,7 @@ class ChatEncoder:
 
     def _plan(self, messages) -> _Plan | EncodedChat:
         check_messages(messages, self.roles)
-        fields: list[str] = []
-        skeleton_messages = []
-        content_field = []
-        for m in messages:
-            copy = {}
-            for key, value in m.items():
-                if isinstance(value, str) and key != "role":
-                    if key == "content":
-                        content_field.append(len(fields))
-                    copy[key] = f"{_OPEN}{len(fields)}{_CLOSE}"
-                    fields.append(value)
-                else:
-                    copy[key] = value
-            skeleton_messages.append(copy)
+        skeleton_messages, fields, content_field = _skeleton(messages)
         found = [m.group() for v in fields if self._special_ids and (m := self._special_re.search(v))]
         escaped = bool(found)
         if escaped and self.special_text == "reject":

@@ -8,7 +8,7 @@ DeepSpeed's states hold (`SAFE_TYPES`). Anything else is refused with an `Unsafe
 the file and the global it asked for; a file that cannot be parsed is a `DamagedCheckpointError` naming it.
 
 DeepSpeed's own readers (its checkpoint engine, `zero_to_fp32`, the universal-checkpoint conversion and
-load) call `torch.load(..., weights_only=False)` directly; `weights_only_loads()` routes every
+load) call `torch.load` asking for full unpickling (weights-only off); `weights_only_loads()` routes every
 `torch.load` of the process through `load_file` while they run (`safe_engine` also hands an engine a
 checkpoint engine whose `load` is ours). Before any of that, `unsafe_globals` reads a file's pickle
 without executing it, so a checkpoint holding code is skipped or refused before a tensor is loaded.
@@ -138,7 +138,7 @@ _depth = 0
 @contextlib.contextmanager
 def weights_only_loads():
     """Every `torch.load` of the process goes through `load_file` (weights-only, checked against the
-    manifest) while this lasts: for DeepSpeed's readers, which ask for `weights_only=False`. Reentrant."""
+    manifest) while this lasts: for DeepSpeed's readers, which ask for full unpickling. Reentrant."""
     global _depth
     with _lock:
         _depth += 1

@@ -380,16 +380,9 @@ def _parse(data: bytes, first_line: int, text_file: bool, text_field: str) -> tu
         return [(first_line, text, None) if text.strip() else (first_line, None, EMPTY)], data.count(b"\n")
     out = []
     lines = data.split(b"\n")
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue  # blank lines (and the empty tail after the last newline) are not records
-        lineno = first_line + i
-        try:
-            record = orjson.loads(line)
-        except orjson.JSONDecodeError as e:
-            # Invalid UTF-8 bytes and escaped lone surrogates both make text that cannot be
-            # UTF-8 encoded; they are an encoding problem, not a JSON syntax one.
-            out.append((lineno, None, INVALID_UTF8 if "surrogate" in str(e) or not _is_utf8(line) else MALFORMED_JSON))
+    for lineno, record, reason in _json_records(lines, first_line):
+        if reason is not None:
+            out.append((lineno, None, reason))
             continue
         if not isinstance(record, dict) or text_field not in record:
             out.append((lineno, None, MISSING_FIELD))
@@ -404,18 +397,28 @@ def _parse(data: bytes, first_line: int, text_file: bool, text_field: str) -> tu
     return out, len(lines) - 1
 
 
+def _json_records(lines: list[bytes], first_line: int):
+    """`(line number, record, None)` per JSON line, `(line number, None, reason)` per line that does not parse;
+    blank lines (and the empty tail after the last newline) are not records."""
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            yield first_line + i, orjson.loads(line), None
+        except orjson.JSONDecodeError as e:
+            # Invalid UTF-8 bytes and escaped lone surrogates both make text that cannot be
+            # UTF-8 encoded; they are an encoding problem, not a JSON syntax one.
+            yield first_line + i, None, INVALID_UTF8 if "surrogate" in str(e) or not _is_utf8(line) else MALFORMED_JSON
+
+
 def _parse_chat(data: bytes) -> tuple[list[tuple[int, object, str | None]], int]:
     """A block of conversation records: `(line, messages, None)` per record holding a `messages`
     field (whatever it holds: the chat encoder judges it), `(line, None, reason)` per skip."""
     out = []
     lines = data.split(b"\n")
-    for lineno, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            record = orjson.loads(line)
-        except orjson.JSONDecodeError as e:
-            out.append((lineno, None, INVALID_UTF8 if "surrogate" in str(e) or not _is_utf8(line) else MALFORMED_JSON))
+    for lineno, record, reason in _json_records(lines, 0):
+        if reason is not None:
+            out.append((lineno, None, reason))
             continue
         if not isinstance(record, dict) or CHAT_FIELD not in record:
             out.append((lineno, None, MISSING_MESSAGES))
