@@ -28,6 +28,7 @@ from olmo_ds.train.config import (
     InitFromConfig,
     LoggingConfig,
     OptimConfig,
+    ParallelConfig,
     ScheduleConfig,
     TrainConfig,
 )
@@ -49,6 +50,7 @@ SECTIONS = [
     ("checkpoint", CheckpointConfig),
     ("logging", LoggingConfig),
     ("eval", EvalConfig),
+    ("parallel", ParallelConfig),
 ]
 
 

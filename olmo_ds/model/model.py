@@ -49,6 +49,7 @@ from olmo_ds.model import float8 as fp8
 from olmo_ds.model.attention import _SDPA_KERNELS, AttentionMask, attend, kernel_attention, resolve_backend
 from olmo_ds.model.config import ModelConfig, YarnConfig
 from olmo_ds.model.loss import CHUNK_SIZE, fused_linear_cross_entropy
+from olmo_ds.model.sequence_parallel import SequenceParallel, ulysses_attention
 
 
 class ModelOutput(NamedTuple):
@@ -234,7 +235,8 @@ _COMPILED_BACKENDS = frozenset({"sdpa", "sdpa_cudnn_first", *_SDPA_KERNELS, "fle
 
 
 def block_math(x, cos, sin, wq, wk, wv, wo, gq, gk, g_attn, w_gate, w_up, w_down, g_mlp, *,
-               eps: float, n_heads: int, n_kv_heads: int, backend: str, kernel_mask=None, float8: str = "off") -> torch.Tensor:
+               eps: float, n_heads: int, n_kv_heads: int, backend: str, kernel_mask=None, float8: str = "off",
+               sp_group: str | None = None, sp_size: int = 1) -> torch.Tensor:
     """One block as a function of its weights (the compiled path).
 
     The same operations as `Block`'s modules in the same order: q/k/v projections, QK-norm over the
@@ -244,7 +246,9 @@ def block_math(x, cos, sin, wq, wk, wv, wo, gq, gk, g_attn, w_gate, w_up, w_down
     is `AttentionMask.kernel_mask`: None (plain causal), a flex BlockMask or SDPA's boolean mask,
     built once per forward and passed in, so one graph per mask kind serves every batch and layer.
     `float8` is the FP8 recipe of the seven matmuls (`olmo_ds.model.float8.linear`; "off": the weights' dtype),
-    a constant of the graph: each recipe gets its own.
+    a constant of the graph: each recipe gets its own. `sp_group`, `sp_size`: sequence parallelism (x holds this
+    rank's slice of every row; attention runs over whole rows through `sequence_parallel.ulysses_attention`, whose
+    all-to-alls are operators the graph keeps), the group's name and size, constants of the graph too.
     """
     b, t, _ = x.shape
     head_dim = wq.shape[0] // n_heads
@@ -252,7 +256,11 @@ def block_math(x, cos, sin, wq, wk, wv, wo, gq, gk, g_attn, w_gate, w_up, w_down
     k = rms_norm(fp8.linear(x, wk, float8), gk, eps).view(b, t, n_kv_heads, head_dim)
     v = fp8.linear(x, wv, float8).view(b, t, n_kv_heads, head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = kernel_attention(q, k, v, head_dim ** -0.5, backend, kernel_mask)
+    if sp_size > 1:
+        out = ulysses_attention(q, k, v, sp_group, sp_size,
+                                lambda q, k, v: kernel_attention(q, k, v, head_dim ** -0.5, backend, kernel_mask))
+    else:
+        out = kernel_attention(q, k, v, head_dim ** -0.5, backend, kernel_mask)
     x = x + rms_norm(fp8.linear(out.reshape(b, t, -1), wo, float8), g_attn, eps)
     return x + rms_norm(fp8.linear(F.silu(fp8.linear(x, w_gate, float8)) * fp8.linear(x, w_up, float8), w_down, float8), g_mlp, eps)
 
@@ -300,7 +308,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(kv_dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, mask: AttentionMask | None, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask: AttentionMask | None, cache: KVCache | None = None,
+                sp: SequenceParallel | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x)).view(b, t, self.n_heads, self.head_dim)
         k = self.k_norm(self.k_proj(x)).view(b, t, self.n_kv_heads, self.head_dim)
@@ -310,7 +319,10 @@ class Attention(nn.Module):
         if cache is None:
             needs_mask = self.window is not None or mask.has_documents
             backend = _resolved_backend(self.backend, x.device, needs_mask, mask.has_branches)
-            out = attend(q, k, v, mask, self.window, backend, scale)
+            if sp is not None:  # `mask` is of whole rows, as the attention behind the exchange sees them
+                out = ulysses_attention(q, k, v, sp.name, sp.size, lambda q, k, v: attend(q, k, v, mask, self.window, backend, scale))
+            else:
+                out = attend(q, k, v, mask, self.window, backend, scale)
         else:
             out = self._attend_cached(q, k, v, cache, scale)
         return self.o_proj(out.reshape(b, t, -1))
@@ -374,7 +386,8 @@ class Block(nn.Module):
             return None
         return backend, mask.kernel_mask(backend, window)
 
-    def forward(self, x, cos, sin, mask: AttentionMask | None, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask: AttentionMask | None, cache: KVCache | None = None,
+                sp: SequenceParallel | None = None) -> torch.Tensor:
         route = self._compiled_attention(x, mask, cache)
         if route is not None:
             BLOCK_CALLS["compiled"] += 1
@@ -385,9 +398,10 @@ class Block(nn.Module):
                 BLOCK_CALLS["float8_matmuls"] += fp8.MATMULS_PER_BLOCK
             fn = _compiled_block_math() if torch.is_grad_enabled() else _compiled_scoring_block_math()
             return fn(x, cos, sin, *self.weights(), eps=self.attn_norm.eps, n_heads=self.attn.n_heads,
-                      n_kv_heads=self.attn.n_kv_heads, backend=backend, kernel_mask=kernel_mask, float8=recipe)
+                      n_kv_heads=self.attn.n_kv_heads, backend=backend, kernel_mask=kernel_mask, float8=recipe,
+                      sp_group=sp.name if sp else None, sp_size=sp.size if sp else 1)
         BLOCK_CALLS["eager"] += 1
-        x = x + self.attn_norm(self.attn(x, cos, sin, mask, cache))
+        x = x + self.attn_norm(self.attn(x, cos, sin, mask, cache, sp))
         return x + self.mlp_norm(self.mlp(x))
 
 
@@ -427,6 +441,11 @@ class OLMo(nn.Module):
     its forwards run compiled blocks where training would (`ModelConfig.compile`), under no_grad too.
     With it, `branches` and `positions` ([B, T] each; see `attention.AttentionMask`) let the branches of
     a document (continuations) share its prefix (their context) in one row.
+
+    Sequence parallelism (training): `sequence_parallel=SequenceParallel(...)` (`olmo_ds.model.sequence_parallel`)
+    makes `input_ids` and `labels` this rank's slice [B, T/N] of each row, while `doc_lens` and `positions` still
+    describe whole rows ([B, T]): the masks are those of the whole rows, RoPE takes this slice's positions, and the
+    loss (over `loss_divisor`) is this slice's share of the step's.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -464,37 +483,45 @@ class OLMo(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_lens: torch.Tensor | None = None, z_loss_coef: float = 0.0, cache: KVCache | None = None, *,
                 positions: torch.Tensor | None = None, branches: torch.Tensor | None = None,
-                score: tuple[torch.Tensor, torch.Tensor] | None = None, loss_divisor: float | torch.Tensor | None = None):
+                score: tuple[torch.Tensor, torch.Tensor] | None = None, loss_divisor: float | torch.Tensor | None = None,
+                sequence_parallel: SequenceParallel | None = None):
+        sp = sequence_parallel if sequence_parallel is not None and sequence_parallel.size > 1 else None
         b, t = input_ids.shape
+        row = t * sp.size if sp else t  # the whole row's length; this rank holds `t` of it
         start = cache.pos if cache is not None else 0
         if cache is not None and (doc_lens is not None or positions is not None or branches is not None or score is not None):
             raise ValueError("doc_lens, positions, branches and score are not supported with a KV cache")
+        if sp is not None and (cache is not None or branches is not None or score is not None):
+            raise ValueError("sequence parallelism is for training forwards: no KV cache, branches or score")
         if score is not None and labels is not None:
             raise ValueError("pass labels (training loss) or score (evaluation), not both")
         # RoPE would extrapolate past what the model was built for; refuse rather than degrade silently.
-        if positions is None and start + t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {start + t} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
+        if positions is None and start + row > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {start + row} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
         if positions is not None and int(positions.max()) >= self.cfg.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is beyond model.max_seq_len {self.cfg.max_seq_len}")
         x = self.embed(input_ids)
         if cache is not None:
             tables = self._rope_tables(torch.arange(start, start + t, device=input_ids.device))
         elif positions is None:
-            tables = self._cached_rope_tables(t, input_ids.device)
+            tables = self._cached_rope_tables(row, input_ids.device)
+            if sp is not None:
+                tables = {kind: (sp.local(cos, 0), sp.local(sin, 0)) for kind, (cos, sin) in tables.items()}
         else:  # rows of the tables of 0..max_seq_len-1, the same values a whole-sequence forward uses
             full = self._cached_rope_tables(self.cfg.max_seq_len, input_ids.device)
             positions = positions.to(input_ids.device)
-            tables = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in full.items()}
+            mine = sp.local(positions) if sp is not None else positions
+            tables = {kind: (cos[mine], sin[mine]) for kind, (cos, sin) in full.items()}
         mask = None
         if cache is None:
-            mask = AttentionMask(b, t, input_ids.device, doc_lens, branches, positions, static_shapes=score is not None)
+            mask = AttentionMask(b, row, input_ids.device, doc_lens, branches, positions, static_shapes=score is not None)
         checkpointing = torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.blocks):
             cos, sin = tables[self.cfg.layer_is_sliding(i)]
             if checkpointing and self.cfg.checkpoints_block(i):
-                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, mask, None, sp, use_reentrant=False)
             else:
-                x = block(x, cos, sin, mask, cache)
+                x = block(x, cos, sin, mask, cache, sp)
         if cache is not None:
             cache.pos += t
         x = self.norm(x)

@@ -21,6 +21,7 @@ import yaml
 from olmo_ds.data.config import DataConfig
 from olmo_ds.data.order import BatchSizeSchedule
 from olmo_ds.model.config import INIT_CHANGEABLE, PRESETS, ModelConfig, preset
+from olmo_ds.model.sequence_parallel import sequence_parallel_problems
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
@@ -123,6 +124,14 @@ class EvalConfig:
 
 
 @dataclass
+class ParallelConfig:
+    # Ranks that hold each row between them (Ulysses sequence parallelism, olmo_ds/model/sequence_parallel.py): each
+    # keeps seq_len / N tokens of every row and attention trades tokens for heads by all-to-all. The world size is
+    # data-parallel x this; 1 = every rank holds whole rows.
+    sequence_parallel_size: int = 1
+
+
+@dataclass
 class InitFromConfig:
     """Start a new run from existing weights (fine-tuning, mid-training, context extension).
 
@@ -152,6 +161,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     source: str = field(default="<defaults>", metadata={"internal": True})  # where it was read from, for messages
     path: str | None = field(default=None, metadata={"internal": True})  # the YAML file, when read from one
 
@@ -250,6 +260,12 @@ class TrainConfig:
             model = self.model.build()
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{where}: model: {e}") from None
+        sp = self.parallel.sequence_parallel_size
+        if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+            raise ConfigError(f"{where}: parallel.sequence_parallel_size must be a positive integer, got {sp!r}")
+        problems = sequence_parallel_problems(sp, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, seq_len=b.seq_len)
+        if problems:
+            raise ConfigError(f"{where}: parallel.sequence_parallel_size {sp}: " + "; ".join(problems))
         if model.float8 != "off":
             if self.precision == "fp16":
                 raise ConfigError(f"{where}: model.float8 {model.float8!r} with precision fp16: torchao's float8 recipes are made "

@@ -223,7 +223,10 @@ def resolve_ds_config(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, 
 
 def fill_train_fields(ds: dict, cfg: TrainConfig, dp_world_size: int) -> dict:
     """Fill, in place, what the train config owns (batch, clipping, precision, optimizer) into `ds`, whose ZeRO
-    section `resolve_zero` resolved, once `batch.micro_batch_size` is a number; returns `ds`, no "auto" left."""
+    section `resolve_zero` resolved, once `batch.micro_batch_size` is a number; returns `ds`, no "auto" left.
+    `dp_world_size`: the ranks that read rows. With sequence parallelism (`parallel.sequence_parallel_size` N > 1)
+    the launch has N times as many, and `sequence_parallel_size` tells DeepSpeed so, that its train_batch_size =
+    micro-batch x accumulation x data-parallel ranks counts rows (olmo_ds/train/parallel.py)."""
     ds_path = cfg.deepspeed_config
     r = _Resolver(ds, ds_path, cfg)
     b, o = cfg.batch, cfg.optim
@@ -238,6 +241,9 @@ def fill_train_fields(ds: dict, cfg: TrainConfig, dp_world_size: int) -> dict:
     )
     ds["gradient_accumulation_steps"] = first // (b.micro_batch_size * dp_world_size)
     r.fill(ds, "gradient_clipping", o.grad_clip, "optim.grad_clip")
+    sp = cfg.parallel.sequence_parallel_size
+    if sp > 1 or "sequence_parallel_size" in ds:
+        r.fill(ds, "sequence_parallel_size", sp, "parallel.sequence_parallel_size")
 
     for name in ("bf16", "fp16"):
         section = ds.setdefault(name, {})

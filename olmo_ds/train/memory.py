@@ -89,6 +89,17 @@ def block_bytes_per_token(model: ModelConfig, dtype_bytes: int, compiled: bool) 
     return kept if compiled else int(EAGER_ACTIVATION_FACTOR * kept)
 
 
+def sequence_parallel_bytes_per_token(model: ModelConfig, dtype_bytes: int, size: int) -> int:
+    """What Ulysses adds to a block's kept activations per local token (0 at size 1): attention's inputs and output
+    in their exchanged form ([T, H/N] for q and the output, [T, H_kv/N or 1] for k and v, the same bytes per local
+    token as [T/N, H]), kept for attention's backward beside the pre-exchange q, k, v the estimate already counts.
+    Not calibrated on a GPU: sequence parallelism has run on CPU ranks only."""
+    if size == 1:
+        return 0
+    q, kv = model.n_heads * model.head_dim, max(model.n_kv_heads, size) * model.head_dim
+    return dtype_bytes * (2 * q + 2 * kv)
+
+
 def block_params(model: ModelConfig) -> int:
     """Parameters of one block (its four projections, three MLP matrices and four norms)."""
     return (model.num_params(include_embedding=False) - model.d_model) // model.n_layers
@@ -96,9 +107,11 @@ def block_params(model: ModelConfig) -> int:
 
 def estimate_peak_memory(model: ModelConfig, *, micro_batch: int, seq_len: int, precision: str = "bf16", zero_stage: int = 3,
                          dp_world_size: int = 1, compiled: bool = True, reduce_bucket_size: int = 500_000_000,
-                         optimizer_on_host: float = 0.0, params_on_host: bool = False) -> MemoryEstimate:
-    """One rank's peak memory in a training step (see the module docstring). `optimizer_on_host`: the share of
-    the optimizer state CPU offload keeps on the host; `params_on_host`: the weights offloaded too."""
+                         optimizer_on_host: float = 0.0, params_on_host: bool = False, sequence_parallel: int = 1) -> MemoryEstimate:
+    """One rank's peak memory in a training step (see the module docstring). `dp_world_size`: the ranks ZeRO
+    partitions over (all of them, sequence-parallel ones included); `optimizer_on_host`: the share of the optimizer
+    state CPU offload keeps on the host; `params_on_host`: the weights offloaded too; `sequence_parallel`: N ranks
+    hold each row, this one seq_len / N tokens of it (`sequence_parallel_bytes_per_token` adds the exchange's)."""
     lp = 4 if precision == "fp32" else 2
     n, world = model.num_params(), dp_world_size
     weights, grads, state = lp * n, lp * n, STATE_BYTES * n * (1 - optimizer_on_host)
@@ -109,8 +122,8 @@ def estimate_peak_memory(model: ModelConfig, *, micro_batch: int, seq_len: int, 
     else:
         model_state = weights + grads + state / world
 
-    tokens = micro_batch * seq_len
-    block = block_bytes_per_token(model, lp, compiled)
+    tokens = micro_batch * seq_len // sequence_parallel
+    block = block_bytes_per_token(model, lp, compiled) + sequence_parallel_bytes_per_token(model, lp, sequence_parallel)
     kept_input = lp * model.d_model
     interval = model.checkpoint_interval()
     if interval is None:
@@ -177,11 +190,14 @@ def device_memory(device: str, dp_world_size: int) -> tuple[int | None, str]:
 
 
 def choose_micro_batch(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, zero: ZeroLayout, *, device: str | None = None,
-                       memory: tuple[int | None, str] | None = None, resumed_micro_batch: int | None = None) -> MicroBatchChoice:
+                       memory: tuple[int | None, str] | None = None, resumed_micro_batch: int | None = None,
+                       sp_size: int = 1) -> MicroBatchChoice:
     """The run's micro-batch: the config's number, or for `auto` the checkpoint's (`resumed_micro_batch`, from its
     saved DeepSpeed config) while it still divides the per-rank batch, else the largest power of two dividing every
     per-rank batch whose `estimate_peak_memory` fits `MEMORY_FRACTION` of `memory` ((bytes, description);
-    default: `device_memory`) under `zero`, the ZeRO layout (stage, reduce bucket, offload) the run will have."""
+    default: `device_memory`) under `zero`, the ZeRO layout (stage, reduce bucket, offload) the run will have.
+    `dp_world_size` ranks read rows; with `sp_size` ranks holding each row (sequence parallelism) there are
+    dp_world_size x sp_size ranks in all, each with seq_len / sp_size tokens of its micro-batch's rows."""
     size = cfg.batch.micro_batch_size
     if size != AUTO:
         return MicroBatchChoice(size=size, chosen_by="config")
@@ -189,11 +205,12 @@ def choose_micro_batch(cfg: TrainConfig, model: ModelConfig, dp_world_size: int,
 
     def estimate(m: int) -> MemoryEstimate:
         return estimate_peak_memory(model, micro_batch=m, seq_len=cfg.batch.seq_len, precision=cfg.precision,
-                                    zero_stage=zero.stage, dp_world_size=dp_world_size, compiled=model.compiles_blocks(device),
-                                    reduce_bucket_size=zero.reduce_bucket_size, optimizer_on_host=zero.optimizer_on_host,
-                                    params_on_host=zero.params_on_host)
+                                    zero_stage=zero.stage, dp_world_size=dp_world_size * sp_size,
+                                    compiled=model.compiles_blocks(device), reduce_bucket_size=zero.reduce_bucket_size,
+                                    optimizer_on_host=zero.optimizer_on_host, params_on_host=zero.params_on_host,
+                                    sequence_parallel=sp_size)
 
-    total, description = memory or device_memory(device, dp_world_size)
+    total, description = memory or device_memory(device, dp_world_size * sp_size)
     budget = int(MEMORY_FRACTION * total) if total else None
     rows = per_rank_batches(cfg, dp_world_size)
     divisor = math.gcd(*rows)

@@ -39,6 +39,7 @@ from olmo_ds.train.evaluation import InLoopEvaluator
 from olmo_ds.train.launch import DistEnv, detect_environment, normalize_cuda_arch_list
 from olmo_ds.train.memory import MicroBatchChoice, choose_micro_batch
 from olmo_ds.train.metrics import roll_back_metrics, setup_console_logging
+from olmo_ds.train.parallel import ParallelLayout
 from olmo_ds.train.preflight import check_launch
 from olmo_ds.train.run_lock import RunDirLock, lock_run_dir
 
@@ -63,6 +64,7 @@ class RunPlan:
 
     cfg: TrainConfig  # batch.micro_batch_size is a number here
     env: DistEnv
+    layout: ParallelLayout  # data parallel x sequence parallel
     run_dir: Path
     model: ModelConfig
     tokenizer: Tokenizer | None
@@ -109,7 +111,8 @@ def plan_run(cfg: TrainConfig, *, resume: str | None = None, start_over: bool = 
 
 def _plan(cfg: TrainConfig, env: DistEnv, run_dir: Path, run_lock: RunDirLock | None, resume: str | None) -> RunPlan:
     check_launch(cfg, env.rank, env.local_rank, env.world_size)
-    tokenizer, loader = open_tokenizer_and_data(cfg, env)
+    layout = ParallelLayout.of(cfg, rank=env.rank, world_size=env.world_size)
+    tokenizer, loader = open_tokenizer_and_data(cfg, layout)
     vocab = tokenizer.vocab_size if tokenizer is not None else loader.vocab_size
     model = cfg.model.build(vocab_size=vocab)
     check_run(cfg, model, loader, tokenizer, env.world_size)
@@ -124,7 +127,8 @@ def _plan(cfg: TrainConfig, env: DistEnv, run_dir: Path, run_lock: RunDirLock | 
         init_from = check_init_from(cfg, model, tokenizer if tokenizer is not None else loader.tokenizer_fingerprint)
     load_optimizer = init_from is not None and cfg.init_from.load_optimizer
 
-    cfg, deepspeed = plan_deepspeed(cfg, model, env.world_size, resumed=resume_state.get("ds_config") if resume_state else None)
+    cfg, deepspeed = plan_deepspeed(cfg, model, layout.dp_size, sp_size=layout.sp_size,
+                                    resumed=resume_state.get("ds_config") if resume_state else None)
     if resume_state is not None:
         check_resume(resume_state, model, env.world_size, resume_dir, deepspeed.zero)
         restore_data_position(loader, resume_dir, resume_state)
@@ -134,7 +138,9 @@ def _plan(cfg: TrainConfig, env: DistEnv, run_dir: Path, run_lock: RunDirLock | 
     evaluator = InLoopEvaluator(cfg, tokenizer, vocab, env.rank, env.world_size) if cfg.eval.every else None
     if env.rank == 0 and resume not in (None, "none"):  # last: a refused resume moves nothing
         continue_metrics(run_dir, resume_state["step"] if resume_state else 0, resume_dir)
-    return RunPlan(cfg=cfg, env=env, run_dir=run_dir, model=model, tokenizer=tokenizer, loader=loader, deepspeed=deepspeed,
+    if layout.sp_size > 1:
+        log.info("parallel: %s", layout.describe())
+    return RunPlan(cfg=cfg, env=env, layout=layout, run_dir=run_dir, model=model, tokenizer=tokenizer, loader=loader, deepspeed=deepspeed,
                    resume_dir=resume_dir, resume_state=resume_state, init_from=init_from,
                    init_state_fingerprint=_file_fingerprint(init_from.directory / ckpt.TRAIN_STATE) if load_optimizer else None,
                    evaluator=evaluator, run_lock=run_lock)
@@ -199,15 +205,16 @@ def continue_metrics(run_dir: Path, step: int, resume_dir: Path | None) -> None:
                  "its start (no complete checkpoint: the run starts again at step 1)", aside.name)
 
 
-def open_tokenizer_and_data(cfg: TrainConfig, env: DistEnv) -> tuple[Tokenizer | None, DataLoader]:
-    """The run's tokenizer (None without `tokenizer`) and this rank's data loader; a missing or bad file is a ConfigError."""
+def open_tokenizer_and_data(cfg: TrainConfig, layout: ParallelLayout) -> tuple[Tokenizer | None, DataLoader]:
+    """The run's tokenizer (None without `tokenizer`) and this rank's data loader (its data-parallel rank's rows: the
+    ranks of a sequence group read the same ones); a missing or bad file is a ConfigError."""
     try:
         tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"{cfg.source}: tokenizer: {e}") from None
     try:
         loader = DataLoader(cfg.data, seq_len=cfg.batch.seq_len, global_batch_size=cfg.batch.size_schedule(),
-                            dp_rank=env.rank, dp_world_size=env.world_size)
+                            dp_rank=layout.dp_rank, dp_world_size=layout.dp_size)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"{cfg.source}: data: {e}") from None
     return tokenizer, loader
@@ -299,7 +306,7 @@ def check_init_from(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer |
 
 def plan_deepspeed(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *, ds: dict | None = None, device: str | None = None,
                    resumed: dict | None = None, memory: tuple[int | None, str] | None = None,
-                   offload_env: dict | None = None) -> tuple[TrainConfig, DeepSpeedPlan]:
+                   offload_env: dict | None = None, sp_size: int = 1) -> tuple[TrainConfig, DeepSpeedPlan]:
     """The DeepSpeed JSON read once and resolved for this run, and `cfg` with its micro-batch a number.
 
     The ZeRO section is resolved first (stage, buckets, offload sized to the node: `ds_config.resolve_zero`),
@@ -307,13 +314,14 @@ def plan_deepspeed(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *, 
     then the batch fields are filled from the chosen number. `ds` replaces the file, `device` the run's device type,
     `memory` the device's (bytes, description) and `offload_env` what offload reads of the machine (tests);
     `resumed`: the DeepSpeed config the checkpoint being resumed saved (its offload choices and micro-batch are kept).
+    `dp_world_size` ranks read rows; `sp_size` ranks hold each row (sequence parallelism): ZeRO partitions over both.
     """
     device = device or device_type()
     ds = read_ds_config(cfg, ds)
-    host = resolve_zero(ds, cfg, model, dp_world_size, device=device, offload_env=offload_env, resumed=resumed)
+    host = resolve_zero(ds, cfg, model, dp_world_size * sp_size, device=device, offload_env=offload_env, resumed=resumed)
     zero = ZeroLayout.of(ds)
     # `batch.micro_batch_size: auto` becomes a number here, before anything reads it (olmo_ds/train/memory.py).
-    micro_batch = choose_micro_batch(cfg, model, dp_world_size, zero, device=device, memory=memory,
+    micro_batch = choose_micro_batch(cfg, model, dp_world_size, zero, device=device, memory=memory, sp_size=sp_size,
                                      resumed_micro_batch=(resumed or {}).get("train_micro_batch_size_per_gpu"))
     if micro_batch.chosen_by != "config":
         log.info("%s", micro_batch.describe())

@@ -16,6 +16,7 @@ from olmo_ds.model import float8 as fp8
 from olmo_ds.ranks import check_host
 from olmo_ds.train.config import ConfigError, TrainConfig
 from olmo_ds.train.ds_config import check_batch_divisible, device_type
+from olmo_ds.train.parallel import ParallelLayout
 
 
 def check_float8(cfg: TrainConfig, device: str, capability: tuple[int, int] | None = None, name: str | None = None) -> None:
@@ -46,7 +47,7 @@ def check_launch(cfg: TrainConfig, rank: int, local_rank: int, world_size: int, 
         visible_gpus = torch.cuda.device_count()  # counts devices without creating a context on any
     if visible_gpus is not None:
         check_host(rank, local_rank, world_size, visible_gpus, env=env, host_gpus=host_gpus)
-    check_batch_divisible(cfg, world_size)
+    check_batch_divisible(cfg, ParallelLayout.of(cfg, rank=rank, world_size=world_size).dp_size)
     if float8:
         if device == "cuda" and gpu_capability is None:
             import torch

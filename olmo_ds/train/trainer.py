@@ -54,6 +54,7 @@ from olmo_ds.train.launch import init_distributed, launcher_gone
 from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops, tensorboard_purge_step
 from olmo_ds.train.nonfinite import nonfinite_report
 from olmo_ds.train.optim import param_groups, set_lr
+from olmo_ds.train.parallel import sequence_group
 from olmo_ds.train.plan import RunPlan, plan_run
 from olmo_ds.train.schedule import lr_at
 
@@ -107,6 +108,8 @@ class Trainer:
 
         configure_determinism(cfg.deterministic)
         init_distributed()
+        self.layout = plan.layout
+        self.sp = sequence_group(plan.layout)  # this rank's sequence group, None without sequence parallelism
         seed_everything(cfg.seed)  # the same on every rank: ZeRO-3 initialises each weight whole, then partitions it
         self.engine = self._build_engine()
         self.device = self.engine.device
@@ -202,14 +205,16 @@ class Trainer:
         cfg, engine = self.cfg, self.engine
         rows = batch["input_ids"].shape[0]
         micro = cfg.batch.micro_batch_size
-        global_batch = rows * self.world_size
-        if global_batch != engine.train_batch_size():
-            engine.set_train_batch_size(global_batch)  # batch-size schedule: more accumulation steps
+        global_batch = rows * self.layout.dp_size
+        n_micro = rows // micro
+        if engine.gradient_accumulation_steps() != n_micro:
+            # A batch-size schedule: more accumulation steps. DeepSpeed's engine counts micro-batches over all its
+            # ranks (a sequence group's each as one), so it is given this rank's rows times every rank.
+            engine.set_train_batch_size(rows * self.world_size)
         lr = lr_at(self.step, peak_lr=cfg.optim.lr, max_steps=cfg.max_steps, cfg=cfg.schedule)
         set_lr(engine.optimizer, lr)
 
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # ce, z, non-finite micro-batches
-        n_micro = rows // micro
         assert engine.gradient_accumulation_steps() == n_micro, "engine accumulation out of step with the batch"
         # DeepSpeed ZeRO-2/3 waits for its gradient stream at the end of every backward, which empties the
         # device's queue; whatever the host does from there to the next forward's first kernel leaves the
@@ -217,9 +222,18 @@ class Trainer:
         # while the forward still runs (BENCHMARKS.md, "The host between micro-batches").
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         sft: dict = {}
-        if self.masked:
+        if self.sp is not None:
+            # Sequence parallelism: this rank's slice of every row's tokens and labels; doc_lens and positions stay
+            # whole (the masks are the whole rows'), and so does the loss's divisor: each rank's loss is its slice's
+            # share of the step's token mean, which is what DeepSpeed's average over all ranks then sums to.
+            batch.update(input_ids=self.sp.local(batch["input_ids"]), labels=self.sp.local(batch["labels"]))
+            sft["sequence_parallel"] = self.sp
+        if self.masked or self.sp is not None:
             # The step's trained tokens and conversation tokens over all ranks: one collective, before the first forward.
-            counts = torch.stack([count_targets(batch["labels"]), batch["row_tokens"].sum()]).to(torch.int64)
+            # A row's conversation tokens are counted by the first rank of its sequence group only.
+            targets = count_targets(batch["labels"])
+            real = batch["row_tokens"].sum() if self.masked and self.layout.sp_rank == 0 else targets.new_zeros(())
+            counts = torch.stack([targets, real.to(targets.dtype)])
             torch.distributed.all_reduce(counts)
             sft["loss_divisor"] = token_mean_divisor(counts[0], self.world_size, n_micro)
         for i in range(n_micro):
@@ -240,9 +254,10 @@ class Trainer:
             with record_function("olmo_ds.step"):
                 engine.step()  # applies the update only at the accumulation boundary
         torch.distributed.all_reduce(sums)
-        # Pretraining: the mean of the micro-batch means. Fine-tuning: micro-batch k returned S_k / d (its summed
-        # loss over d = N / (world * n_micro), N the step's global targets), so this is sum_k S_k / N, the step's
-        # token mean.
+        # Pretraining: the mean of the micro-batch means. Fine-tuning and sequence parallelism: micro-batch k returned
+        # S_k / d (its summed loss over d = N / (world * n_micro), N the step's global targets), so this is
+        # sum_k S_k / N, the step's token mean (for pretraining rows, whose targets per row are all alike, the same
+        # number as the mean of micro-batch means).
         ce_loss, z_loss = (sums[:2] / (n_micro * self.world_size)).tolist()
         finite = bool(sums[2].item() == 0) and engine.was_step_applied()  # DeepSpeed skips a step whose gradients overflow
         grad_norm = engine.get_global_grad_norm()
@@ -313,6 +328,7 @@ class Trainer:
             "init_from": self.init_record,
             "tokenizer_fingerprint": self.loader.tokenizer_fingerprint,
             "world_size": self.world_size,
+            "sequence_parallel_size": self.layout.sp_size,
             "zero_stage": self.plan.deepspeed.zero.stage,
             "micro_batch": self.micro_batch.record(),
         }
