@@ -256,7 +256,7 @@ def block_math(x, cos, sin, wq, wk, wv, wo, gq, gk, g_attn, w_gate, w_up, w_down
     k = rms_norm(fp8.linear(x, wk, float8), gk, eps).view(b, t, n_kv_heads, head_dim)
     v = fp8.linear(x, wv, float8).view(b, t, n_kv_heads, head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if sp_size > 1:
+    if sp_group is not None:
         out = ulysses_attention(q, k, v, sp_group, sp_size,
                                 lambda q, k, v: kernel_attention(q, k, v, head_dim ** -0.5, backend, kernel_mask))
     else:
@@ -485,7 +485,7 @@ class OLMo(nn.Module):
                 positions: torch.Tensor | None = None, branches: torch.Tensor | None = None,
                 score: tuple[torch.Tensor, torch.Tensor] | None = None, loss_divisor: float | torch.Tensor | None = None,
                 sequence_parallel: SequenceParallel | None = None):
-        sp = sequence_parallel if sequence_parallel is not None and sequence_parallel.size > 1 else None
+        sp = sequence_parallel
         b, t = input_ids.shape
         row = t * sp.size if sp else t  # the whole row's length; this rank holds `t` of it
         start = cache.pos if cache is not None else 0

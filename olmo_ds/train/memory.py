@@ -20,6 +20,12 @@ The estimate of one rank's peak (`estimate_peak_memory`), in bytes, is the sum o
   weight, and one chunk of fp32 logits with its bf16 gradient (`olmo_ds.model.loss`);
 - ZeRO buffers: two reduce buckets and two gathered blocks (the running one and the prefetched one).
 
+With sequence parallelism (`parallel.sequence_parallel_size` N) a rank holds seq_len / N tokens of each row, so the
+activations are those of a micro-batch of that many tokens, plus attention's inputs and output in their exchanged
+form (`sequence_parallel_bytes_per_token`); the state partitions over all the ranks. `scripts/memory_plan.py` prints
+the estimate of a config for every N and checkpointing choice on 80 and 141 GB cards. The sequence-parallel term is
+not calibrated: sequence parallelism has run on CPU ranks only.
+
 Attention kernels that do not store the score matrix are assumed (flash, cuDNN, flex: what runs on GPUs).
 With `model.float8` the bf16 estimate is used: FP8 keeps no more (plain PyTorch measured 12% less at the 1B).
 
@@ -190,14 +196,14 @@ def device_memory(device: str, dp_world_size: int) -> tuple[int | None, str]:
 
 
 def choose_micro_batch(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, zero: ZeroLayout, *, device: str | None = None,
-                       memory: tuple[int | None, str] | None = None, resumed_micro_batch: int | None = None,
-                       sp_size: int = 1) -> MicroBatchChoice:
+                       memory: tuple[int | None, str] | None = None, resumed_micro_batch: int | None = None) -> MicroBatchChoice:
     """The run's micro-batch: the config's number, or for `auto` the checkpoint's (`resumed_micro_batch`, from its
     saved DeepSpeed config) while it still divides the per-rank batch, else the largest power of two dividing every
     per-rank batch whose `estimate_peak_memory` fits `MEMORY_FRACTION` of `memory` ((bytes, description);
     default: `device_memory`) under `zero`, the ZeRO layout (stage, reduce bucket, offload) the run will have.
-    `dp_world_size` ranks read rows; with `sp_size` ranks holding each row (sequence parallelism) there are
-    dp_world_size x sp_size ranks in all, each with seq_len / sp_size tokens of its micro-batch's rows."""
+    `dp_world_size` ranks read rows; with N = `parallel.sequence_parallel_size` ranks holding each row there are
+    dp_world_size x N ranks in all, each with seq_len / N tokens of its micro-batch's rows."""
+    sp_size = cfg.parallel.sequence_parallel_size
     size = cfg.batch.micro_batch_size
     if size != AUTO:
         return MicroBatchChoice(size=size, chosen_by="config")

@@ -127,8 +127,7 @@ def _plan(cfg: TrainConfig, env: DistEnv, run_dir: Path, run_lock: RunDirLock | 
         init_from = check_init_from(cfg, model, tokenizer if tokenizer is not None else loader.tokenizer_fingerprint)
     load_optimizer = init_from is not None and cfg.init_from.load_optimizer
 
-    cfg, deepspeed = plan_deepspeed(cfg, model, layout.dp_size, sp_size=layout.sp_size,
-                                    resumed=resume_state.get("ds_config") if resume_state else None)
+    cfg, deepspeed = plan_deepspeed(cfg, model, layout.dp_size, resumed=resume_state.get("ds_config") if resume_state else None)
     if resume_state is not None:
         check_resume(resume_state, model, env.world_size, resume_dir, deepspeed.zero)
         restore_data_position(loader, resume_dir, resume_state)
@@ -306,7 +305,7 @@ def check_init_from(cfg: TrainConfig, model: ModelConfig, tokenizer: Tokenizer |
 
 def plan_deepspeed(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *, ds: dict | None = None, device: str | None = None,
                    resumed: dict | None = None, memory: tuple[int | None, str] | None = None,
-                   offload_env: dict | None = None, sp_size: int = 1) -> tuple[TrainConfig, DeepSpeedPlan]:
+                   offload_env: dict | None = None) -> tuple[TrainConfig, DeepSpeedPlan]:
     """The DeepSpeed JSON read once and resolved for this run, and `cfg` with its micro-batch a number.
 
     The ZeRO section is resolved first (stage, buckets, offload sized to the node: `ds_config.resolve_zero`),
@@ -314,14 +313,15 @@ def plan_deepspeed(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *, 
     then the batch fields are filled from the chosen number. `ds` replaces the file, `device` the run's device type,
     `memory` the device's (bytes, description) and `offload_env` what offload reads of the machine (tests);
     `resumed`: the DeepSpeed config the checkpoint being resumed saved (its offload choices and micro-batch are kept).
-    `dp_world_size` ranks read rows; `sp_size` ranks hold each row (sequence parallelism): ZeRO partitions over both.
+    `dp_world_size` ranks read rows, and `parallel.sequence_parallel_size` ranks hold each row: ZeRO partitions over both.
     """
+    sp_size = cfg.parallel.sequence_parallel_size
     device = device or device_type()
     ds = read_ds_config(cfg, ds)
     host = resolve_zero(ds, cfg, model, dp_world_size * sp_size, device=device, offload_env=offload_env, resumed=resumed)
     zero = ZeroLayout.of(ds)
     # `batch.micro_batch_size: auto` becomes a number here, before anything reads it (olmo_ds/train/memory.py).
-    micro_batch = choose_micro_batch(cfg, model, dp_world_size, zero, device=device, memory=memory, sp_size=sp_size,
+    micro_batch = choose_micro_batch(cfg, model, dp_world_size, zero, device=device, memory=memory,
                                      resumed_micro_batch=(resumed or {}).get("train_micro_batch_size_per_gpu"))
     if micro_batch.chosen_by != "config":
         log.info("%s", micro_batch.describe())

@@ -2,6 +2,11 @@
 ranks against the same model on whole rows, in fp32.
 
     python -m torch.distributed.run --nproc_per_node 4 sp_model_worker.py OUT.json
+    python -m torch.distributed.run --nproc_per_node 1 sp_model_worker.py OUT.json cuda   # the GPU tier's check
+
+On a GPU (one rank, NCCL): the exchange inside compiled blocks, whose attention is flex_attention with windows and
+documents, in bf16; a group of one rank makes each all-to-all a copy, so the rows with it must train exactly as
+without it: the same loss and the same gradients, which a graph that lost the exchange's backward would not give.
 
 Every rank builds the same tiny OLMo 3 (sliding windows of 6 tokens in rows of 64, so windows cross the slices'
 edges; YaRN; grouped-query heads) and the same batch, computes the whole-row loss and gradients itself, then the
@@ -65,7 +70,36 @@ def rel(a: dict, b: dict) -> float:
     return float(sum((a[k] - b[k]).norm() ** 2 for k in a) ** 0.5 / sum(b[k].norm() ** 2 for k in b) ** 0.5)
 
 
+def gpu_check(out: str) -> None:
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    deepspeed.init_distributed(dist_backend="nccl")
+    sp = SequenceParallel.of(dist.new_group([0]))
+    torch.manual_seed(0)
+    model = OLMo(ModelConfig(**dict(OLMO3_TINY, sliding_window=256, max_seq_len=2048, compile="blocks"))).cuda().bfloat16()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, OLMO3_TINY["vocab_size"], (2, 1024), generator=g).cuda()
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), IGNORE_INDEX, device="cuda")], dim=1)
+    doc_lens = torch.tensor([[300, 524, 200], [1024, 0, 0]]).cuda()
+    from olmo_ds.model.model import BLOCK_CALLS
+
+    results = {}
+    for name, kwargs in (("plain", {}), ("exchange", {"sequence_parallel": sp})):
+        model.zero_grad()
+        before = BLOCK_CALLS["compiled"]
+        out = model(ids, labels=labels, doc_lens=doc_lens, **kwargs)
+        out.loss.backward()
+        results[name] = (float(out.loss), {n: p.grad.float().clone() for n, p in model.named_parameters()},
+                         BLOCK_CALLS["compiled"] - before)
+    (loss, grads, compiled), (sp_loss, sp_grads, sp_compiled) = results["plain"], results["exchange"]
+    with open(out, "w") as f:
+        json.dump({"loss_diff": abs(loss - sp_loss), "grad_rel": rel(sp_grads, grads), "compiled": [compiled, sp_compiled],
+                   "grad_norm": float(sum(g.norm() ** 2 for g in sp_grads.values()) ** 0.5)}, f)
+    dist.destroy_process_group()
+
+
 def main():
+    if len(sys.argv) > 2 and sys.argv[2] == "cuda":
+        return gpu_check(sys.argv[1])
     dist.init_process_group("gloo")
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -134,3 +134,34 @@ def test_a_concrete_micro_batch_in_the_deepspeed_json_contradicts_auto(tmp_path)
     cfg = run_config({"preset": "tiny"}, 8, 64, deepspeed_config=str(tmp_path / "ds.json"))
     with pytest.raises(ConfigError, match=r"train_micro_batch_size_per_gpu = 4 while batch.micro_batch_size is auto in run.yaml"):
         choose(cfg)
+
+
+def test_sequence_parallelism_divides_the_activations_and_auto_counts_it():
+    """N ranks a row: each keeps the activations of seq_len / N tokens (plus the exchanged q, k, v and output), the
+    state partitions over all the ranks, and `auto` chooses for that, with the DeepSpeed JSON counting rows."""
+    long = preset("olmo3-style-1b", max_seq_len=65536, yarn=YarnConfig(factor=8))
+    one, two = (estimate_peak_memory(long, micro_batch=1, seq_len=65536, dp_world_size=4, sequence_parallel=n) for n in (1, 2))
+    assert two.model_state == one.model_state and two.head == one.head
+    assert 0.5 < two.activations / one.activations < 0.65  # half the tokens, and the exchange's copies
+    cfg = run_config({"preset": "olmo3-style-1b", "max_seq_len": 65536}, 32, 65536, parallel={"sequence_parallel_size": 4})
+    whole = choose(run_config({"preset": "olmo3-style-1b", "max_seq_len": 65536}, 32, 65536), world=8)
+    spread = choose(cfg, world=2)  # 8 ranks as 2 data-parallel x 4 sequence-parallel
+    assert (whole.size, spread.size) == (1, 4), (whole.describe(), spread.describe())
+    assert spread.estimate.total <= MEMORY_FRACTION * H200 < spread.larger[1].total
+    _, deepspeed = plan_deepspeed(cfg, cfg.model.build(), 2, device="cuda", memory=(int(H200), "an H200"))
+    ds = deepspeed.config
+    assert ds["sequence_parallel_size"] == 4 and ds["train_batch_size"] == 32
+    assert ds["gradient_accumulation_steps"] * ds["train_micro_batch_size_per_gpu"] * 2 == 32  # rows over the data-parallel ranks
+
+
+def test_the_memory_plan_names_the_size_each_card_needs():
+    from olmo_ds.tools.memory_plan import plan
+
+    from train_testlib import ROOT
+
+    table, verdicts = plan(str(ROOT / "configs" / "olmo3-7b-stage3.yaml"), ["model.activation_checkpointing=false"], 64,
+                           {"H100 80GB": 79.2, "H200 141GB": 140.4})
+    assert "| none | " in table and "N = 8" in table and "N = 32" in table
+    none = [v for v in verdicts if "checkpointing none" in v]
+    assert none == ["H100 80GB (budget 63.4 GiB), checkpointing none: sequence_parallel_size 8",
+                    "H200 141GB (budget 112.3 GiB), checkpointing none: sequence_parallel_size 4"]
