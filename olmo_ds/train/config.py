@@ -271,8 +271,9 @@ class TrainConfig:
                 raise ConfigError(f"{where}: model.float8 {model.float8!r} with precision fp16: torchao's float8 recipes are made "
                                   f"for bf16 training, and fp16 adds DeepSpeed's loss scaling, which olmo-ds has not verified "
                                   f"with FP8; use precision bf16 (or model.float8: \"off\")")
-            if b.seq_len % 16:
-                raise ConfigError(f"{where}: model.float8 {model.float8!r} needs batch.seq_len to be a multiple of 16 (a "
+            if b.seq_len % (16 * sp):
+                spread = f" / parallel.sequence_parallel_size {sp}, a rank's share of a row," if sp > 1 else ""
+                raise ConfigError(f"{where}: model.float8 {model.float8!r} needs batch.seq_len{spread} to be a multiple of 16 (a "
                                   f"micro-batch's tokens are the inner dimension of the FP8 weight-gradient matmul), got {b.seq_len}")
 
 

@@ -131,6 +131,9 @@ def _plan(cfg: TrainConfig, env: DistEnv, run_dir: Path, run_lock: RunDirLock | 
     if resume_state is not None:
         check_resume(resume_state, model, env.world_size, resume_dir, deepspeed.zero)
         restore_data_position(loader, resume_dir, resume_state)
+        saved_sp = resume_state.get("sequence_parallel_size", 1)
+        if saved_sp != layout.sp_size:  # checkpoints do not depend on it (olmo_ds/train/parallel.py)
+            log.info("resuming %s, saved at parallel.sequence_parallel_size %d, at %d", resume_dir, saved_sp, layout.sp_size)
     elif load_optimizer:  # the optimizer state must fit as a resume's would
         check_resume(init_from.train_state, model, env.world_size, init_from.directory, deepspeed.zero,
                      frozenset(cfg.init_from.allow_changes))

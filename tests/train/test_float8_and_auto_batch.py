@@ -30,7 +30,7 @@ def config(**fields):
     tree = {"model": {"preset": "tiny", "float8": "tensorwise"}, "data": {"sources": [{"path": "unused"}]}, "precision": "bf16",
             "batch": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 64}}
     for key, value in fields.items():
-        tree[key] = {**tree[key], **value} if isinstance(value, dict) else value
+        tree[key] = {**tree.get(key, {}), **value} if isinstance(value, dict) else value
     return config_from_dict(tree, source="run.yaml")
 
 
@@ -42,6 +42,9 @@ def test_float8_config_errors_name_the_key_and_value():
         config(model={"float8": "rowwise"}, precision="fp16")
     with pytest.raises(ConfigError, match=r"run.yaml: model.float8 'tensorwise' needs batch.seq_len to be a multiple of 16 .*got 60"):
         config(batch={"seq_len": 60})
+    with pytest.raises(ConfigError, match=r"needs batch.seq_len / parallel.sequence_parallel_size 4, a rank's share of a row, to be a "
+                                          r"multiple of 16 .*got 96"):
+        config(batch={"seq_len": 96}, parallel={"sequence_parallel_size": 4})  # 24 tokens a rank
     assert config(model={"float8": False}).model.build().float8 == "off"  # `float8: off` unquoted in YAML
 
 
