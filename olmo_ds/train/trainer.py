@@ -18,6 +18,11 @@ divided by `token_mean_divisor` of that count (which undoes DeepSpeed's division
 averaging over ranks), so the gradient is the same however the step is split into micro-batches and ranks, and
 the logged loss is that token mean. Pretraining runs exactly as before (a mean per micro-batch).
 
+Sequence parallelism (`parallel.sequence_parallel_size` N, `olmo_ds.train.parallel`): the N ranks of a sequence
+group read the same rows, and each trains on its 1/N slice of every row's tokens and labels, with the rows' whole
+document lengths and positions for the masks (`olmo_ds.model.sequence_parallel`). The loss then takes the
+fine-tuning path above for pretraining rows too: a slice's share of the step's token mean, counted over all ranks.
+
 SIGTERM, SIGUSR1 (preemption), SIGINT (Ctrl-C) and the launcher's exit (`launch.watch_launcher`) all stop the
 run the same way: the ranks agree at the next step's start, save a checkpoint and exit.
 """

@@ -1,4 +1,4 @@
-"""Run by test_sequence_parallel.py under torchrun (4 CPU ranks, gloo): the model with its rows spread over 2 and 4
+"""Run by test_ulysses_attention.py under torchrun (4 CPU ranks, gloo): the model with its rows spread over 2 and 4
 ranks against the same model on whole rows, in fp32.
 
     python -m torch.distributed.run --nproc_per_node 4 sp_model_worker.py OUT.json

@@ -3,7 +3,7 @@ Trainer steps on real DeepSpeed ZeRO-3 CPU ranks (gloo) with each row spread ove
 whole rows: the same losses, gradients and token counts, for pretraining rows with document masks and for packed
 fine-tuning rows with loss masks, on a tiny OLMo 3 whose sliding windows are smaller than a row; a checkpoint
 saved at one size resumes at another with the same losses; and what cannot be spread is refused before any
-process group exists. The model's side, and that the comparison sees the windows: tests/model/test_sequence_parallel.py.
+process group exists. The model's side, and that the comparison sees the windows: tests/model/test_ulysses_attention.py.
 """
 
 from __future__ import annotations
