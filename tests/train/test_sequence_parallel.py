@@ -68,8 +68,15 @@ def test_pretraining_rows_over_two_ranks_train_as_whole_rows(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_fine_tuning_over_four_ranks_at_every_split(tmp_path):
+def test_four_ranks_train_alike_at_every_split_and_resume_at_another(tmp_path):
+    """One test of the slow tier (the tier draws a share of its tests): both 4-rank checks below."""
+    fine_tuning_at_every_split(tmp_path / "sft")
+    checkpoint_resumes_at_another_size(tmp_path / "resume")
+
+
+def fine_tuning_at_every_split(tmp_path):
     """4 ranks as 4 data-parallel, 2 x 2 and 1 x 4 sequence-parallel: the same steps of packed conversations."""
+    tmp_path.mkdir()
     data = sft_source(tmp_path / "data")
     model = dict(OLMO3, sliding_window=128, max_seq_len=1024, vocab_size=SFT_VOCAB)
     runs = {}
@@ -85,10 +92,9 @@ def test_fine_tuning_over_four_ranks_at_every_split(tmp_path):
     assert_same_steps(runs[4], runs[1])
 
 
-@pytest.mark.slow
-@pytest.mark.multirank
-def test_a_checkpoint_resumes_at_another_sequence_parallel_size(tmp_path):
+def checkpoint_resumes_at_another_size(tmp_path):
     """Saved at 2 x 2 (data x sequence) on 4 ranks, resumed at 1 x 4 and at 4 x 1: the losses of the run that went on."""
+    tmp_path.mkdir()
     data = write_markov_shards(tmp_path / "shards")
     cfg = pretraining_config(tmp_path, data, "run", 2, max_steps=4, checkpoint={"every": 2, "keep_last": 2})
     config = write_config(tmp_path / "run.yaml", cfg)
