@@ -5,8 +5,9 @@ ranks against the same model on whole rows, in fp32.
     python -m torch.distributed.run --nproc_per_node 1 sp_model_worker.py OUT.json cuda   # the GPU tier's check
 
 On a GPU (one rank, NCCL): the exchange inside compiled blocks, whose attention is flex_attention with windows and
-documents, in bf16; a group of one rank makes each all-to-all a copy, so the rows with it must train exactly as
-without it: the same loss and the same gradients, which a graph that lost the exchange's backward would not give.
+documents, in bf16; a group of one rank makes each all-to-all a copy, so the blocks with it must train as the blocks
+without it: both against the same model eager in fp32, the gradients of every weight as close as bf16 allows, which
+a graph that lost the exchange's backward (zero gradients before it) would not be.
 
 Every rank builds the same tiny OLMo 3 (sliding windows of 6 tokens in rows of 64, so windows cross the slices'
 edges; YaRN; grouped-query heads) and the same batch, computes the whole-row loss and gradients itself, then the
@@ -15,6 +16,7 @@ share of the token mean (`loss_divisor` = targets / N), and the group's gradient
 averages them. Rank 0 writes the largest difference found over all ranks, per case.
 """
 
+import dataclasses
 import json
 import sys
 
@@ -70,30 +72,36 @@ def rel(a: dict, b: dict) -> float:
     return float(sum((a[k] - b[k]).norm() ** 2 for k in a) ** 0.5 / sum(b[k].norm() ** 2 for k in b) ** 0.5)
 
 
-def gpu_check(out: str) -> None:
+def gpu_check(path: str) -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     deepspeed.init_distributed(dist_backend="nccl")
     sp = SequenceParallel.of(dist.new_group([0]))
+    cfg = ModelConfig(**dict(OLMO3_TINY, sliding_window=256, max_seq_len=2048, compile="blocks"))
     torch.manual_seed(0)
-    model = OLMo(ModelConfig(**dict(OLMO3_TINY, sliding_window=256, max_seq_len=2048, compile="blocks"))).cuda().bfloat16()
+    model = OLMo(cfg).cuda().bfloat16()
+    truth = OLMo(dataclasses.replace(cfg, compile="eager")).cuda().float()  # the same weights, eager fp32: the reference
+    truth.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, OLMO3_TINY["vocab_size"], (2, 1024), generator=g).cuda()
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), IGNORE_INDEX, device="cuda")], dim=1)
     doc_lens = torch.tensor([[300, 524, 200], [1024, 0, 0]]).cuda()
     from olmo_ds.model.model import BLOCK_CALLS
 
-    results = {}
-    for name, kwargs in (("plain", {}), ("exchange", {"sequence_parallel": sp})):
-        model.zero_grad()
+    def run(m, **kwargs):
+        m.zero_grad()
         before = BLOCK_CALLS["compiled"]
-        out = model(ids, labels=labels, doc_lens=doc_lens, **kwargs)
+        out = m(ids, labels=labels, doc_lens=doc_lens, **kwargs)
         out.loss.backward()
-        results[name] = (float(out.loss), {n: p.grad.float().clone() for n, p in model.named_parameters()},
-                         BLOCK_CALLS["compiled"] - before)
-    (loss, grads, compiled), (sp_loss, sp_grads, sp_compiled) = results["plain"], results["exchange"]
-    with open(out, "w") as f:
-        json.dump({"loss_diff": abs(loss - sp_loss), "grad_rel": rel(sp_grads, grads), "compiled": [compiled, sp_compiled],
-                   "grad_norm": float(sum(g.norm() ** 2 for g in sp_grads.values()) ** 0.5)}, f)
+        return float(out.loss.detach()), {n: p.grad.float().clone() for n, p in m.named_parameters()}, BLOCK_CALLS["compiled"] - before
+
+    ref_loss, ref_grads, _ = run(truth)
+    report = {}
+    for name, kwargs in (("plain", {}), ("exchange", {"sequence_parallel": sp})):
+        loss, grads, compiled = run(model, **kwargs)
+        report[name] = {"compiled": compiled, "loss_diff": abs(loss - ref_loss),
+                        "grad_rel": {n: float((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()) for n in grads}}
+    with open(path, "w") as f:
+        json.dump(report, f)
     dist.destroy_process_group()
 
 

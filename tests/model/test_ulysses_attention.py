@@ -80,8 +80,11 @@ def test_sequence_parallelism_is_for_training_forwards():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_the_exchange_runs_inside_compiled_flex_blocks(tmp_path):
     """One GPU, a group of one rank (each all-to-all a copy): DeepSpeed's exchange traced into the compiled blocks,
-    with flex_attention over windows and documents in bf16, trains exactly as the blocks without it (a graph that
-    dropped the exchange's backward would train everything before it with zero gradients)."""
+    with flex_attention over windows and documents in bf16, trains as the blocks without it, each against the model
+    eager in fp32 (a graph that dropped the exchange's backward would leave everything before it without gradient)."""
     r = run_worker(tmp_path / "gpu.json", 1, "cuda")
-    assert r["compiled"] == [5, 5], r  # every block of both forwards compiled
-    assert r["loss_diff"] == 0.0 and r["grad_rel"] == 0.0 and r["grad_norm"] > 0, r
+    plain, exchange = r["plain"], r["exchange"]
+    assert plain["compiled"] == exchange["compiled"] == 5, r  # every block of both forwards compiled
+    assert exchange["loss_diff"] < 1e-2, r
+    for name, err in exchange["grad_rel"].items():
+        assert err < max(2 * plain["grad_rel"][name], 1e-2) and err < 3e-2, (name, err, plain["grad_rel"][name])
