@@ -192,6 +192,11 @@ def read_ds_config(cfg: TrainConfig, ds: dict | None = None) -> dict:
             f"{ds_path}: has a \"scheduler\" section; the learning-rate schedule lives in the train config "
             f"(schedule: kind, warmup_steps, ...). Remove it from the JSON."
         )
+    if "data_parallel_size" in ds:
+        # With `sequence_parallel_size` beside it, DeepSpeed would build a device mesh of its own, with other groups.
+        raise ConfigError(f"{ds_path}: data_parallel_size = {ds['data_parallel_size']}: the data-parallel size is the launch's "
+                          f"ranks over parallel.sequence_parallel_size in {cfg.source} (olmo_ds/train/parallel.py); "
+                          f"remove it from the JSON")
     if cfg.batch.micro_batch_size == AUTO:
         for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
             if ds.get(key, AUTO) != AUTO:

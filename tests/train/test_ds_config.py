@@ -110,6 +110,12 @@ def test_structural_errors():
         resolve_ds_config(cfg, model, 3, ds=base)
     with pytest.raises(ConfigError, match="scheduler"):
         resolve_ds_config(cfg, model, 2, ds={**base, "scheduler": {"type": "WarmupLR"}})
+    with pytest.raises(ConfigError, match=r"data_parallel_size = 4: the data-parallel size is the launch's ranks over "
+                                          r"parallel.sequence_parallel_size"):
+        resolve_ds_config(cfg, model, 2, ds={**base, "data_parallel_size": 4})
+    contradicted = train_config("parallel.sequence_parallel_size=2")
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size = 4 contradicts parallel.sequence_parallel_size = 2"):
+        resolve_ds_config(contradicted, model, 2, ds={**base, "sequence_parallel_size": 4})
     with pytest.raises(ConfigError, match=r"no train-config value fills zero_optimization.stage3_max_live_parameters"):
         resolve_ds_config(cfg, model, 2, ds={**base, "zero_optimization": {**base["zero_optimization"], "stage3_max_live_parameters": "auto"}})
     with pytest.raises(ConfigError, match="zero_optimization.stage must be 1, 2 or 3"):
