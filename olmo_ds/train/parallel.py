@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from olmo_ds.model.sequence_parallel import SequenceParallel
 from olmo_ds.train.config import ConfigError, TrainConfig
 
@@ -64,8 +66,6 @@ def sequence_group(layout: ParallelLayout) -> SequenceParallel | None:
     as torch.distributed.new_group requires."""
     if layout.sp_size == 1:
         return None
-    import torch.distributed as dist
-
     mine = None
     for first in range(0, layout.world_size, layout.sp_size):
         group = dist.new_group(list(range(first, first + layout.sp_size)))

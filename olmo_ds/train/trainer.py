@@ -225,14 +225,15 @@ class Trainer:
         # device's queue; whatever the host does from there to the next forward's first kernel leaves the
         # device idle. So the whole batch is copied once per step, and the loss bookkeeping is queued
         # while the forward still runs (BENCHMARKS.md, "The host between micro-batches").
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         sft: dict = {}
         if self.sp is not None:
-            # Sequence parallelism: this rank's slice of every row's tokens and labels; doc_lens and positions stay
-            # whole (the masks are the whole rows'), and so does the loss's divisor: each rank's loss is its slice's
-            # share of the step's token mean, which is what DeepSpeed's average over all ranks then sums to.
-            batch.update(input_ids=self.sp.local(batch["input_ids"]), labels=self.sp.local(batch["labels"]))
+            # Sequence parallelism: this rank's slice of every row's tokens and labels (cut before the copy to the
+            # device); doc_lens and positions stay whole (the masks are the whole rows'), and so does the loss's
+            # divisor: each rank's loss is its slice's share of the step's token mean, which is what DeepSpeed's
+            # average over all ranks then sums to.
+            batch = {**batch, "input_ids": self.sp.local(batch["input_ids"]), "labels": self.sp.local(batch["labels"])}
             sft["sequence_parallel"] = self.sp
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         if self.masked or self.sp is not None:
             # The step's trained tokens and conversation tokens over all ranks: one collective, before the first forward.
             # A row's conversation tokens are counted by the first rank of its sequence group only.
