@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from olmo_ds.tools.harness import generate_shards, launch_timed, timed_launch_worker
+from olmo_ds.tools.harness import add_launch_options, generate_shards, launch_timed, timed_launch_worker
 
 TARGET = 0.90
 
@@ -81,11 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per GPU per step")
     p.add_argument("--ds-config", default="ds_configs/zero3_bf16.json")
     p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE", help="model fields, e.g. activation_checkpointing=full")
-    p.add_argument("--warmup", type=int, default=3 if gpu else 1)
-    p.add_argument("--steps", type=int, default=10 if gpu else 2)
-    p.add_argument("--work-dir", default="out/bench-scaling")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
-    p.add_argument("--worker", nargs=3, metavar=("CONFIG", "OUT", "WARMUP"), help=argparse.SUPPRESS)
+    add_launch_options(p, steps=10, work_dir="out/bench-scaling")
     args = p.parse_args(argv)
     if args.worker:
         timed_launch_worker(args.worker[0], args.worker[1], int(args.worker[2]))

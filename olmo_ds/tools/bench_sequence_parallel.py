@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from olmo_ds.tools.harness import generate_shards, launch_timed, timed_launch_worker
+from olmo_ds.tools.harness import add_launch_options, generate_shards, launch_timed, timed_launch_worker
 
 
 def config_tree(args, data: Path, size: int, work: Path) -> dict:
@@ -64,11 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,2,4" if gpu else "1,2", help="sequence-parallel sizes, comma-separated")
     p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
                    help="model fields, e.g. activation_checkpointing=false (default: the preset's, with YaRN for 65,536)")
-    p.add_argument("--warmup", type=int, default=3 if gpu else 1)
-    p.add_argument("--steps", type=int, default=5 if gpu else 2)
-    p.add_argument("--work-dir", default="out/bench-sp")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
-    p.add_argument("--worker", nargs=3, metavar=("CONFIG", "OUT", "WARMUP"), help=argparse.SUPPRESS)
+    add_launch_options(p, steps=5, work_dir="out/bench-sp")
     args = p.parse_args(argv)
     if args.worker:
         timed_launch_worker(args.worker[0], args.worker[1], int(args.worker[2]))

@@ -9,6 +9,7 @@ here, so that no benchmark imports another.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -259,6 +260,16 @@ def timed_launch_worker(config: str, out: str, warmup: int) -> None:
             "mfu": tflops / device_peak if device_peak else None, "peak_gib": float(peak) / 2**30, "steps": steps,
             "seconds": seconds, "losses": losses, "micro_batch": trainer.plan.deepspeed.micro_batch.record(),
             "environment": environment()}, indent=1))
+
+
+def add_launch_options(p, *, steps: int, work_dir: str) -> None:
+    """The options every one-launch-per-size benchmark takes (timed steps, where its runs go, the worker's entry)."""
+    gpu = torch.cuda.is_available()
+    p.add_argument("--warmup", type=int, default=3 if gpu else 1)
+    p.add_argument("--steps", type=int, default=steps if gpu else 2)
+    p.add_argument("--work-dir", default=work_dir)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
+    p.add_argument("--worker", nargs=3, metavar=("CONFIG", "OUT", "WARMUP"), help=argparse.SUPPRESS)
 
 
 def launch_timed(module: str, config: Path, out: Path, *, nproc: int, warmup: int, timeout: float) -> dict | None:
