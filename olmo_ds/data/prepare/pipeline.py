@@ -42,7 +42,6 @@ import multiprocessing as mp
 import os
 import json
 import shutil
-import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -385,7 +384,6 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
         workers = _Workers.start(stack, unit, cfg.workers, spec, context)
         clock.mark("workers")
         texts = []
-        check_started = time.perf_counter()
         if fast is not None:
             texts, labels = check_texts(files, cfg.text_field)
             difference = _first_difference(workers, texts, labels)
@@ -394,8 +392,8 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
             if workers.pool:
                 workers.pool.close()
             workers = _Workers.start(stack, unit, cfg.workers, dataclasses.replace(spec, backend="hf"), context)
-        check_seconds = time.perf_counter() - check_started if fast is not None else 0.0
         clock.mark("backend check")
+        check_seconds = clock.seconds["backend check"] if fast is not None else 0.0
         if mode == "overwrite":
             for p in our_files(out):
                 p.unlink()
@@ -520,7 +518,6 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
         atomic_write_json(out / STATE_FILE, setup.ident)
 
     setup.clock.mark("resume")
-    t0 = time.perf_counter()
     disk_done = sum(s.bytes for s in file_stats[: split_position(start)[0] - lo])
     label = "prepare" if cfg.partition is None else f"prepare part {cfg.partition[0]}/{cfg.partition[1]}"
     progress = Progress(sum(s.bytes for s in file_stats), disk_done, cfg.progress, label, cfg.progress_every)
@@ -534,8 +531,8 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
         finished = True
     finally:
         progress.close(finished)
-    seconds = time.perf_counter() - t0
     setup.clock.mark("tokenizing")
+    seconds = setup.clock.seconds["tokenizing"]
     if run.docs == 0 and all(k == 0 for _, k, _ in resume.values()) and cfg.partition is None:
         _no_documents(setup, skiplog, created)
 
