@@ -235,8 +235,8 @@ def measure_prepare(tokenizer: Path, corpus: Path, output: Path, workers: int, b
 
 
 # The steps of a prepare_data.py run in the order they run (its summary shows the backend check and the
-# tokenizing loop above the others, which it lists under "the rest").
-_STEPS = ("inputs", "tokenizer", "output", "fast backend", "workers", "backend check", "resume", "tokenizing", "manifests", "stop workers")
+# tokenizing loop above the others, which it lists under "the rest"; a run without a check lists "backend" there).
+_STEPS = ("inputs", "tokenizer", "output", "fast backend", "workers", "backend check", "backend", "resume", "tokenizing", "manifests", "stop workers")
 
 
 def _phases(summary: str, prepare_seconds: float, validate_seconds: float) -> dict[str, float]:

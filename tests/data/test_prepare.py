@@ -716,8 +716,15 @@ def test_the_summary_time_covers_the_whole_run(tmp_path):
     # The rest, step by step in run order (what bench_prepare.py reads back to show start-up on many cores).
     steps = re.findall(r"^    (\S.*?)\s+([\d.,]+) s$", text, re.M)
     assert [name for name, _ in steps] == ["inputs", "tokenizer", "output", "fast backend", "workers", "resume", "manifests", "stop workers"]
-    assert list(result.phases) == ["inputs", "tokenizer", "output", "fast backend", "workers", "backend check", "resume", "tokenizing", "manifests", "stop workers"]
+    assert list(result.phases) == ["inputs", "tokenizer", "output", "fast backend", "workers", "backend", "resume", "tokenizing", "manifests", "stop workers"]
     assert abs(sum(float(v) for _, v in steps) - rest) < 0.01 and result.phases["tokenizing"] >= loop - 0.001
+    # Without a check (HF asked for), choosing the backend is a step under the rest like the others.
+    text = format_summary(run([C4_DIR], tmp_path / "hf", DOLMA2, tokenizer_backend="hf"))
+    rest = float(re.search(r"^  the rest\s+([\d.,]+) s", text, re.M).group(1).replace(",", ""))
+    steps = re.findall(r"^    (\S.*?)\s+([\d.,]+) s$", text, re.M)
+    assert "backend check" not in text and [name for name, _ in steps] == ["inputs", "tokenizer", "output", "fast backend", "workers", "backend", "resume",
+                                                                             "manifests", "stop workers"]
+    assert abs(sum(float(v) for _, v in steps) - rest) < 0.01
 
 
 def test_workers_are_forked_after_fastokens_parsed_in_a_thread():

@@ -392,8 +392,8 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
             if workers.pool:
                 workers.pool.close()
             workers = _Workers.start(stack, unit, cfg.workers, dataclasses.replace(spec, backend="hf"), context)
-        clock.mark("backend check")
-        check_seconds = clock.seconds["backend check"] if fast is not None else 0.0
+        clock.mark("backend")  # choosing it: the check, when there is one
+        check_seconds = clock.seconds["backend"] if fast is not None else 0.0
         if mode == "overwrite":
             for p in our_files(out):
                 p.unlink()

@@ -77,10 +77,6 @@ class PrepareResult:
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds of each step of `prepare`, in order (`Phases`)
 
 
-# The steps of `Phases` that the summary shows on lines of their own, not under "the rest".
-OWN_LINES = ("backend check", "tokenizing")
-
-
 class Phases:
     """Wall seconds of each step of a run, in order, one clock from start to end: where start-up
     goes (inputs, tokenizer, workers, the backend check) is what decides a short run's speed-up on
@@ -189,5 +185,6 @@ def format_summary(r: PrepareResult, dry_run: bool = False) -> str:
             per_s = f"{r.run_docs / r.seconds:,.0f} conversations/s, " if r.conversations else ""
             lines.append(f"  tokenizing    {r.seconds:>10,.3f} s  (reading, tokenizing, writing: {per_s}{r.run_tokens / r.seconds / 1e6:,.2f}M tokens/s, {r.text_bytes / r.seconds / 1e6:,.1f} MB/s of text)")
         lines.append(f"  the rest      {rest:>10,.3f} s  (checking inputs and output, loading the tokenizer, starting workers, manifests)")
-        lines += [f"    {step:<12}{seconds:>10,.3f} s" for step, seconds in r.phases.items() if step not in OWN_LINES]
+        own = {"backend": r.check_seconds > 0, "tokenizing": r.seconds > 0}  # the steps shown on lines of their own above
+        lines += [f"    {step:<12}{seconds:>10,.3f} s" for step, seconds in r.phases.items() if not own.get(step)]
     return "\n".join(lines)
