@@ -25,7 +25,7 @@ from olmo_ds import checkpoint as ckpt
 from olmo_ds import weights
 from olmo_ds.chat import ChatEncoder, load_chat_template, template_beside
 from olmo_ds.model import ModelConfig
-from olmo_ds.model.generate import generate
+from olmo_ds.model.decode import Request, generate
 from olmo_ds.tokenizer import load_tokenizer
 from testdata import SHARED
 
@@ -76,9 +76,9 @@ def run_generate(monkeypatch, capsys, argv: list[str]):
     script = load_script("generate")
     calls = []
 
-    def recording(model, prompts, max_new_tokens, **kw):
-        out = generate(model, prompts, max_new_tokens, **kw)
-        calls.append({"prompts": prompts, "outputs": out, **kw})
+    def recording(model, requests, **kw):
+        out = generate(model, requests, **kw)
+        calls.append({"prompts": [list(r.prompt) for r in requests], "outputs": [c.tokens for c in out.completions], **kw})
         return out
 
     monkeypatch.setattr(script, "generate", recording)
@@ -152,11 +152,12 @@ def test_turn_end_ids_come_from_the_template(tok):
 
 def test_generate_stops_at_the_first_of_any_stop_id():
     model = random_model(ModelConfig(**dict(OLMO3_TINY, vocab_size=384)), seed=3)
-    free = generate(model, [[5, 17, 99]], 16)[0]
+    request = [Request([5, 17, 99], 16)]
+    free = generate(model, request).completions[0].tokens
     stop = free[5]
     first = free.index(stop)
-    assert generate(model, [[5, 17, 99]], 16, stop_ids=[stop])[0] == free[:first + 1]
-    assert generate(model, [[5, 17, 99]], 16, eos_id=free[1], stop_ids=[stop])[0] == free[:min(first, free.index(free[1])) + 1]
+    assert generate(model, request, stop_ids=[stop]).completions[0].tokens == free[:first + 1]
+    assert generate(model, request, stop_ids=[free[1], stop]).completions[0].tokens == free[:min(first, free.index(free[1])) + 1]
 
 
 # ---- scripts/generate.py --chat ---------------------------------------------------------------------
@@ -170,7 +171,7 @@ def test_generate_chat_feeds_the_template_stops_at_im_end_and_prints_only_the_re
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
     (call,) = calls
     assert call["prompts"] == [hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)]
-    assert sorted(call["stop_ids"]) == sorted([IM_END, EOS]) and call["eos_id"] == EOS
+    assert sorted(call["stop_ids"]) == sorted([IM_END, EOS])
     assert call["outputs"] == [[*reply, IM_END]]  # stopped at <|im_end|>, 40 tokens allowed
     assert out == "=== 'Capital of France?'\n Paris is the capital.\n\n"
 

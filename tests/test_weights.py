@@ -21,7 +21,7 @@ from olmo_ds import checkpoint as ckpt
 from olmo_ds import weights
 from olmo_ds.eval.runner import EvalOptions, run
 from olmo_ds.model import OLMo, preset
-from olmo_ds.model.generate import generate
+from olmo_ds.model.decode import Request, generate
 from olmo_ds.tokenizer import load_tokenizer
 from testdata import SHARED
 
@@ -113,7 +113,7 @@ def test_every_tool_uses_the_tokenizer_beside_the_weights(sources, consolidated,
     capsys.readouterr()
     assert used_by("generate", generate_main) == 0
     model, tokenizer, _ = weights.load_model(target)
-    expected = tokenizer.decode(generate(model, [beside.encode("The")], 3, eos_id=beside.eos_id)[0])
+    expected = generate(model, [Request(beside.encode("The"), 3)], stop_ids=[beside.eos_id], tokenizer=beside).completions[0].text
     assert capsys.readouterr().out == f"=== 'The'\nThe{expected}\n\n"
     assert tokenizer.fingerprint == beside.fingerprint
 
