@@ -108,3 +108,51 @@ def test_skipped_not_failed_without_accelerate(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "agrees_with_our_scores"],
                           capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).parents[2])
     assert proc.returncode == 5 and "1 skipped" in proc.stdout, proc.stdout[-2000:]  # 5: pytest ran no test
+
+
+GEN_YAML = """task: gen_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{choices[gold]}}}}"
+generation_kwargs:
+  until: ["\\n", "."]
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+def test_generate_until_is_batched_and_cut_at_the_stop_strings(arc_local, model, neox, tmp_path):
+    """`generate_until` through `--model olmo-ds` (decoded in batches of gen_batch_size) writes transformers'
+    greedy text on the export, one request at a time, cut at the first of the `until` strings as lm-eval cuts
+    it. (transformers may pick a padded vocabulary id, which a trained model never favours and olmo-ds never
+    picks; they are suppressed on its side.)"""
+    import torch
+    import transformers
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "gen_local.yaml").write_text(GEN_YAML.format(data=arc_local["data"]))
+    ours = _lm_eval(tmp_path, "olmo_ds.eval.lm_eval_model", "olmo-ds", f"checkpoint={arc_local['model_dir']},gen_batch_size=5", tasks,
+                    tmp_path / "ours", task="gen_local")
+    assert ours.returncode == 0, ours.stderr[-4000:]
+    samples = sorted((json.loads(line) for line in next((tmp_path / "ours").rglob("samples_gen_local_*.jsonl")).open()), key=lambda s: s["doc_id"])
+    assert len(samples) == 16
+    exported = arc_local["model_dir"].with_name(arc_local["model_dir"].name.removesuffix("-olmo"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
+    padded = list(range(neox.vocab_size, model.cfg.padded_vocab_size))
+    for s in samples:
+        ids = neox.encode(s["arguments"]["gen_args_0"]["arg_0"])
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=neox.eos_id,
+                          suppress_tokens=padded)
+        text = neox.decode(out[0, len(ids):].tolist())
+        for stop in ("\n", "."):
+            text = text.split(stop)[0]
+        assert s["resps"][0][0] == text, s["doc_id"]
+    assert any(s["resps"][0][0] for s in samples)

@@ -16,7 +16,7 @@ The cache owns attention (`attend`, called by `olmo_ds.model.model.Attention` fo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,11 @@ def cache_budget(device: torch.device, budget: int | None = None) -> tuple[int, 
     return DEFAULT_CPU_BUDGET, "the default CPU cache budget"
 
 
+def sequences_that_fit(cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device, budget: int | None = None) -> int:
+    """How many sequences of up to `max_len` tokens the cache budget holds (evaluation sizes its batches by it)."""
+    return cache_budget(device, budget)[0] // bytes_per_sequence(cfg, max_len, dtype)
+
+
 def check_fits(cfg: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
                budget: int | None = None) -> int:
     """Bytes per sequence; a ValueError saying how many sequences would fit when `slots` do not."""
@@ -77,6 +82,7 @@ class _Decode:
     positions: torch.Tensor  # int64 [A]: the new token's position = the slot's cached length
     contiguous: bool  # slots are 0..A-1: the cache is read through views, not gathered
     longest: int  # max(positions) + 1
+    masks: dict = field(default_factory=dict)  # span -> [A, 1, 1, span] bool, built once per step, not per layer
 
 
 class SlotCache:
@@ -143,8 +149,8 @@ class SlotCache:
             keys, values = keys[:len(step.slots), :, :span], values[:len(step.slots), :, :span]
         else:
             keys, values = keys[:, :, :span].index_select(0, step.slots), values[:, :, :span].index_select(0, step.slots)
-        # A slot's entries 0..position are written (a ring's are all written once position >= ring).
-        allowed = torch.arange(span, device=q.device)[None, :] <= step.positions[:, None]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=allowed[:, None, None, :], scale=scale,
+        if span not in step.masks:  # a slot's entries 0..position are written (a ring's all, once position >= ring)
+            step.masks[span] = (torch.arange(span, device=q.device)[None, :] <= step.positions[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=step.masks[span], scale=scale,
                                              enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)
