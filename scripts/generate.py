@@ -102,7 +102,7 @@ def main() -> int:
         s = result.stats
         print(f"generate: {s['requests']} prompts, {s['new_tokens']:,} new tokens in {s['seconds']:.1f} s "
               f"({s['new_tokens_per_second']:,.0f} tokens/s), batch {s['batch_size']}, KV cache "
-              f"{s['cache_bytes_per_sequence'] / 2**20:.1f} MiB per sequence" + (f"; written to {args.out}" if args.out else ""),
+              f"{s['cache_bytes_per_sequence'] / 2**10:,.0f} KiB per sequence" + (f"; written to {args.out}" if args.out else ""),
               file=sys.stderr)
         return 0
     for pr, c in zip(prompts, result.completions):

@@ -147,7 +147,7 @@ def test_generate_script_writes_a_prompts_file_as_json_lines(tmp_path):
     proc = subprocess.run([*script, "--prompts", str(prompts), "--batch-size", "2", "--max-new-tokens", "6", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "generate: 3/3 prompts" in proc.stderr and "MiB per sequence" in proc.stderr
+    assert "generate: 3/3 prompts" in proc.stderr and "KiB per sequence" in proc.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     tok = load_tokenizer(tokenizer_path)
     expected = generate(model, [Request(tok.encode(r["prompt"]), r.get("max_new_tokens", 6), tuple(r.get("stop", []))) for r in records],
