@@ -11,12 +11,14 @@ Rows, each timed after a short warm-up of its engine, with the number of prompts
 
 - `olmo-ds before #46`: the loop `generate.py` ran before batching (one prompt at a time, a batch-1
   `KVCache`, a whole `OLMo.forward` per token), on `--batch1-prompts` of the prompts;
-- `olmo-ds`: `olmo_ds.model.decode.generate` at each of `--batch-sizes` (batch 1 on `--batch1-prompts`);
+- `olmo-ds`: `olmo_ds.model.decode.generate` at each of `--batch-sizes` (batch 1 on `--batch1-prompts`), with
+  CUDA graphs on a GPU (its default), and on a GPU once more without them (`olmo-ds, eager`) at the largest;
 - `transformers`: `generate(do_sample=False)` at the same batch sizes, left-padded batches in prompt order
   (batch 1 on `--batch1-prompts`).
 
 Output tokens/s = new tokens / seconds. The table comes last; `--out` writes the rows as JSON. Greedy outputs of
 olmo-ds and transformers are compared on the prompts both ran at batch 1 (identical in fp32; bf16 may differ).
+A row that fails is reported as failed (its error on stderr) and the others still run.
 """
 
 from __future__ import annotations
@@ -117,14 +119,21 @@ def main(argv: list[str] | None = None) -> int:
     rows, outputs = [], {}
 
     def row(engine: str, batch: int, count: int, fn) -> None:
-        out, seconds = timed(fn)
+        try:
+            out, seconds = timed(fn)
+        except (RuntimeError, ValueError) as e:  # a CUDA error, out of memory: the other rows still say something
+            print(f"  {engine} batch {batch}: failed: {e}", file=sys.stderr, flush=True)
+            rows.append({"engine": engine, "batch": batch, "prompts": count, "failed": str(e)})
+            return
         tokens = sum(map(len, out))
         rows.append({"engine": engine, "batch": batch, "prompts": count, "new_tokens": tokens, "seconds": seconds,
                      "tokens_per_second": tokens / seconds})
         outputs[(engine, batch)] = out
         print(f"  {engine} batch {batch}: {count} prompts, {tokens:,} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s", flush=True)
 
-    ours = lambda subset, b, n: [c.tokens for c in generate(model, [Request(q, n) for q in subset], batch_size=b).completions]  # noqa: E731
+    def ours(subset, b, n, graphs=None):
+        return [c.tokens for c in generate(model, [Request(q, n) for q in subset], batch_size=b, cuda_graphs=graphs).completions]
+
     warm = [q[:16] for q in prompts[:2]]
     before_46(model, warm[:1], 2)
     row("olmo-ds before #46", 1, len(few), lambda: before_46(model, few, args.new_tokens))
@@ -132,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     for b in sizes:
         subset = few if b == 1 else prompts
         row("olmo-ds", b, len(subset), lambda: ours(subset, b, args.new_tokens))
+    if gpu:
+        row("olmo-ds, eager", max(sizes), len(prompts), lambda: ours(prompts, max(sizes), args.new_tokens, graphs=False))
     if args.transformers:
         hf = hf_model(model)
         hf_generate(hf, warm, 2, 2)
@@ -145,17 +156,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"olmo-ds batch 1 identical to the loop before #46 on "
               f"{sum(a == b for a, b in zip(outputs[('olmo-ds', 1)], outputs[('olmo-ds before #46', 1)]))}/{len(few)} prompts", flush=True)
 
-    base = rows[0]["tokens_per_second"]
+    failed = [r for r in rows if "failed" in r]
+    rows = [r for r in rows if "failed" not in r]
+    base = rows[0]["tokens_per_second"] if rows and rows[0]["engine"] == "olmo-ds before #46" else None
     hf_at = {r["batch"]: r["tokens_per_second"] for r in rows if r["engine"] == "transformers"}
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "environment": environment(), "rows": rows}, indent=2))
+        Path(args.out).write_text(json.dumps({"args": vars(args), "environment": environment(), "rows": rows, "failed": failed}, indent=2))
     print("\n| engine | batch | prompts | new tokens | seconds | output tokens/s | vs olmo-ds before #46 | vs transformers, same batch |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        vs_hf = f"{r['tokens_per_second'] / hf_at[r['batch']]:.2f}x" if r["engine"] == "olmo-ds" and r["batch"] in hf_at else "–"
+        vs_hf = f"{r['tokens_per_second'] / hf_at[r['batch']]:.2f}x" if r["engine"] != "transformers" and r["batch"] in hf_at else "–"
+        vs_base = f"{r['tokens_per_second'] / base:.1f}x" if base else "–"
         print(f"| {r['engine']} | {r['batch']} | {r['prompts']} | {r['new_tokens']:,} | {r['seconds']:.2f} | {r['tokens_per_second']:,.0f} | "
-              f"{r['tokens_per_second'] / base:.1f}x | {vs_hf} |")
-    return 0
+              f"{vs_base} | {vs_hf} |")
+    for r in failed:
+        print(f"| {r['engine']} | {r['batch']} | {r['prompts']} | failed | | | | |")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

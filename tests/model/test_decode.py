@@ -161,3 +161,20 @@ def test_generate_script_writes_a_prompts_file_as_json_lines(tmp_path):
     assert bad.returncode == 2 and f"{prompts}:2: a \"messages\" record needs a chat template: pass --chat" in bad.stderr
     bad = subprocess.run([*script, "--prompt", "x", "--top-p", "0"], capture_output=True, text=True, timeout=300, cwd=root)
     assert bad.returncode == 2 and "top_p must be in (0, 1], got 0.0" in bad.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_steps_decode_what_eager_steps_decode(dtype):
+    """GPU tier: steps with every slot busy replay CUDA graphs (one per span bucket; these prompts cross one)
+    and give the eager steps' tokens; the tail, with free slots, runs eagerly."""
+    cfg = ModelConfig(**dict(OLMO3_TINY, vocab_size=384, max_seq_len=600))
+    model = random_model(cfg, seed=3).to(device="cuda", dtype=dtype)
+    g = torch.Generator().manual_seed(2)
+    requests = [Request(torch.randint(0, 384, (n,), generator=g).tolist(), m)
+                for n, m in zip([300, 20, 270, 5, 40, 260, 8, 100, 3, 250], [30, 12, 25, 40, 30, 20, 3, 16, 30, 11])]
+    eager = generate(model, requests, batch_size=4, cuda_graphs=False)
+    graphed = generate(model, requests, batch_size=4)
+    assert eager.stats["graph_forwards"] == 0 and 0 < graphed.stats["graph_forwards"] < graphed.stats["decode_forwards"]
+    assert [c.tokens for c in graphed.completions] == [c.tokens for c in eager.completions]

@@ -28,6 +28,14 @@ GIB = 1024 ** 3
 DEFAULT_CPU_BUDGET = 4 * GIB
 # Of a GPU's free memory, the share the cache may take (the rest: activations of a prefill, logits).
 GPU_SHARE = 0.8
+# A decode step's attention reads each slot's first `span` positions, span rounded up to a multiple of this:
+# a few shapes only (each a CUDA graph, `olmo_ds.model.decode.graphs`), at most this many masked positions read.
+SPAN_BUCKET = 256
+
+
+def decode_span(longest: int, max_len: int) -> int:
+    """The positions a decode step reads when its longest sequence holds `longest` (the new token included)."""
+    return min(-(-longest // SPAN_BUCKET) * SPAN_BUCKET, max_len)
 
 
 def layer_lengths(cfg: ModelConfig, max_len: int) -> list[int]:
@@ -81,7 +89,7 @@ class _Decode:
     slots: torch.Tensor  # int64 [A], on the cache's device
     positions: torch.Tensor  # int64 [A]: the new token's position = the slot's cached length
     contiguous: bool  # slots are 0..A-1: the cache is read through views, not gathered
-    longest: int  # max(positions) + 1
+    span: int  # positions read per slot (`decode_span`); a ring reads min(span, its size)
     masks: dict = field(default_factory=dict)  # span -> [A, 1, 1, span] bool, built once per step, not per layer
 
 
@@ -102,11 +110,10 @@ class SlotCache:
         """The next forward is one row of these whole prompts, in this order, each filling its slot from position 0."""
         self._step = _Prefill(slots, lengths)
 
-    def decode(self, slots: list[int], positions: list[int]) -> None:
-        """The next forward is `[len(slots), 1]`: one token per slot, at its position (the slot's cached length)."""
-        device = self.keys[0].device
-        self._step = _Decode(torch.tensor(slots, device=device), torch.tensor(positions, device=device),
-                             slots == list(range(len(slots))), max(positions) + 1)
+    def decode(self, slots: torch.Tensor, positions: torch.Tensor, span: int, contiguous: bool) -> None:
+        """The next forward is `[len(slots), 1]`: one token per slot (int64 tensors on the cache's device), at its
+        position (the slot's cached length); `span`: `decode_span` of the longest; `contiguous`: slots are 0..A-1."""
+        self._step = _Decode(slots, positions, contiguous, span)
 
     def attend(self, layer: int, q, k, v, window: int | None, scale: float) -> torch.Tensor:
         if isinstance(self._step, _Prefill):
@@ -144,7 +151,7 @@ class SlotCache:
         where = step.positions % ring if ring else step.positions
         keys[step.slots, :, where] = k[:, 0]
         values[step.slots, :, where] = v[:, 0]
-        span = min(step.longest, keys.shape[2])
+        span = min(step.span, keys.shape[2])
         if step.contiguous:
             keys, values = keys[:len(step.slots), :, :span], values[:len(step.slots), :, :span]
         else:

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from olmo_ds.model.decode.cache import SlotCache, check_fits
+from olmo_ds.model.decode.cache import SlotCache, check_fits, decode_span
+from olmo_ds.model.decode.forward import forward_logits
+from olmo_ds.model.decode.graphs import DecodeGraphs
 from olmo_ds.model.decode.sampling import Sampling, next_tokens
 from olmo_ds.model.model import OLMo
 
@@ -115,26 +117,17 @@ def _completion(seq: _Sequence, tokenizer) -> Completion:
     return Completion(seq.tokens, seq.finish, text[:cut])
 
 
-def _logits(model: OLMo, ids: torch.Tensor, positions: torch.Tensor, cache: SlotCache, last: torch.Tensor) -> torch.Tensor:
-    """The model's blocks over `ids` with the cache, the head on the flat positions `last` only."""
-    x = model.embed(ids)
-    tables = model._rope_tables(positions)
-    for i, block in enumerate(model.blocks):
-        cos, sin = tables[model.cfg.layer_is_sliding(i)]
-        x = block(x, cos, sin, None, cache)
-    hidden = x.reshape(-1, x.shape[-1]).index_select(0, last)
-    return model.head(model.norm(hidden))
-
-
 @torch.no_grad()
 def generate(model: OLMo, requests: Sequence[Request], *, batch_size: int = 8, sampling: Sampling = Sampling(),
              stop_ids: Sequence[int] = (), tokenizer=None, cache_budget: int | None = None,
-             prefill_tokens: int | None = None, progress: Callable[[int, int, int], None] | None = None) -> Generation:
+             prefill_tokens: int | None = None, cuda_graphs: bool | None = None,
+             progress: Callable[[int, int, int], None] | None = None) -> Generation:
     """Complete every request (see the module docstring); completions come back in the requests' order.
 
     `stop_ids`: ids that end a sequence (the EOS, a chat model's turn end). `tokenizer`: needed for stop
     strings and `Completion.text`. `cache_budget`: bytes the KV cache may take (default: 80% of the GPU's
     free memory, or 4 GiB on CPU); a batch that cannot fit is refused, saying how many sequences would.
+    `cuda_graphs` (default: on a GPU): steps with every slot busy replay CUDA graphs (`graphs.DecodeGraphs`).
     `progress(finished, total, new_tokens)` is called after every forward."""
     cfg = model.cfg
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -142,6 +135,8 @@ def generate(model: OLMo, requests: Sequence[Request], *, batch_size: int = 8, s
     check_requests(requests, cfg, has_tokenizer=tokenizer is not None)
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {device}")
     slots = min(batch_size, len(requests))
     max_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
     per_sequence = check_fits(cfg, slots, max_len, dtype, device, cache_budget)
@@ -151,6 +146,7 @@ def generate(model: OLMo, requests: Sequence[Request], *, batch_size: int = 8, s
     was_training = model.training
     model.eval()
     cache = SlotCache(cfg, slots, max_len, device, dtype)
+    graphs = DecodeGraphs(model, cache) if device.type == "cuda" and cuda_graphs is not False else None
     waiting = deque(range(len(requests)))
     free = list(range(slots))  # a heap: the lowest free slot first keeps the active ones contiguous
     active: dict[int, _Sequence] = {}
@@ -180,7 +176,7 @@ def generate(model: OLMo, requests: Sequence[Request], *, batch_size: int = 8, s
                 positions = torch.tensor([[p for n in lengths for p in range(n)]], device=device)
                 last = torch.tensor(lengths, device=device).cumsum(0) - 1
                 cache.prefill([s.slot for s in wave], lengths)
-                logits = _logits(model, ids, positions, cache, last)
+                logits = forward_logits(model, ids, positions, cache, last)
                 for s in wave:
                     active[s.slot] = s
                 finish_or_keep(wave, next_tokens(logits, cfg.vocab_size, sampling, [s.generator for s in wave]).tolist())
@@ -188,10 +184,14 @@ def generate(model: OLMo, requests: Sequence[Request], *, batch_size: int = 8, s
                 stats["prompt_tokens"] += total
             elif active:
                 seqs = [active[slot] for slot in sorted(active)]
-                cache.decode([s.slot for s in seqs], [s.position for s in seqs])
                 ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=device)
-                positions = torch.tensor([[s.position] for s in seqs], device=device)
-                logits = _logits(model, ids, positions, cache, torch.arange(len(seqs), device=device))
+                positions = torch.tensor([s.position for s in seqs], device=device)
+                span = decode_span(max(s.position for s in seqs) + 1, max_len)
+                logits = graphs.logits(ids, positions, span) if graphs is not None and len(seqs) == slots else None
+                if logits is None:
+                    slot_ids = [s.slot for s in seqs]
+                    cache.decode(torch.tensor(slot_ids, device=device), positions, span, contiguous=slot_ids == list(range(len(seqs))))
+                    logits = forward_logits(model, ids, positions[:, None], cache, torch.arange(len(seqs), device=device))
                 finish_or_keep(seqs, next_tokens(logits, cfg.vocab_size, sampling, [s.generator for s in seqs]).tolist())
                 stats["decode_forwards"] += 1
                 stats["decode_rows"] += len(seqs)
@@ -200,6 +200,7 @@ def generate(model: OLMo, requests: Sequence[Request], *, batch_size: int = 8, s
     finally:
         model.train(was_training)
     seconds = time.perf_counter() - start
-    stats.update(requests=len(requests), batch_size=slots, max_len=max_len, cache_bytes_per_sequence=per_sequence,
+    stats.update(requests=len(requests), batch_size=slots, graph_forwards=graphs.replays if graphs is not None else 0,
+                 max_len=max_len, cache_bytes_per_sequence=per_sequence,
                  cache_bytes=per_sequence * slots, seconds=seconds, new_tokens_per_second=stats["new_tokens"] / max(seconds, 1e-9))
     return Generation([_completion(s, tokenizer) for s in done], stats)
