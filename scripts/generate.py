@@ -69,6 +69,8 @@ def main() -> int:
         p.error("--chat-template and --system need --chat")
     if args.out and not args.prompts:
         p.error("--out needs --prompts")
+    if args.batch_size < 1 or (args.cache_gib is not None and not args.cache_gib > 0):
+        p.error("--batch-size must be >= 1 and --cache-gib > 0")
     if args.out and Path(args.out).exists():
         p.error(f"--out {args.out} exists; completions are never written over a file (remove it or name another)")
     device = "cuda" if torch.cuda.is_available() else "cpu"

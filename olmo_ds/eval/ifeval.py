@@ -63,8 +63,16 @@ def _json(response: str) -> bool:
 
 
 def _paragraphs(response: str, num_paragraphs: int) -> bool:
+    """Paragraphs separated by "***"; an empty one counts against only at the very start or end (IFEval's rule)."""
     parts = re.split(r"\s?\*\*\*\s?", response)
-    return len(parts) == num_paragraphs and all(p.strip() for p in parts)
+    inner = [p.strip() for p in parts[1:-1]]
+    if not all(inner):
+        return False
+    return len(parts) - (not parts[0].strip()) - (len(parts) > 1 and not parts[-1].strip()) == num_paragraphs
+
+
+def _title(response: str) -> bool:
+    return any(t.lstrip("<").rstrip(">").strip() for t in re.findall(r"<<[^\n]+>>", response))
 
 
 def _letters(response: str, letter: str, let_frequency: int, let_relation: str) -> bool:
@@ -87,9 +95,9 @@ CHECKS = {
     "length_constraints:number_words": (lambda r, num_words, relation: _compare(_words(r), relation, num_words), ("num_words", "relation")),
     "length_constraints:number_paragraphs": (_paragraphs, ("num_paragraphs",)),
     "detectable_format:number_bullet_lists": (_bullets, ("num_bullets",)),
-    "detectable_format:title": (lambda r: re.search(r"<<[^\n]+>>", r) is not None, ()),
+    "detectable_format:title": (_title, ()),
     "detectable_format:json_format": (_json, ()),
-    "startend:end_checker": (lambda r, end_phrase: r.strip().lower().endswith(end_phrase.strip().lower()), ("end_phrase",)),
+    "startend:end_checker": (lambda r, end_phrase: r.strip().strip('"').lower().endswith(end_phrase.strip().lower()), ("end_phrase",)),
     "startend:quotation": (_quoted, ()),
 }
 

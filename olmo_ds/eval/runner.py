@@ -252,6 +252,8 @@ def _suites(tasks: list[Task], task_metrics: dict[str, dict]) -> dict:
 def run(options: EvalOptions) -> list[dict]:
     """Evaluate every target; returns each target's results document (on every rank)."""
     check_batching(options.batching)
+    if options.gen_batch_size is not None and options.gen_batch_size < 1:
+        raise ValueError(f"--gen-batch-size must be >= 1, got {options.gen_batch_size}")
     dist_ctx, device = _init_distributed(options.device)
     dtype = _dtype(options.dtype, device)
     batch_tokens = options.batch_tokens or (32768 if device.type == "cuda" else 4096)

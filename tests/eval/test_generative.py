@@ -97,6 +97,14 @@ def test_ifeval_checks_strict_and_loose_as_ifeval_defines_them():
     assert scored["strict"] == [False, True] and scored["loose"] == [True, True]
     assert ifeval.metrics([scored, ifeval.score("* a\n* b", instructions)]) == {
         "prompt_level_strict_acc": 0.5, "inst_level_strict_acc": 0.75, "prompt_level_loose_acc": 1.0, "inst_level_loose_acc": 1.0}
+    check = {name: fn for name, (fn, _) in ifeval.CHECKS.items()}
+    assert check["length_constraints:number_paragraphs"]("*** one *** two ***", num_paragraphs=2)  # empty ends do not count
+    assert not check["length_constraints:number_paragraphs"]("one *** *** two", num_paragraphs=3)  # an empty inner one fails
+    assert check["detectable_format:title"]("<<A Title>> text") and not check["detectable_format:title"]("<<  >> text")
+    assert check["startend:end_checker"]('"Goodbye, World"', end_phrase="world")
+    assert check["length_constraints:number_words"]("one, two three", num_words=3, relation="at least")
+    assert check["keywords:letter_frequency"]("Banana", letter="a", let_frequency=3, let_relation="at least")
+    assert check["detectable_format:json_format"]('```json\n{"a": 1}\n```') and not check["detectable_format:json_format"]("{a: 1}")
     for row, match in [({"prompt": "p", "instruction_id_list": ["language:response_language"], "kwargs": [{}]}, "is not one this evaluation verifies"),
                        ({"prompt": "p", "instruction_id_list": ["keywords:existence"], "kwargs": [{}]}, "missing \\['keywords'\\]"),
                        ({"prompt": "p", "instruction_id_list": ["length_constraints:number_words"], "kwargs": [{"num_words": 3, "relation": "about"}]},
