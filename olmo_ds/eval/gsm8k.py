@@ -2,8 +2,8 @@
 
 The prompt (`prompt(question)`): the eight chain-of-thought exemplars of Wei et al. (2022), each as
 "Question: ...\\nAnswer: <reasoning> So the answer is N.", separated by blank lines, then the question with
-"Answer:". The model continues greedily until "Question:", a blank line, a turn end or 512 new tokens
-(`STOP`, `MAX_NEW_TOKENS`: OLMES's settings for the task).
+"Answer:". The model continues greedily until "Question:", a blank line, "</s>" or "<|im_end|>" as text, the
+EOS or 512 new tokens (`STOP`, `MAX_NEW_TOKENS`: OLMES's settings for the task).
 
 Scoring (`extract`, `normalize`): the answer is the number after the last "So the answer is", else after
 "#### ", else the last number of the completion; numbers are compared after dropping thousands
@@ -22,7 +22,7 @@ NAME = "gsm8k"
 HUB = ("openai/gsm8k", "main", "test")  # repo, config, split of the hub's rows
 PRIMARY = "exact_match"
 MAX_NEW_TOKENS = 512
-STOP = ("Question:", "\n\n")
+STOP = ("Question:", "</s>", "<|im_end|>", "\n\n")
 
 SHOTS = [
     ("There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, there will be "
