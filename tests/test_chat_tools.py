@@ -184,6 +184,27 @@ def test_generate_chat_stops_at_eos(tmp_path, tok, monkeypatch, capsys):
     assert calls[0]["outputs"] == [[*reply, EOS]] and out == "=== 'Say OK.'\n OK\n\n"
 
 
+def test_generate_chat_reads_a_prompts_file_of_messages_and_text(tmp_path, tok, monkeypatch, capsys):
+    """--chat --prompts: a "messages" record is rendered whole, a "prompt" record becomes a user turn after --system;
+    both stop at <|im_end|> and come back as JSON lines with the reply alone."""
+    reply = tok.encode(" Paris is the capital.")
+    directory = model_dir(tmp_path / "m", bigram_state(tok, reply, IM_END))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Capital of France?"}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": 7, "messages": messages}) + "\n" + json.dumps({"prompt": "Capital of France?"}) + "\n")
+    rc, out, err, calls = run_generate(monkeypatch, capsys, [str(directory), "--chat", "--system", "Answer well.", "--prompts", str(prompts),
+                                                             "--batch-size", "2", "--max-new-tokens", "40"])
+    assert rc == 0, err
+    encoder = ChatEncoder(load_chat_template(OLMO3_CONFIG, tok), tok)
+    assert calls[0]["prompts"] == [encoder.encode_prompt(messages),
+                                   encoder.encode_prompt([{"role": "system", "content": "Answer well."}, {"role": "user", "content": "Capital of France?"}])]
+    assert [json.loads(line) for line in out.splitlines()] == [
+        {"id": 7, "messages": messages, "completion": " Paris is the capital.", "tokens": len(reply) + 1, "finish": "eos"},
+        {"prompt": "Capital of France?", "completion": " Paris is the capital.", "tokens": len(reply) + 1, "finish": "eos"}]
+    assert "generate: 2/2 prompts" in err
+
+
 def test_generate_chat_needs_a_template_and_names_the_flag(tmp_path, tok, monkeypatch, capsys):
     directory = model_dir(tmp_path / "m", random_model(CFG).state_dict(), template=False)
     rc, out, err, calls = run_generate(monkeypatch, capsys, [str(directory), "--chat", "--prompt", "Hi"])
