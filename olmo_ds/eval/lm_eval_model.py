@@ -27,6 +27,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from olmo_ds import weights
+from olmo_ds.chat import ChatEncoder
 from olmo_ds.eval.loglikelihood import score_requests
 from olmo_ds.model.decode import Request, Sampling, generate, sequences_that_fit
 
@@ -54,6 +55,10 @@ class OlmoDsLM(TemplateLM):
             raise ValueError(f"--model_args dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model, self.tokenizer, provenance = weights.load_model(checkpoint, device=device, dtype=DTYPES[dtype])
+        # lm-eval's --apply_chat_template renders with the template saved with the weights (or their tokenizer);
+        # with one, generation also stops at the end of an assistant's turn.
+        self.template = weights.chat_template_of(provenance, self.tokenizer)
+        self.stop_ids = ChatEncoder(self.template, self.tokenizer).turn_end_ids() if self.template else [self.tokenizer.eos_id]
         self.max_length = provenance.cfg.max_seq_len
         self.path = provenance.directory
         self.batch_tokens = int(batch_tokens)
@@ -67,6 +72,17 @@ class OlmoDsLM(TemplateLM):
     @property
     def tokenizer_name(self) -> str:
         return str(self.tokenizer.path)
+
+    def chat_template(self, chat_template: bool | str = False) -> str:
+        return self.template.text if self.template is not None else ""
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation rendered with the checkpoint's template; its markers become special ids when encoded,
+        as transformers' tokenizer encodes the rendering of its own `apply_chat_template`."""
+        if self.template is None:
+            raise ValueError(f"--apply_chat_template: {self.path} has no chat template beside the weights or their tokenizer "
+                             "(tokenizer_config.json's chat_template, chat_template.jinja)")
+        return self.template.render(chat_history, add_generation_prompt=add_generation_prompt)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return self.tokenizer.encode(string)  # our tokenizers add no special tokens (no BOS in OLMo)
@@ -126,7 +142,7 @@ class OlmoDsLM(TemplateLM):
             longest = max(len(r.prompt) + r.max_new_tokens for r in batch)
             fit = sequences_that_fit(self.model.cfg, longest, next(self.model.parameters()).dtype, self._device)
             done = generate(self.model, batch, batch_size=max(1, min(self.gen_batch_size, fit)), sampling=sampling,
-                            stop_ids=[self.eot_token_id], tokenizer=self.tokenizer)
+                            stop_ids=self.stop_ids, tokenizer=self.tokenizer)
             for n, completion in zip(members, done.completions):
                 outputs[n] = completion.text
                 self.cache_hook.add_partial("generate_until", requests[n].args, completion.text)

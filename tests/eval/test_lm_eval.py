@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from olmo_ds import weights
 from olmo_ds.eval.loglikelihood import score_requests
 from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
 from olmo_ds.eval.tasks import load_task
@@ -156,3 +157,39 @@ def test_generate_until_is_batched_and_cut_at_the_stop_strings(arc_local, model,
             text = text.split(stop)[0]
         assert s["resps"][0][0] == text, s["doc_id"]
     assert any(s["resps"][0][0] for s in samples)
+
+
+def test_apply_chat_template_renders_with_the_checkpoints_template(arc_local, tmp_path):
+    """`--apply_chat_template` through `--model olmo-ds`: each context is the checkpoint's template rendering of one
+    user turn with the generation prompt, and its markers are encoded as the special ids."""
+    import shutil
+
+    from olmo_ds.chat import load_chat_template
+    from olmo_ds.model import OLMo, preset
+    from olmo_ds.tokenizer import load_tokenizer
+
+    from eval_testlib import DOLMA2
+    from testdata import SHARED
+
+    directory = tmp_path / "chat-model"
+    cfg = preset("tiny", vocab_size=100278, max_seq_len=512)
+    weights.save_model_dir(directory, cfg, OLMo(cfg).state_dict())
+    shutil.copy(DOLMA2, directory / "tokenizer.json")
+    config = SHARED / "tokenizers" / "olmo3-instruct-tokenizer_config.json"
+    shutil.copy(config, directory / "tokenizer_config.json")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "gen_local.yaml").write_text(GEN_YAML.format(data=arc_local["data"]))
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "olmo_ds.eval.lm_eval_model", "--model", "olmo-ds", "--model_args", f"checkpoint={directory}",
+                           "--tasks", "gen_local", "--include_path", str(tasks), "--device", "cpu", "--limit", "2", "--apply_chat_template",
+                           "--output_path", str(tmp_path / "out"), "--log_samples"], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    samples = [json.loads(line) for line in next((tmp_path / "out").rglob("samples_gen_local_*.jsonl")).open()]
+    questions = [json.loads(line)["context"] for line in arc_local["data"].read_text().splitlines()]
+    tok = load_tokenizer(DOLMA2)
+    template = load_chat_template(config, tok)
+    for s in samples:
+        context = s["arguments"]["gen_args_0"]["arg_0"]
+        assert context == template.render([{"role": "user", "content": questions[s["doc_id"]]}], add_generation_prompt=True)
+        assert tok.encode(context).count(100264) == 3  # <|im_start|> of the system, user and assistant turns, as ids
