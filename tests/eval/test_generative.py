@@ -178,3 +178,25 @@ def test_hub_tasks_read_the_hf_cache_and_name_the_fetch_command_when_absent(mode
     i = doc["tasks"]["ifeval"]
     assert i["num_questions"] == 4 and i["prompt_level_strict_acc"] == 1 / 4
     assert i["config"]["skipped_rows"] == 1 and i["config"]["unsupported_instructions"] == {"language:response_language": 1}
+
+
+@pytest.mark.multirank
+def test_two_ranks_split_the_examples_and_gather_every_output(model_dirs, tmp_path):
+    """NPROC=2 bash scripts/eval.sh: each rank generates every other example; the scores and outputs are one rank's."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    args = [str(model_dirs[0]), "--tasks", f"gsm8k={FIXTURES / 'gsm8k.jsonl'}", f"ifeval={FIXTURES / 'ifeval.jsonl'}", "--gen-batch-size", "2"]
+    outs = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"n{nproc}"
+        proc = subprocess.run(["bash", str(repo / "scripts" / "eval.sh"), *args, "--out", str(out)], capture_output=True, text=True,
+                              env={**os.environ, "NPROC": str(nproc), "OMP_NUM_THREADS": "1"}, cwd=tmp_path, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        outs[nproc] = out
+    one, two = (json.loads((outs[n] / "results.json").read_text()) for n in (1, 2))
+    assert two["config"]["eval"]["world_size"] == 2
+    for task in ("gsm8k", "ifeval"):
+        assert one["tasks"][task] == two["tasks"][task]
+        assert (outs[1] / f"{task}.outputs.jsonl").read_text() == (outs[2] / f"{task}.outputs.jsonl").read_text()
