@@ -64,11 +64,14 @@ def hf_model(model: OLMo):
 
     param = next(model.parameters())
     config = transformers.AutoConfig.for_model(**json.loads(json.dumps(to_hf_config(model.cfg))))
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=param.dtype)
-    hf.load_state_dict(to_hf_state_dict(model.cfg, model.state_dict()), strict=False)
+    with torch.device(param.device):  # built where it runs: no second random init of a 1B on the host
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=param.dtype)
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(model.cfg, model.state_dict()), strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if model.cfg.tie_embeddings else set()):
+        raise ValueError(f"the export's names do not match transformers' model: missing {missing}, unexpected {unexpected}")
     if model.cfg.tie_embeddings:
         hf.tie_weights()
-    return hf.to(param.device).eval()
+    return hf.eval()
 
 
 @torch.no_grad()
