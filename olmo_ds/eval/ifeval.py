@@ -84,6 +84,48 @@ def _quoted(response: str) -> bool:
     return len(text) > 1 and text[0] == '"' and text[-1] == '"'
 
 
+def _postscript(response: str, postscript_marker: str) -> bool:
+    """A postscript line: "P.S." and "P.P.S" match with optional spaces between their letters, as IFEval reads them."""
+    marker = postscript_marker.strip().lower()
+    pattern = {"p.p.s": r"\s*p\.\s?p\.\s?s.*$", "p.s.": r"\s*p\.\s?s\..*$"}.get(marker, r"\s*" + re.escape(marker) + r".*$")
+    return re.search(pattern, response.lower(), re.MULTILINE) is not None
+
+
+def _highlights(response: str, num_highlights: int) -> bool:
+    marked = re.findall(r"\*[^\n\*]*\*", response) + re.findall(r"\*\*[^\n\*]*\*\*", response)
+    return sum(bool(h.strip("*").strip()) for h in marked) >= num_highlights
+
+
+def _sections(response: str, section_spliter: str, num_sections: int) -> bool:
+    return len(re.split(r"\s?" + re.escape(section_spliter) + r"\s?\d+\s?", response)) - 1 >= num_sections
+
+
+def _two_responses(response: str) -> bool:
+    parts = response.split("******")
+    if any(not p.strip() for p in parts[1:-1]):
+        return False
+    kept = [p for p in parts if p.strip()]
+    return len(kept) == 2 and kept[0].strip() != kept[1].strip()
+
+
+def _nth_paragraph_first_word(response: str, num_paragraphs: int, nth_paragraph: int, first_word: str) -> bool:
+    """Paragraphs separated by blank lines; the nth's first word, lowercased, up to its first punctuation mark."""
+    paragraphs = re.split(r"\n\n", response)
+    count = sum(bool(p.strip()) for p in paragraphs)
+    if nth_paragraph > count or not paragraphs[nth_paragraph - 1].strip():
+        return False
+    word = paragraphs[nth_paragraph - 1].strip().split()[0].strip().lstrip("'").lstrip('"')
+    found = ""
+    for letter in word:
+        if letter in ".,?!'\"":
+            break
+        found += letter.lower()
+    return count == num_paragraphs and found == first_word.strip().lower()
+
+
+CONSTRAINED_RESPONSES = ("My answer is yes.", "My answer is no.", "My answer is maybe.")
+
+
 # instruction id -> (check(response, **kwargs), the kwargs it takes)
 CHECKS = {
     "punctuation:no_comma": (lambda r: "," not in r, ()),
@@ -99,6 +141,16 @@ CHECKS = {
     "detectable_format:json_format": (_json, ()),
     "startend:end_checker": (lambda r, end_phrase: r.strip().strip('"').lower().endswith(end_phrase.strip().lower()), ("end_phrase",)),
     "startend:quotation": (_quoted, ()),
+    "detectable_content:postscript": (_postscript, ("postscript_marker",)),
+    "detectable_content:number_placeholders": (lambda r, num_placeholders: len(re.findall(r"\[.*?\]", r)) >= num_placeholders, ("num_placeholders",)),
+    "detectable_format:number_highlighted_sections": (_highlights, ("num_highlights",)),
+    "detectable_format:multiple_sections": (_sections, ("section_spliter", "num_sections")),
+    "detectable_format:constrained_response": (lambda r: any(c in r for c in CONSTRAINED_RESPONSES), ()),
+    "keywords:frequency": (lambda r, keyword, frequency, relation: _compare(len(re.findall(re.escape(keyword), r, re.IGNORECASE)), relation, frequency),
+                           ("keyword", "frequency", "relation")),
+    "combination:repeat_prompt": (lambda r, prompt_to_repeat: r.strip().lower().startswith(prompt_to_repeat.strip().lower()), ("prompt_to_repeat",)),
+    "combination:two_responses": (_two_responses, ()),
+    "length_constraints:nth_paragraph_first_word": (_nth_paragraph_first_word, ("num_paragraphs", "nth_paragraph", "first_word")),
 }
 
 

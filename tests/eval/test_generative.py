@@ -105,6 +105,14 @@ def test_ifeval_checks_strict_and_loose_as_ifeval_defines_them():
     assert check["length_constraints:number_words"]("one, two three", num_words=3, relation="at least")
     assert check["keywords:letter_frequency"]("Banana", letter="a", let_frequency=3, let_relation="at least")
     assert check["detectable_format:json_format"]('```json\n{"a": 1}\n```') and not check["detectable_format:json_format"]("{a: 1}")
+    assert check["detectable_content:postscript"]("Hi\nP. S. bye", postscript_marker="P.S.")
+    assert not check["detectable_content:postscript"]("Hi", postscript_marker="P.S.")
+    assert check["detectable_format:number_highlighted_sections"]("*one* and **two** and * *", num_highlights=2)
+    assert not check["detectable_format:number_highlighted_sections"]("*one* and * *", num_highlights=2)
+    assert check["detectable_format:multiple_sections"]("SECTION 1 a\nSECTION 2 b", section_spliter="SECTION", num_sections=2)
+    assert check["combination:two_responses"]("a ****** b") and not check["combination:two_responses"]("a ****** a")
+    assert check["length_constraints:nth_paragraph_first_word"]('Hi.\n\n"Wow, yes" ok', num_paragraphs=2, nth_paragraph=2, first_word="wow")
+    assert check["keywords:frequency"]("The cat, the end", keyword="the", frequency=2, relation="at least")
     for row, match in [({"prompt": "p", "instruction_id_list": ["language:response_language"], "kwargs": [{}]}, "is not one this evaluation verifies"),
                        ({"prompt": "p", "instruction_id_list": ["keywords:existence"], "kwargs": [{}]}, "missing \\['keywords'\\]"),
                        ({"prompt": "p", "instruction_id_list": ["length_constraints:number_words"], "kwargs": [{"num_words": 3, "relation": "about"}]},
