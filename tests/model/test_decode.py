@@ -114,6 +114,8 @@ def test_refusals_before_any_forward():
         generate(model, [Request([384], 2)])
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         generate(model, [Request([1], 0)])
+    with pytest.raises(ValueError, match="cuda_graphs needs the model on a CUDA device, not cpu"):
+        generate(model, [Request([1], 2)], cuda_graphs=True)
     per_seq = bytes_per_sequence(cfg, 60, torch.float32)
     with pytest.raises(ValueError, match=r"a batch of 8 sequences of up to 60 tokens needs .* at most 3 sequences fit; lower the batch size to 3"):
         generate(model, [Request([1] * 10, 50)] * 8, batch_size=8, cache_budget=3 * per_seq + 1)
