@@ -86,8 +86,9 @@ def main() -> int:
         stop_ids = encoder.turn_end_ids() if encoder else [tokenizer.eos_id]
         requests = [Request(pr.ids, pr.max_new_tokens or args.max_new_tokens, (*args.stop, *pr.stop)) for pr in prompts]
         check_requests(requests, provenance.cfg, has_tokenizer=True, names=[pr.where for pr in prompts])
+        # The weights' own tokenizer goes through load_model's check that a checkpoint's is the one its run trained with.
         model, tokenizer, _ = load_model(provenance, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-                                         tokenizer=tokenizer)
+                                         tokenizer=tokenizer if args.tokenizer else None)
         budget = int(args.cache_gib * 2**30) if args.cache_gib is not None else None
         result = generate(model, requests, batch_size=args.batch_size, sampling=sampling, stop_ids=stop_ids, tokenizer=tokenizer,
                           cache_budget=budget, progress=Progress() if args.prompts else None)

@@ -135,7 +135,7 @@ def test_evaluation_refuses_weights_without_their_tokenizer(sources, tmp_path):
     assert tokenizer.path == NEOX
 
 
-def test_a_checkpoint_with_another_tokenizer_beside_it_is_refused(sources, consolidated, tmp_path):
+def test_a_checkpoint_with_another_tokenizer_beside_it_is_refused(sources, consolidated, tmp_path, monkeypatch, capsys):
     paths, _, _ = sources
     moved = tmp_path / "run" / "checkpoints" / "step-0000003"
     shutil.copytree(paths["checkpoint"], moved)
@@ -144,3 +144,7 @@ def test_a_checkpoint_with_another_tokenizer_beside_it_is_refused(sources, conso
         weights.load_model(moved)
     with pytest.raises(ValueError, match="ids but the model only"):  # dolma2's 100k ids do not fit a 50k-row model
         weights.load_model(moved, tokenizer=load_tokenizer(DOLMA2))
+    generate_main = runpy.run_path(str(ROOT / "scripts" / "generate.py"))["main"]  # the same check, through the script
+    monkeypatch.setattr("sys.argv", ["generate.py", str(moved), "--prompt", "The", "--max-new-tokens", "2"])
+    capsys.readouterr()
+    assert generate_main() == 2 and "is not the one the run trained with" in capsys.readouterr().err
