@@ -40,7 +40,7 @@ from olmo_ds.chat import ChatEncoder, load_chat_template
 from olmo_ds.model.decode import Request, Sampling, check_requests, generate
 from olmo_ds.model.decode.prompts import read_prompts, text_prompt
 from olmo_ds.tokenizer import load_tokenizer
-from olmo_ds.weights import chat_template_of, describe_weights, load_model, own_tokenizer
+from olmo_ds.weights import chat_template_of, describe_weights, load_model
 
 
 def main() -> int:
@@ -77,7 +77,9 @@ def main() -> int:
     try:  # everything is checked before any weight is read
         sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         provenance = describe_weights(args.checkpoint)
-        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else own_tokenizer(provenance)
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else provenance.tokenizer
+        if tokenizer is None:
+            raise FileNotFoundError(f"{provenance.directory}: no tokenizer beside the weights; pass --tokenizer")
         encoder = chat_encoder(args, provenance, tokenizer) if args.chat else None
         if args.prompts:
             prompts = read_prompts(args.prompts, tokenizer, encoder, args.system)
