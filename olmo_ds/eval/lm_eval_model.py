@@ -56,9 +56,9 @@ class OlmoDsLM(TemplateLM):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model, self.tokenizer, provenance = weights.load_model(checkpoint, device=device, dtype=DTYPES[dtype])
         # lm-eval's --apply_chat_template renders with the template saved with the weights (or their tokenizer);
-        # with one, generation also stops at the end of an assistant's turn.
+        # once it has, generation also stops at the end of an assistant's turn (`apply_chat_template`).
         self.template = weights.chat_template_of(provenance, self.tokenizer)
-        self.stop_ids = ChatEncoder(self.template, self.tokenizer).turn_end_ids() if self.template else [self.tokenizer.eos_id]
+        self.turn_end_ids: list[int] | None = None
         self.max_length = provenance.cfg.max_seq_len
         self.path = provenance.directory
         self.batch_tokens = int(batch_tokens)
@@ -82,6 +82,8 @@ class OlmoDsLM(TemplateLM):
         if self.template is None:
             raise ValueError(f"--apply_chat_template: {self.path} has no chat template beside the weights or their tokenizer "
                              "(tokenizer_config.json's chat_template, chat_template.jinja)")
+        if self.turn_end_ids is None:  # the first rendering: the template's turn closers end generation from now on
+            self.turn_end_ids = ChatEncoder(self.template, self.tokenizer).turn_end_ids()
         return self.template.render(chat_history, add_generation_prompt=add_generation_prompt)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
@@ -142,7 +144,7 @@ class OlmoDsLM(TemplateLM):
             longest = max(len(r.prompt) + r.max_new_tokens for r in batch)
             fit = sequences_that_fit(self.model.cfg, longest, next(self.model.parameters()).dtype, self._device)
             done = generate(self.model, batch, batch_size=max(1, min(self.gen_batch_size, fit)), sampling=sampling,
-                            stop_ids=self.stop_ids, tokenizer=self.tokenizer)
+                            stop_ids=self.turn_end_ids or [self.eot_token_id], tokenizer=self.tokenizer)
             for n, completion in zip(members, done.completions):
                 outputs[n] = completion.text
                 self.cache_hook.add_partial("generate_until", requests[n].args, completion.text)
