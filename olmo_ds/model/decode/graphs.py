@@ -31,8 +31,9 @@ class DecodeGraphs:
         self.ids = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(cache.slots, dtype=torch.long, device=device)
         self.slots = torch.arange(cache.slots, device=device)
+        # Each graph keeps its own memory pool (a step's activations and logits, megabytes): graphs replay in any
+        # order, so none may reuse another's memory.
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
         self.enabled = True
         self.replays = 0
 
@@ -68,7 +69,6 @@ class DecodeGraphs:
             self._step(span)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph):
             out = self._step(span)
-        self.pool = graph.pool()
         return graph, out
