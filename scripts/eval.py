@@ -1,8 +1,10 @@
-"""Evaluate a checkpoint, a run or an exported model: perplexity/bits-per-byte and multiple-choice tasks.
+"""Evaluate a checkpoint, a run or an exported model: perplexity/bits-per-byte, multiple-choice and generative tasks.
 
     python scripts/eval.py runs/demo                                    # newest checkpoint, run's val shards
     python scripts/eval.py runs/demo/checkpoints/step-0000200 --tasks piqa_rc_0shot arc_easy_rc_0shot
     python scripts/eval.py runs/demo --tasks olmes-core                 # OLMES's ten tasks, RC and MC, 5-shot
+    python scripts/eval.py runs/sft --tasks gsm8k ifeval                # generative: from the HF cache (openai/gsm8k, google/IFEval)
+    python scripts/eval.py runs/sft --tasks gsm8k=my/gsm8k.jsonl        # ... or from local JSON lines in the dataset's layout
     python scripts/eval.py runs/demo --all-checkpoints                  # every checkpoint + comparison plot
     python scripts/eval.py runs/demo --all-checkpoints --skip-evaluated # only the new ones, then compare all
     python scripts/eval.py exported/ --data c4=data/c4-val.jsonl.gz     # a transformers directory, raw text
@@ -25,7 +27,8 @@ def parse_args(argv=None) -> EvalOptions:
                    help="perplexity sources: shard directories (or their parent with val/) or JSON-lines files tokenized on the fly; default: the run's validation sources")
     p.add_argument("--tasks", nargs="+", action="extend", default=[], metavar="TASK",
                    help="multiple-choice tasks: OLMES request directories, plain JSON-lines files, task names in --task-dir, "
-                        "or olmes-core (the OLMES suite from the datasets in the HF cache; docs/evaluation.md)")
+                        "or olmes-core (the OLMES suite from the datasets in the HF cache; docs/evaluation.md); generative "
+                        "tasks: gsm8k or ifeval, alone (the hub's dataset) or as KIND=FILE.jsonl / KIND=ORG/NAME")
     p.add_argument("--task-dir", dest="task_dirs", action="append", default=None, metavar="DIR",
                    help=f"where task names are looked up (repeatable; default: ${TASK_DIRS_ENV}, paths separated by ':')")
     p.add_argument("--out", help="where results.json goes (default: RUN/eval/step-N/, or DIR/eval/ for an exported model)")
@@ -43,13 +46,15 @@ def parse_args(argv=None) -> EvalOptions:
     p.add_argument("--batching", choices=["packed", "exact"], default="packed",
                    help="packed (default): rows of one width in batches of one shape, compiled on GPU; exact: the earlier "
                         "batches of one exact context length, eager (the reference; same numbers up to float rounding)")
+    p.add_argument("--gen-batch-size", type=int, metavar="N",
+                   help="generative tasks: sequences decoded at once (default 64 on GPU, 8 on CPU; fewer where their KV cache would not fit)")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", help="do not add scalars to RUN/tb")
     a = p.parse_args(argv)
     return EvalOptions(
         target=a.target, data=a.data, tasks=a.tasks, task_dirs=a.task_dirs or [], out=a.out,
         all_checkpoints=a.all_checkpoints, skip_evaluated=a.skip_evaluated, seq_len=a.seq_len, batch_tokens=a.batch_tokens, max_tokens=a.max_tokens, limit=a.limit,
         uncond=a.uncond, device=a.device, dtype=a.dtype, backend=a.backend, text_field=a.text_field, tensorboard=a.tensorboard,
-        batching=a.batching,
+        batching=a.batching, gen_batch_size=a.gen_batch_size,
     )
 
 

@@ -25,7 +25,7 @@ from olmo_ds import checkpoint as ckpt
 from olmo_ds import weights
 from olmo_ds.chat import ChatEncoder, load_chat_template, template_beside
 from olmo_ds.model import ModelConfig
-from olmo_ds.model.generate import generate
+from olmo_ds.model.decode import Request, generate
 from olmo_ds.tokenizer import load_tokenizer
 from testdata import SHARED
 
@@ -76,9 +76,9 @@ def run_generate(monkeypatch, capsys, argv: list[str]):
     script = load_script("generate")
     calls = []
 
-    def recording(model, prompts, max_new_tokens, **kw):
-        out = generate(model, prompts, max_new_tokens, **kw)
-        calls.append({"prompts": prompts, "outputs": out, **kw})
+    def recording(model, requests, **kw):
+        out = generate(model, requests, **kw)
+        calls.append({"prompts": [list(r.prompt) for r in requests], "outputs": [c.tokens for c in out.completions], **kw})
         return out
 
     monkeypatch.setattr(script, "generate", recording)
@@ -152,11 +152,12 @@ def test_turn_end_ids_come_from_the_template(tok):
 
 def test_generate_stops_at_the_first_of_any_stop_id():
     model = random_model(ModelConfig(**dict(OLMO3_TINY, vocab_size=384)), seed=3)
-    free = generate(model, [[5, 17, 99]], 16)[0]
+    request = [Request([5, 17, 99], 16)]
+    free = generate(model, request).completions[0].tokens
     stop = free[5]
     first = free.index(stop)
-    assert generate(model, [[5, 17, 99]], 16, stop_ids=[stop])[0] == free[:first + 1]
-    assert generate(model, [[5, 17, 99]], 16, eos_id=free[1], stop_ids=[stop])[0] == free[:min(first, free.index(free[1])) + 1]
+    assert generate(model, request, stop_ids=[stop]).completions[0].tokens == free[:first + 1]
+    assert generate(model, request, stop_ids=[free[1], stop]).completions[0].tokens == free[:min(first, free.index(free[1])) + 1]
 
 
 # ---- scripts/generate.py --chat ---------------------------------------------------------------------
@@ -170,7 +171,7 @@ def test_generate_chat_feeds_the_template_stops_at_im_end_and_prints_only_the_re
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
     (call,) = calls
     assert call["prompts"] == [hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)]
-    assert sorted(call["stop_ids"]) == sorted([IM_END, EOS]) and call["eos_id"] == EOS
+    assert sorted(call["stop_ids"]) == sorted([IM_END, EOS])
     assert call["outputs"] == [[*reply, IM_END]]  # stopped at <|im_end|>, 40 tokens allowed
     assert out == "=== 'Capital of France?'\n Paris is the capital.\n\n"
 
@@ -181,6 +182,27 @@ def test_generate_chat_stops_at_eos(tmp_path, tok, monkeypatch, capsys):
     rc, out, err, calls = run_generate(monkeypatch, capsys, [str(directory), "--chat", "--prompt", "Say OK.", "--max-new-tokens", "9"])
     assert rc == 0, err
     assert calls[0]["outputs"] == [[*reply, EOS]] and out == "=== 'Say OK.'\n OK\n\n"
+
+
+def test_generate_chat_reads_a_prompts_file_of_messages_and_text(tmp_path, tok, monkeypatch, capsys):
+    """--chat --prompts: a "messages" record is rendered whole, a "prompt" record becomes a user turn after --system;
+    both stop at <|im_end|> and come back as JSON lines with the reply alone."""
+    reply = tok.encode(" Paris is the capital.")
+    directory = model_dir(tmp_path / "m", bigram_state(tok, reply, IM_END))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Capital of France?"}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": 7, "messages": messages}) + "\n" + json.dumps({"prompt": "Capital of France?"}) + "\n")
+    rc, out, err, calls = run_generate(monkeypatch, capsys, [str(directory), "--chat", "--system", "Answer well.", "--prompts", str(prompts),
+                                                             "--batch-size", "2", "--max-new-tokens", "40"])
+    assert rc == 0, err
+    encoder = ChatEncoder(load_chat_template(OLMO3_CONFIG, tok), tok)
+    assert calls[0]["prompts"] == [encoder.encode_prompt(messages),
+                                   encoder.encode_prompt([{"role": "system", "content": "Answer well."}, {"role": "user", "content": "Capital of France?"}])]
+    assert [json.loads(line) for line in out.splitlines()] == [
+        {"id": 7, "messages": messages, "completion": " Paris is the capital.", "tokens": len(reply) + 1, "finish": "eos"},
+        {"prompt": "Capital of France?", "completion": " Paris is the capital.", "tokens": len(reply) + 1, "finish": "eos"}]
+    assert "generate: 2/2 prompts" in err
 
 
 def test_generate_chat_needs_a_template_and_names_the_flag(tmp_path, tok, monkeypatch, capsys):

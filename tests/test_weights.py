@@ -21,7 +21,7 @@ from olmo_ds import checkpoint as ckpt
 from olmo_ds import weights
 from olmo_ds.eval.runner import EvalOptions, run
 from olmo_ds.model import OLMo, preset
-from olmo_ds.model.generate import generate
+from olmo_ds.model.decode import Request, generate
 from olmo_ds.tokenizer import load_tokenizer
 from testdata import SHARED
 
@@ -113,7 +113,7 @@ def test_every_tool_uses_the_tokenizer_beside_the_weights(sources, consolidated,
     capsys.readouterr()
     assert used_by("generate", generate_main) == 0
     model, tokenizer, _ = weights.load_model(target)
-    expected = tokenizer.decode(generate(model, [beside.encode("The")], 3, eos_id=beside.eos_id)[0])
+    expected = generate(model, [Request(beside.encode("The"), 3)], stop_ids=[beside.eos_id], tokenizer=beside).completions[0].text
     assert capsys.readouterr().out == f"=== 'The'\nThe{expected}\n\n"
     assert tokenizer.fingerprint == beside.fingerprint
 
@@ -135,7 +135,7 @@ def test_evaluation_refuses_weights_without_their_tokenizer(sources, tmp_path):
     assert tokenizer.path == NEOX
 
 
-def test_a_checkpoint_with_another_tokenizer_beside_it_is_refused(sources, consolidated, tmp_path):
+def test_a_checkpoint_with_another_tokenizer_beside_it_is_refused(sources, consolidated, tmp_path, monkeypatch, capsys):
     paths, _, _ = sources
     moved = tmp_path / "run" / "checkpoints" / "step-0000003"
     shutil.copytree(paths["checkpoint"], moved)
@@ -144,3 +144,7 @@ def test_a_checkpoint_with_another_tokenizer_beside_it_is_refused(sources, conso
         weights.load_model(moved)
     with pytest.raises(ValueError, match="ids but the model only"):  # dolma2's 100k ids do not fit a 50k-row model
         weights.load_model(moved, tokenizer=load_tokenizer(DOLMA2))
+    generate_main = runpy.run_path(str(ROOT / "scripts" / "generate.py"))["main"]  # the same check, through the script
+    monkeypatch.setattr("sys.argv", ["generate.py", str(moved), "--prompt", "The", "--max-new-tokens", "2"])
+    capsys.readouterr()
+    assert generate_main() == 2 and "is not the one the run trained with" in capsys.readouterr().err

@@ -27,8 +27,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from olmo_ds import weights
+from olmo_ds.chat import ChatEncoder
 from olmo_ds.eval.loglikelihood import score_requests
-from olmo_ds.model.generate import generate
+from olmo_ds.model.decode import Request, Sampling, generate, sequences_that_fit
 
 NAME = "olmo-ds"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,24 +38,31 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's own default for generate_until
 
 @register_model(NAME)
 class OlmoDsLM(TemplateLM):
-    """`--model_args checkpoint=PATH[,dtype=float32|bfloat16|float16][,batch_tokens=N]`; `--device` as lm-eval's."""
+    """`--model_args checkpoint=PATH[,dtype=float32|bfloat16|float16][,batch_tokens=N][,gen_batch_size=N]`;
+    `--device` as lm-eval's. `gen_batch_size`: sequences `generate_until` decodes at once (fewer where the KV
+    cache of that many would not fit)."""
 
     def __init__(self, checkpoint: str | None = None, dtype: str = "float32", batch_tokens: int | str = 4096,
-                 device: str | None = None, batch_size=None, max_batch_size=None, **unknown) -> None:
+                 gen_batch_size: int | str = 64, device: str | None = None, batch_size=None, max_batch_size=None, **unknown) -> None:
         super().__init__()
-        # lm-eval passes batch_size/max_batch_size to every model; batches here are sized in tokens instead.
+        # lm-eval passes batch_size/max_batch_size to every model; scoring batches here are sized in tokens instead.
         if unknown:
             raise ValueError(f"--model_args: unknown argument(s) {', '.join(sorted(unknown))} for --model {NAME} "
-                             f"(it takes checkpoint, dtype, batch_tokens)")
+                             f"(it takes checkpoint, dtype, batch_tokens, gen_batch_size)")
         if not checkpoint:
             raise ValueError(f"--model {NAME} needs --model_args checkpoint=RUN_OR_CHECKPOINT_OR_MODEL_DIR")
         if dtype not in DTYPES:
             raise ValueError(f"--model_args dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model, self.tokenizer, provenance = weights.load_model(checkpoint, device=device, dtype=DTYPES[dtype])
+        # lm-eval's --apply_chat_template renders with the template saved with the weights (or their tokenizer);
+        # once it has, generation also stops at the end of an assistant's turn (`apply_chat_template`).
+        self.template = weights.chat_template_of(provenance, self.tokenizer)
+        self.turn_end_ids: list[int] | None = None
         self.max_length = provenance.cfg.max_seq_len
         self.path = provenance.directory
         self.batch_tokens = int(batch_tokens)
+        self.gen_batch_size = int(gen_batch_size)
         self._device = torch.device(device)
 
     @property
@@ -64,6 +72,19 @@ class OlmoDsLM(TemplateLM):
     @property
     def tokenizer_name(self) -> str:
         return str(self.tokenizer.path)
+
+    def chat_template(self, chat_template: bool | str = False) -> str:
+        return self.template.text if self.template is not None else ""
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation rendered with the checkpoint's template; its markers become special ids when encoded,
+        as transformers' tokenizer encodes the rendering of its own `apply_chat_template`."""
+        if self.template is None:
+            raise ValueError(f"--apply_chat_template: {self.path} has no chat template beside the weights or their tokenizer "
+                             "(tokenizer_config.json's chat_template, chat_template.jinja)")
+        if self.turn_end_ids is None:  # the first rendering: the template's turn closers end generation from now on
+            self.turn_end_ids = ChatEncoder(self.template, self.tokenizer).turn_end_ids()
+        return self.template.render(chat_history, add_generation_prompt=add_generation_prompt)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return self.tokenizer.encode(string)  # our tokenizers add no special tokens (no BOS in OLMo)
@@ -98,23 +119,35 @@ class OlmoDsLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuation (or sampled, with `temperature` in the task's generation kwargs), cut at the first stop string."""
-        outputs = []
-        for request in requests:
+        """Every request decoded in batches (`olmo_ds.model.decode`), each stopping at its first stop string
+        (`until`), the EOS or `max_gen_toks`; greedy unless the task's generation kwargs sample. Requests that
+        sample alike run together; the text is cut before the stop string, as lm-eval's hf model cuts it."""
+        groups: dict[Sampling, list[int]] = {}
+        prepared = []
+        for n, request in enumerate(requests):
             context, kwargs = request.args
             kwargs = dict(kwargs)
             until = kwargs.pop("until", None) or [self.tok_decode([self.eot_token_id])]
             until = [until] if isinstance(until, str) else list(until)
             max_new = min(int(kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS)), self.max_length - 1)
-            temperature = float(kwargs.pop("temperature", 0.0)) if kwargs.pop("do_sample", True) else 0.0
+            sample = kwargs.pop("do_sample", False) or float(kwargs.get("temperature", 0.0)) > 0
+            sampling = Sampling(temperature=float(kwargs.pop("temperature", 1.0)) if sample else 0.0,
+                                top_p=float(kwargs.pop("top_p", 1.0) or 1.0) if sample else 1.0,
+                                top_k=int(kwargs.pop("top_k", 0) or 0) if sample else 0)
             # The prompt is cut from the left so prompt and answer fit the window, as lm-eval's hf model does.
-            prompt = self.tok_encode(context)[-(self.max_length - max_new):]
-            new = generate(self.model, [prompt], max_new, temperature=temperature, eos_id=self.eot_token_id)[0]
-            text = self.tok_decode(new)
-            for stop in until:
-                text = text.split(stop)[0]
-            self.cache_hook.add_partial("generate_until", request.args, text)
-            outputs.append(text)
+            prompt = self.tok_encode(context)[-(self.max_length - max_new):] or [self.eot_token_id]
+            prepared.append(Request(prompt, max_new, tuple(s for s in until if s)))
+            groups.setdefault(sampling, []).append(n)
+        outputs = [""] * len(requests)
+        for sampling, members in groups.items():
+            batch = [prepared[n] for n in members]
+            longest = max(len(r.prompt) + r.max_new_tokens for r in batch)
+            fit = sequences_that_fit(self.model.cfg, longest, next(self.model.parameters()).dtype, self._device)
+            done = generate(self.model, batch, batch_size=max(1, min(self.gen_batch_size, fit)), sampling=sampling,
+                            stop_ids=self.turn_end_ids or [self.eot_token_id], tokenizer=self.tokenizer)
+            for n, completion in zip(members, done.completions):
+                outputs[n] = completion.text
+                self.cache_hook.add_partial("generate_until", requests[n].args, completion.text)
         return outputs
 
 

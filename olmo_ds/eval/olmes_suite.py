@@ -79,7 +79,7 @@ def read_datasets() -> list[Dataset]:
             f"{SUITE_NAME}: {len(missing)} of its {len(specs)} datasets ({', '.join(missing)}) are not in the HF cache "
             f"({HF_HUB_CACHE}) and {why}. Fetch them once where there is network, into the same cache:\n"
             + "\n".join(f"  {c}" for c in commands), commands, why)
-    return [Dataset(spec, {split: _read_parquet(snapshots[spec.name], spec, split) for split in splits(spec)}, snapshots[spec.name])
+    return [Dataset(spec, {split: read_parquet(snapshots[spec.name], spec.config, split) for split in splits(spec)}, snapshots[spec.name])
             for spec in specs]
 
 
@@ -129,16 +129,17 @@ def suite_rows(task_metrics: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def _read_parquet(snapshot: Path, spec: olmes.OlmesTask, split: str) -> list[dict]:
+def read_parquet(snapshot: Path, config: str, split: str) -> list[dict]:
+    """The rows of `config`/`split` in a dataset's parquet conversion (also the generative tasks' hub rows)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError(f"{SUITE_NAME} reads its datasets' parquet files with pyarrow, which is not installed: "
+        raise ValueError("the hub's datasets are read from their parquet files with pyarrow, which is not installed: "
                          f"pip install pyarrow (or pip install -e '.[parquet]')") from None
-    files = sorted(snapshot.glob(f"{spec.config}/{split}/*.parquet"))
+    files = sorted(snapshot.glob(f"{config}/{split}/*.parquet"))
     rows = [row for f in files for row in pq.read_table(f).to_pylist()]
     if not rows:
-        raise ValueError(f"{snapshot}/{spec.config}/{split}: no rows in {', '.join(f.name for f in files)}")
+        raise ValueError(f"{snapshot}/{config}/{split}: no rows in {', '.join(f.name for f in files)}")
     return rows
 
 

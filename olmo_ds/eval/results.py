@@ -10,6 +10,10 @@ A suite (`--tasks olmes-core`) adds its table under `suites` in results.json and
 it: one row per task and formulation (task, formulation, shots, metric, value); its member tasks stay in
 `tasks`, each with its place in the suite under "olmes", and are summed up by the suite's rows in the
 printed table, the TensorBoard tags `eval/<suite>/<task>_<formulation>` and the run comparison.
+
+A generative task (`olmo_ds.eval.generative`) has its metrics in `tasks` like any other (marked
+"kind": "generative", its primary metric first in the comparison) and its per-example prompts, completions
+and scores in `<task>.outputs.jsonl` beside results.json, for inspection.
 """
 
 from __future__ import annotations
@@ -62,9 +66,13 @@ def build_results(*, target: dict, perplexity: dict[str, dict], tasks: dict[str,
     }
 
 
-def write_results(out_dir: Path, results: dict) -> Path:
+def write_results(out_dir: Path, results: dict, outputs: dict[str, list[dict]] | None = None) -> Path:
+    """results.json (last, so that it stands for a complete evaluation), the suites' tables and the
+    generative tasks' `<task>.outputs.jsonl` (one JSON object per example)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for name, records in (outputs or {}).items():
+        atomic_write_bytes(out_dir / f"{name}.outputs.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
     path = out_dir / RESULTS
     atomic_write_json(path, _finite(results))
     for name, suite in results.get("suites", {}).items():
@@ -142,6 +150,10 @@ def _in_suite(metrics: dict) -> bool:
     return "olmes" in metrics
 
 
+def _generative(metrics: dict) -> bool:
+    return metrics.get("kind") == "generative"
+
+
 def markdown(results: dict) -> str:
     """The human summary printed on stdout."""
     parts = []
@@ -155,7 +167,7 @@ def markdown(results: dict) -> str:
         rows = [[name, r["tokens"], r["ce_loss"], r["perplexity"], r["bits_per_byte"], round(r["tokens_per_second"]),
                  round(r["rows_per_second"]), round(r["forward_tokens_per_second"])] for name, r in results["perplexity"].items()]
         parts.append(_table(["source", "tokens", "ce_loss", "perplexity", "bits/byte", "tokens/s", "rows/s", "forward tokens/s"], rows))
-    alone = {name: r for name, r in results["tasks"].items() if not _in_suite(r)}
+    alone = {name: r for name, r in results["tasks"].items() if not _in_suite(r) and not _generative(r)}
     if alone:
         rows = []
         for name, r in alone.items():
@@ -164,7 +176,17 @@ def markdown(results: dict) -> str:
         parts.append(_table(["task", "questions", "acc", "acc_per_token", "acc_per_char", "acc_uncond", "primary", "truncated"], rows))
     for name, suite in results.get("suites", {}).items():
         parts.append(f"**{name}**\n\n{suite_table(suite['rows'])}")
-    if results["tasks"]:
+    written = {name: r for name, r in results["tasks"].items() if _generative(r)}
+    if written:
+        rows = [[name, r["num_questions"], f"{r['primary_metric']} {r['primary']:.4f}",
+                 ", ".join(f"{k} {v:.4f}" for k, v in r.items() if k.endswith(("_acc", "exact_match")) and k != r["primary_metric"]) or "–",
+                 "yes" if r["chat_template"] else "no", r["truncated_prompts"], r["outputs"]] for name, r in written.items()]
+        parts.append(_table(["generative task", "questions", "primary", "other metrics", "chat template", "truncated", "outputs"], rows))
+        gen = results["stats"].get("generation", {})
+        if gen:
+            parts.append(f"{gen['requests']:,} generations, {gen['new_tokens']:,} new tokens in {gen['seconds']:.2f} s: "
+                         f"{gen['new_tokens_per_second']:,.0f} new tokens/s")
+    if any(not _generative(r) for r in results["tasks"].values()):
         st = results["stats"].get("tasks", {})
         if st:
             parts.append(

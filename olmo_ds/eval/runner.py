@@ -22,8 +22,10 @@ import torch.distributed as dist
 
 from olmo_ds import checkpoint as ckpt
 from olmo_ds import weights
+from olmo_ds.chat import ChatEncoder
 from olmo_ds.eval import olmes_suite
 from olmo_ds.eval import results as res
+from olmo_ds.eval.generative import GenerativeTask, evaluate_generative, is_generative, load_generative
 from olmo_ds.eval.multiple_choice import PreparedTasks, evaluate_tasks, prepare_tasks
 from olmo_ds.eval.perplexity import TextSource, conversation_batches, evaluate_perplexity, load_source, token_byte_lengths, window_batches
 from olmo_ds.eval.scoring import DistContext, check_batching
@@ -37,7 +39,7 @@ from olmo_ds.ranks import check_host, rendezvous
 class EvalOptions:
     target: str  # checkpoint dir, run dir, or exported model dir
     data: list[str] = field(default_factory=list)  # NAME=PATH or PATH; empty = the run's validation sources
-    tasks: list[str] = field(default_factory=list)  # task paths or names, or the suite olmes-core
+    tasks: list[str] = field(default_factory=list)  # task paths or names, the suite olmes-core, or generative KIND[=SOURCE]
     task_dirs: list[str] = field(default_factory=list)  # where task names are looked up (default: $OLMO_DS_TASK_DIRS)
     out: str | None = None
     all_checkpoints: bool = False
@@ -53,6 +55,7 @@ class EvalOptions:
     text_field: str = "text"
     tensorboard: bool = True
     batching: str = "packed"  # packed | exact (olmo_ds.eval.loglikelihood)
+    gen_batch_size: int | None = None  # sequences generated at once (generative tasks); default 64 on GPU, 8 on CPU
 
 
 def _init_distributed(device_name: str | None) -> tuple[DistContext, torch.device]:
@@ -131,9 +134,11 @@ class _Inputs:
     sources: list[TextSource]
     tasks: PreparedTasks | None
     token_bytes: np.ndarray
+    generative: list[GenerativeTask] = field(default_factory=list)
 
 
-def _prepare_inputs(options: EvalOptions, target: weights.Provenance, tokenizer, tasks: list[Task]) -> _Inputs:
+def _prepare_inputs(options: EvalOptions, target: weights.Provenance, tokenizer, tasks: list[Task],
+                    generative: list[GenerativeTask]) -> _Inputs:
     specs = options.data
     if not specs and target.kind == "checkpoint":
         specs = _default_sources(target.train_config)
@@ -141,10 +146,10 @@ def _prepare_inputs(options: EvalOptions, target: weights.Provenance, tokenizer,
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         raise ValueError(f"--data: two sources are named alike ({', '.join(names)}); name them with NAME=PATH")
-    if not sources and not tasks:
+    if not sources and not tasks and not generative:
         raise ValueError(f"{target.directory}: nothing to evaluate: give --data (validation shards or JSON lines) and/or --tasks")
     prepared = prepare_tasks(tokenizer, tasks, uncond=options.uncond, limit=options.limit) if tasks else None
-    return _Inputs(sources, prepared, token_byte_lengths(tokenizer))
+    return _Inputs(sources, prepared, token_byte_lengths(tokenizer), generative)
 
 
 def _load_model(target: weights.Provenance, device: torch.device, dtype: torch.dtype, backend: str, dist_ctx: DistContext) -> weights.LoadedModel:
@@ -176,8 +181,9 @@ def _load_model(target: weights.Provenance, device: torch.device, dtype: torch.d
     return loaded
 
 
-def _evaluate(loaded: weights.LoadedModel, inputs: _Inputs, options: EvalOptions, dist_ctx: DistContext, batch_tokens: int) -> tuple[dict, dict, dict]:
-    """(perplexity per source, metrics per task, stats) of one loaded model."""
+def _evaluate(loaded: weights.LoadedModel, inputs: _Inputs, options: EvalOptions, dist_ctx: DistContext,
+              batch_tokens: int) -> tuple[dict, dict, dict, dict]:
+    """(perplexity per source, metrics per task, stats, per-example outputs of generative tasks) of one loaded model."""
     max_len = loaded.provenance.cfg.max_seq_len  # the model's window: longer inputs are truncated from the left
     seq_len = options.seq_len or max_len
     if seq_len > max_len:
@@ -189,22 +195,38 @@ def _evaluate(loaded: weights.LoadedModel, inputs: _Inputs, options: EvalOptions
                    else window_batches(source.tokens, seq_len, rows))
         r = evaluate_perplexity(loaded.model, batches, inputs.token_bytes, dist_ctx=dist_ctx, batching=options.batching).to_dict()
         ppl[source.name] = {**r, "path": str(source.path), "kind": source.kind, "documents": source.documents, "seq_len": seq_len}
-    if inputs.tasks is None:
-        return ppl, {}, {}
-    mc = evaluate_tasks(loaded.model, loaded.tokenizer, inputs.tasks, dist_ctx.rank, dist_ctx.world, max_len=max_len,
-                        batch_tokens=batch_tokens, batching=options.batching)
-    if dist_ctx.rank == 0 and mc.stats["truncated_contexts"]:
-        per_task = ", ".join(f"{name} {r['truncated_contexts']}" for name, r in mc.tasks.items() if r["truncated_contexts"])
-        print(f"eval: warning: {mc.stats['truncated_contexts']} contexts longer than the model's window of {max_len} tokens "
-              f"were cut from the left ({per_task})", file=sys.stderr, flush=True)
-    return ppl, mc.tasks, {"tasks": mc.stats}
+    task_metrics, stats, outputs = {}, {}, {}
+    if inputs.tasks is not None:
+        mc = evaluate_tasks(loaded.model, loaded.tokenizer, inputs.tasks, dist_ctx.rank, dist_ctx.world, max_len=max_len,
+                            batch_tokens=batch_tokens, batching=options.batching)
+        if dist_ctx.rank == 0 and mc.stats["truncated_contexts"]:
+            per_task = ", ".join(f"{name} {r['truncated_contexts']}" for name, r in mc.tasks.items() if r["truncated_contexts"])
+            print(f"eval: warning: {mc.stats['truncated_contexts']} contexts longer than the model's window of {max_len} tokens "
+                  f"were cut from the left ({per_task})", file=sys.stderr, flush=True)
+        task_metrics, stats = mc.tasks, {"tasks": mc.stats}
+    if inputs.generative:
+        template = weights.chat_template_of(loaded.provenance, loaded.tokenizer)
+        chat = ChatEncoder(template, loaded.tokenizer) if template is not None else None
+        device = next(loaded.model.parameters()).device
+        batch = options.gen_batch_size or (64 if device.type == "cuda" else 8)
+        gen = evaluate_generative(loaded.model, loaded.tokenizer, inputs.generative, chat=chat, dist_ctx=dist_ctx,
+                                  batch_size=batch, limit=options.limit)
+        task_metrics, stats, outputs = {**task_metrics, **gen.tasks}, {**stats, "generation": gen.stats}, gen.outputs
+    return ppl, task_metrics, stats, outputs
 
 
-def _load_tasks(options: EvalOptions) -> tuple[list[Task], list[str]]:
-    """Every task of `--tasks` (a path, a name in the task dirs, or the suite olmes-core), each record
-    checked, and what each argument resolved to."""
-    tasks, sources = [], []
+def _load_tasks(options: EvalOptions) -> tuple[list[Task], list[GenerativeTask], list[str]]:
+    """Every task of `--tasks` (a path, a name in the task dirs, the suite olmes-core, or a generative task),
+    each record checked: the multiple-choice ones, the generative ones, and what each argument resolved to."""
+    tasks, generative, sources = [], [], []
     for spec in options.tasks:
+        if is_generative(spec):
+            task = load_generative(spec)
+            if any(g.name == task.name for g in generative):
+                raise ValueError(f"--tasks: {task.name} is given twice ({spec})")
+            generative.append(task)
+            sources.append(task.source)
+            continue
         if spec == olmes_suite.SUITE_NAME and not Path(spec).exists():
             tasks += olmes_suite.load_suite()
             sources.append(spec)
@@ -212,7 +234,7 @@ def _load_tasks(options: EvalOptions) -> tuple[list[Task], list[str]]:
         path = resolve_task(spec, [Path(d) for d in options.task_dirs])
         tasks.append(load_task(path))
         sources.append(str(path))
-    return tasks, sources
+    return tasks, generative, sources
 
 
 def _suites(tasks: list[Task], task_metrics: dict[str, dict]) -> dict:
@@ -230,6 +252,8 @@ def _suites(tasks: list[Task], task_metrics: dict[str, dict]) -> dict:
 def run(options: EvalOptions) -> list[dict]:
     """Evaluate every target; returns each target's results document (on every rank)."""
     check_batching(options.batching)
+    if options.gen_batch_size is not None and options.gen_batch_size < 1:
+        raise ValueError(f"--gen-batch-size must be >= 1, got {options.gen_batch_size}")
     dist_ctx, device = _init_distributed(options.device)
     dtype = _dtype(options.dtype, device)
     batch_tokens = options.batch_tokens or (32768 if device.type == "cuda" else 4096)
@@ -238,7 +262,7 @@ def run(options: EvalOptions) -> list[dict]:
     targets = _targets(options)
     if not targets and is_main:
         print("eval: every checkpoint of the run already has results (--skip-evaluated)", file=sys.stderr, flush=True)
-    tasks, task_sources = _load_tasks(options)  # every record checked before any weight is loaded
+    tasks, generative, task_sources = _load_tasks(options)  # every record checked before any weight is loaded
     inputs_for: dict[str, _Inputs] = {}  # by tokenizer fingerprint: nothing is tokenized twice
     documents = []
     for kind, directory in targets:
@@ -246,9 +270,9 @@ def run(options: EvalOptions) -> list[dict]:
         target = weights.describe_weights(directory)
         tokenizer = weights.own_tokenizer(target)
         if tokenizer.fingerprint not in inputs_for:
-            inputs_for[tokenizer.fingerprint] = _prepare_inputs(options, target, tokenizer, tasks)
+            inputs_for[tokenizer.fingerprint] = _prepare_inputs(options, target, tokenizer, tasks, generative)
         loaded = _load_model(target, device, dtype, options.backend, dist_ctx)
-        ppl, task_metrics, stats = _evaluate(loaded, inputs_for[tokenizer.fingerprint], options, dist_ctx, batch_tokens)
+        ppl, task_metrics, stats, outputs = _evaluate(loaded, inputs_for[tokenizer.fingerprint], options, dist_ctx, batch_tokens)
         suites = _suites(tasks, task_metrics)
 
         labels = {"path": str(target.directory), "kind": target.kind, "run_dir": str(target.run_dir) if target.run_dir else None,
@@ -259,7 +283,7 @@ def run(options: EvalOptions) -> list[dict]:
                   "model": target.cfg.to_dict(), "train": target.train_config}
         document = res.build_results(target=labels, perplexity=ppl, tasks=task_metrics, stats=stats, config=config, suites=suites)
         if is_main:
-            path = res.write_results(_out_dir(options, kind, directory, len(targets) > 1), document)
+            path = res.write_results(_out_dir(options, kind, directory, len(targets) > 1), document, outputs)
             if options.tensorboard and target.run_dir is not None and target.step is not None:
                 res.write_tensorboard(target.run_dir / res.TB_DIR, target.step, res.scalars(ppl, task_metrics) | res.suite_scalars(suites))
             print(res.markdown(document), flush=True)

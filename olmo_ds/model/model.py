@@ -207,7 +207,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Keys and values of past positions for incremental decoding (see olmo_ds/model/generate.py)."""
+    """Keys and values of past positions for rows that all stand at the same position (scoring shared
+    contexts, `olmo_ds.eval.loglikelihood`). A cache owns its attention (`attend`): the attention layer
+    hands it the new queries, keys and values, so a cache of another layout (generation's per-sequence
+    slots and sliding-window rings, `olmo_ds.model.decode.cache.SlotCache`) runs through the same blocks."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype):
         shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
@@ -221,6 +224,20 @@ class KVCache:
         self.keys[layer][:, self.pos:end] = k
         self.values[layer][:, self.pos:end] = v
         return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+    def attend(self, layer: int, q, k, v, window: int | None, scale: float) -> torch.Tensor:
+        """Causal attention of q [B, T, H, D] over the cached positions and the new k, v [B, T, H_kv, D]."""
+        keys, values = self.update(layer, k, v)
+        q_pos = torch.arange(self.pos, self.pos + q.shape[1], device=q.device)[:, None]
+        k_pos = torch.arange(keys.shape[1], device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed = allowed & (k_pos > q_pos - window)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed, scale=scale,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )
+        return out.transpose(1, 2)
 
 
 @functools.cache
@@ -324,21 +341,8 @@ class Attention(nn.Module):
             else:
                 out = attend(q, k, v, mask, self.window, backend, scale)
         else:
-            out = self._attend_cached(q, k, v, cache, scale)
+            out = cache.attend(self.layer, q, k, v, self.window, scale)
         return self.o_proj(out.reshape(b, t, -1))
-
-    def _attend_cached(self, q, k, v, cache: KVCache, scale: float) -> torch.Tensor:
-        keys, values = cache.update(self.layer, k, v)
-        q_pos = torch.arange(cache.pos, cache.pos + q.shape[1], device=q.device)[:, None]
-        k_pos = torch.arange(keys.shape[1], device=q.device)[None, :]
-        allowed = k_pos <= q_pos
-        if self.window is not None:
-            allowed = allowed & (k_pos > q_pos - self.window)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed, scale=scale,
-            enable_gqa=self.n_heads != self.n_kv_heads,
-        )
-        return out.transpose(1, 2)
 
 
 class MLP(nn.Module):

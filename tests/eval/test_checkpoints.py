@@ -18,7 +18,7 @@ from olmo_ds.eval.loglikelihood import score_requests
 from olmo_ds.eval.perplexity import evaluate_perplexity, load_source, token_byte_lengths, window_batches
 from olmo_ds.eval.tasks import load_task
 from olmo_ds.model import OLMo
-from olmo_ds.model.generate import generate
+from olmo_ds.model.decode import Request, generate
 from olmo_ds.weights import export_hf, load_model, load_weights, resolve_weights
 from olmo_ds.tokenizer import load_tokenizer
 
@@ -149,6 +149,6 @@ def test_scripts_given_a_checkpoint_print_only_their_result(trained_run, tmp_pat
         model = OLMo(w.provenance.cfg)
         model.load_state_dict(w.state_dict)
         tok = load_tokenizer(ckpt / "tokenizer.json")
-        new = generate(model.eval(), [tok.encode("The")], 4, eos_id=tok.eos_id)[0]
-        assert proc.stdout == f"=== 'The'\nThe{tok.decode(new)}\n\n"
+        new = generate(model.eval(), [Request(tok.encode("The"), 4)], stop_ids=[tok.eos_id], tokenizer=tok).completions[0]
+        assert proc.stdout == f"=== 'The'\nThe{new.text}\n\n"
     assert "zero checkpoint" in proc.stderr  # consolidation did run, and spoke on stderr

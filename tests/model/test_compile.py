@@ -16,7 +16,7 @@ import torch
 
 from olmo_ds.model import ModelConfig, OLMo
 from olmo_ds.model.attention import AttentionMask
-from olmo_ds.model.generate import generate
+from olmo_ds.model.decode import Request, generate
 from olmo_ds.model.model import BLOCK_CALLS
 
 # GQA (2 heads, 1 kv head) like the 2-rank trainer test's model, so both compile the same graphs.
@@ -146,8 +146,8 @@ def test_compiled_path_is_skipped_where_it_would_not_be_exact():
     assert compiled.blocks[0]._compiled_attention(x, AttentionMask(2, 32, x.device), None) == ("sdpa", None)
 
     BLOCK_CALLS.clear()
-    prompt = ids[:1, :4].tolist()
-    assert generate(compiled, prompt, max_new_tokens=3) == generate(eager, prompt, max_new_tokens=3)
+    requests = [Request(ids[0, :4].tolist(), 3)]
+    assert generate(compiled, requests).completions == generate(eager, requests).completions
     assert "compiled" not in BLOCK_CALLS
 
 

@@ -1,0 +1,163 @@
+"""The KV cache of batched generation: a fixed number of sequence slots, each with its own length.
+
+Full-attention layers keep every position of a slot, `[slots, kv_heads, max_len, head_dim]`; OLMo 3's
+sliding-window layers keep only the window, a ring buffer `[slots, kv_heads, window, head_dim]` where
+position p lives at p % window (a query at p sees p - window < j <= p, exactly the ring's contents once p
+is written). The cache is allocated once, so decoding never grows or copies it, and a slot freed by a
+finished sequence is refilled by the next prompt (continuous batching, `olmo_ds.model.decode.engine`).
+
+The cache owns attention (`attend`, called by `olmo_ds.model.model.Attention` for the layer's new q, k, v):
+- a prefill is one row of several whole prompts laid end to end (ragged, no padding); each prompt's
+  queries attend causally within that prompt only (per prompt SDPA, so no compute crosses prompts), and its
+  keys and values (a sliding layer: the last `window` of them) go into its slot;
+- a decode step is one new token for each of `A` slots, `[A, 1]`: its key and value are written at the
+  slot's length, and attention reads that slot's first `length + 1` positions (or ring entries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from olmo_ds.model.config import ModelConfig
+
+GIB = 1024 ** 3
+# Without a GPU the cache's memory is bounded by this budget (bytes) unless the caller gives one.
+DEFAULT_CPU_BUDGET = 4 * GIB
+# Of a GPU's free memory, the share the cache may take (the rest: activations of a prefill, logits).
+GPU_SHARE = 0.8
+# A decode step's attention reads each slot's first `span` positions, span rounded up to a multiple of this:
+# a few shapes only (each a CUDA graph, `olmo_ds.model.decode.graphs`), at most this many masked positions read.
+SPAN_BUCKET = 256
+
+
+def decode_span(longest: int, max_len: int) -> int:
+    """The positions a decode step reads when its longest sequence holds `longest` (the new token included)."""
+    return min(-(-longest // SPAN_BUCKET) * SPAN_BUCKET, max_len)
+
+
+def layer_lengths(cfg: ModelConfig, max_len: int) -> list[int]:
+    """Cached positions per layer for sequences of up to `max_len` tokens: max_len, or a sliding layer's window."""
+    return [min(cfg.sliding_window, max_len) if cfg.layer_is_sliding(i) else max_len for i in range(cfg.n_layers)]
+
+
+def bytes_per_sequence(cfg: ModelConfig, max_len: int, dtype: torch.dtype) -> int:
+    """Cache bytes of one sequence slot: keys and values of every layer's cached positions."""
+    per_position = 2 * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    return per_position * sum(layer_lengths(cfg, max_len))
+
+
+def cache_budget(device: torch.device, budget: int | None = None) -> tuple[int, str]:
+    """(bytes the cache may take, where that figure comes from)."""
+    if budget is not None:
+        return budget, "the given cache budget"
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_SHARE), f"{GPU_SHARE:.0%} of the GPU's free memory"
+    return DEFAULT_CPU_BUDGET, "the default CPU cache budget"
+
+
+def sequences_that_fit(cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device, budget: int | None = None) -> int:
+    """How many sequences of up to `max_len` tokens the cache budget holds (evaluation sizes its batches by it)."""
+    return cache_budget(device, budget)[0] // bytes_per_sequence(cfg, max_len, dtype)
+
+
+def check_fits(cfg: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
+               budget: int | None = None) -> int:
+    """Bytes per sequence; a ValueError saying how many sequences would fit when `slots` do not."""
+    per_seq = bytes_per_sequence(cfg, max_len, dtype)
+    available, source = cache_budget(device, budget)
+    if slots * per_seq > available:
+        fit = available // per_seq
+        raise ValueError(f"a batch of {slots} sequences of up to {max_len} tokens needs a {slots * per_seq / GIB:.2f} GiB KV cache "
+                         f"({per_seq / 2**20:.1f} MiB per sequence) but {available / GIB:.2f} GiB is available ({source}): "
+                         + (f"at most {fit} sequences fit; lower the batch size to {fit}" if fit else
+                            "not even one sequence fits; shorten the prompts or max_new_tokens, or raise the budget"))
+    return per_seq
+
+
+@dataclass
+class _Prefill:
+    slots: list[int]
+    lengths: list[int]
+
+
+@dataclass
+class _Decode:
+    slots: torch.Tensor  # int64 [A], on the cache's device
+    positions: torch.Tensor  # int64 [A]: the new token's position = the slot's cached length
+    contiguous: bool  # slots are 0..A-1: the cache is read through views, not gathered
+    span: int  # positions read per slot (`decode_span`); a ring reads min(span, its size)
+    masks: dict = field(default_factory=dict)  # span -> [A, 1, 1, span] bool, built once per step, not per layer
+
+
+class SlotCache:
+    """Per-slot keys and values (see the module docstring). `prefill(...)` or `decode(...)` says what the
+    next forward holds; the model's attention layers then call `attend` once each."""
+
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device, dtype):
+        self.cfg, self.slots, self.max_len = cfg, slots, max_len
+        self.windows = [cfg.sliding_window if cfg.layer_is_sliding(i) else None for i in range(cfg.n_layers)]
+        lengths = layer_lengths(cfg, max_len)
+        shape = lambda n: (slots, cfg.n_kv_heads, n, cfg.head_dim)  # noqa: E731
+        self.keys = [torch.zeros(shape(n), device=device, dtype=dtype) for n in lengths]
+        self.values = [torch.zeros(shape(n), device=device, dtype=dtype) for n in lengths]
+        self._step: _Prefill | _Decode | None = None
+
+    def prefill(self, slots: list[int], lengths: list[int]) -> None:
+        """The next forward is one row of these whole prompts, in this order, each filling its slot from position 0."""
+        self._step = _Prefill(slots, lengths)
+
+    def decode(self, slots: torch.Tensor, positions: torch.Tensor, span: int, contiguous: bool) -> None:
+        """The next forward is `[len(slots), 1]`: one token per slot (int64 tensors on the cache's device), at its
+        position (the slot's cached length); `span`: `decode_span` of the longest; `contiguous`: slots are 0..A-1."""
+        self._step = _Decode(slots, positions, contiguous, span)
+
+    def attend(self, layer: int, q, k, v, window: int | None, scale: float) -> torch.Tensor:
+        if isinstance(self._step, _Prefill):
+            return self._attend_prefill(layer, q, k, v, window, scale)
+        return self._attend_decode(layer, q, k, v, scale)
+
+    def _attend_prefill(self, layer, q, k, v, window, scale) -> torch.Tensor:
+        step, outs, start = self._step, [], 0
+        keys, values = self.keys[layer], self.values[layer]
+        gqa = q.shape[2] != k.shape[2]
+        for slot, n in zip(step.slots, step.lengths):
+            qs, ks, vs = (t[:, start:start + n].transpose(1, 2) for t in (q, k, v))
+            if window is None or n <= window:
+                out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                pos = torch.arange(n, device=q.device)
+                allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+                out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+            outs.append(out.transpose(1, 2))
+            if window is None:
+                keys[slot, :, :n] = ks[0]
+                values[slot, :, :n] = vs[0]
+            else:  # the last `ring` positions, each at its place p % ring
+                ring = keys.shape[2]
+                kept = torch.arange(max(0, n - ring), n, device=q.device)
+                keys[slot][:, kept % ring] = ks[0][:, kept]
+                values[slot][:, kept % ring] = vs[0][:, kept]
+            start += n
+        return torch.cat(outs, dim=1)
+
+    def _attend_decode(self, layer, q, k, v, scale) -> torch.Tensor:
+        step = self._step
+        keys, values = self.keys[layer], self.values[layer]
+        ring = keys.shape[2] if self.windows[layer] is not None else None
+        where = step.positions % ring if ring else step.positions
+        keys[step.slots, :, where] = k[:, 0]
+        values[step.slots, :, where] = v[:, 0]
+        span = min(step.span, keys.shape[2])
+        if step.contiguous:
+            keys, values = keys[:len(step.slots), :, :span], values[:len(step.slots), :, :span]
+        else:
+            keys, values = keys[:, :, :span].index_select(0, step.slots), values[:, :, :span].index_select(0, step.slots)
+        if span not in step.masks:  # a slot's entries 0..position are written (a ring's all, once position >= ring)
+            step.masks[span] = (torch.arange(span, device=q.device)[None, :] <= step.positions[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=step.masks[span], scale=scale,
+                                             enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)

@@ -1,0 +1,63 @@
+"""Choosing the next token: greedy, or sampling with temperature, top-k and top-p (nucleus).
+
+Reproducible for any batch size: every sequence draws from its own `torch.Generator`, seeded from
+(seed, the request's index), one uniform number per new token; the draw picks a token by inverting the
+cumulative distribution of that sequence's filtered probabilities. What a sequence samples therefore
+depends on its own logits and its own generator only, never on which other sequences share the batch.
+Padded vocabulary rows (the embedding is rounded up to a multiple of 128) are never chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 = greedy; top_k 0 = no limit; top_p 1 = no limit."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:  # also refuses NaN
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
+        if not 0 <= self.seed < 2 ** 31:
+            raise ValueError(f"seed must be in [0, 2**31), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, index: int) -> torch.Generator | None:
+        """The generator of request `index` (None when greedy)."""
+        return None if self.greedy else torch.Generator().manual_seed(self.seed << 32 | index)
+
+
+def next_tokens(logits: torch.Tensor, vocab_size: int, sampling: Sampling, generators: list) -> torch.Tensor:
+    """The next id of each row of `logits` [A, padded_vocab]; `generators[a]` is row a's (see `Sampling.generator`)."""
+    logits = logits[:, :vocab_size].float()
+    if sampling.greedy:
+        return logits.argmax(-1)
+    logits = logits / sampling.temperature
+    if 0 < sampling.top_k < vocab_size:
+        kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
+    # The nucleus: the smallest prefix whose mass reaches top_p (always at least the most likely id).
+    probs = probs.masked_fill(probs.cumsum(-1) - probs >= sampling.top_p, 0.0)
+    cdf = probs.cumsum(-1)
+    draws = torch.stack([torch.rand((), generator=g) for g in generators]).to(logits.device)
+    choice = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).clamp_(max=vocab_size - 1)
+    # An id of probability 0 adds nothing to the cdf, so no draw below the total lands on it; a draw that
+    # rounds up to the total (past the last id) goes to the last kept id.
+    choice = torch.where(probs.gather(-1, choice) > 0, choice, (probs > 0).sum(-1, keepdim=True) - 1)
+    return order.gather(-1, choice).squeeze(-1)

@@ -1,0 +1,182 @@
+"""Batched generation (olmo_ds/model/decode/): greedy outputs are transformers' `generate` tokens at any batch
+size, sampling is reproducible per prompt, sequences stop where they should and leave the batch, and bad
+requests are refused before any forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from olmo_ds.model import ModelConfig
+from olmo_ds.model.decode import Request, Sampling, SlotCache, bytes_per_sequence, generate, next_tokens
+from olmo_ds.tokenizer import load_tokenizer
+
+from model_testlib import OLMO2_TINY, OLMO3_TINY, hf_model_from, random_model
+from testdata import SHARED
+
+LENGTHS = [3, 17, 9, 1, 30, 12, 5, 22, 8, 2]  # 10 prompts: a batch of 8 refills two freed slots
+LIMITS = [20, 12, 25, 7, 20, 20, 3, 16, 20, 11]
+
+
+def mixed_requests(vocab: int, seed: int = 1) -> list[Request]:
+    g = torch.Generator().manual_seed(seed)
+    return [Request(torch.randint(0, vocab, (n,), generator=g).tolist(), m) for n, m in zip(LENGTHS, LIMITS)]
+
+
+@pytest.mark.parametrize("base", [OLMO2_TINY, OLMO3_TINY], ids=["olmo2", "olmo3"])
+def test_greedy_is_transformers_generate_at_batch_1_and_8(base):
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig(**dict(base, vocab_size=384, max_seq_len=128))  # OLMo 3: window 6 < prompt + output
+    model = random_model(cfg, seed=3)
+    requests = mixed_requests(cfg.vocab_size)
+    one, eight = (generate(model, requests, batch_size=b).completions for b in (1, 8))
+    assert [c.tokens for c in one] == [c.tokens for c in eight]
+    assert all(c.finish == "length" and len(c.tokens) == r.max_new_tokens for c, r in zip(eight, requests))
+    hf = hf_model_from(model)
+    config = transformers.GenerationConfig(pad_token_id=0, eos_token_id=None, do_sample=False)
+    for r, c in zip(requests, eight):
+        expected = hf.generate(torch.tensor([r.prompt]), max_new_tokens=r.max_new_tokens, generation_config=config)
+        assert c.tokens == expected[0, len(r.prompt):].tolist()
+
+
+def test_sliding_layers_keep_a_window_sized_ring_and_memory_per_sequence_counts_it():
+    cfg = ModelConfig(**dict(OLMO3_TINY, vocab_size=384))
+    cache = SlotCache(cfg, slots=3, max_len=50, device="cpu", dtype=torch.float32)
+    lengths = [k.shape[2] for k in cache.keys]
+    assert lengths == [6 if cfg.layer_is_sliding(i) else 50 for i in range(cfg.n_layers)] and 6 in lengths and 50 in lengths
+    per_position = 2 * cfg.n_kv_heads * cfg.head_dim * 4
+    assert bytes_per_sequence(cfg, 50, torch.float32) == per_position * sum(lengths)
+    assert bytes_per_sequence(cfg, 50, torch.bfloat16) * 2 == bytes_per_sequence(cfg, 50, torch.float32)
+    stats = generate(random_model(cfg), mixed_requests(384)[:2], batch_size=2).stats
+    assert stats["cache_bytes_per_sequence"] == bytes_per_sequence(cfg, stats["max_len"], torch.float32)
+
+
+def test_finished_sequences_leave_the_batch():
+    model = random_model(ModelConfig(**dict(OLMO3_TINY, vocab_size=384)))
+    requests = [Request([1, 2, 3], 2), Request([4, 5], 20), Request([6], 5)]
+    stats = generate(model, requests, batch_size=2).stats
+    # Each sequence is in exactly (max_new_tokens - 1) decode forwards; the third takes the first's slot.
+    assert stats["decode_rows"] == sum(r.max_new_tokens - 1 for r in requests)
+    assert stats["new_tokens"] == sum(r.max_new_tokens for r in requests)
+
+
+def test_sampling_is_seeded_per_prompt_whatever_the_batch_size():
+    model = random_model(ModelConfig(**dict(OLMO3_TINY, vocab_size=384)), seed=2)
+    requests = mixed_requests(384, seed=4)
+    sampling = Sampling(temperature=0.9, top_p=0.9, top_k=40, seed=7)
+    runs = [[c.tokens for c in generate(model, requests, batch_size=b, sampling=sampling).completions] for b in (1, 3, 8)]
+    assert runs[0] == runs[1] == runs[2]
+    other = [c.tokens for c in generate(model, requests, batch_size=8, sampling=Sampling(temperature=0.9, seed=8)).completions]
+    assert other != runs[0]
+    greedy = [c.tokens for c in generate(model, requests, batch_size=8).completions]
+    assert greedy != runs[0]
+
+
+def test_top_k_and_top_p_sample_only_inside_their_sets():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    draws = lambda s: {int(t) for _ in range(100) for t in next_tokens(logits, 4, s, gens)}  # noqa: E731
+    assert draws(Sampling(temperature=1.0, top_p=0.75)) == {0, 1}  # 0.5 + 0.3 reaches 0.75
+    assert draws(Sampling(temperature=1.0, top_k=3)) == {0, 1, 2}
+    assert draws(Sampling(temperature=1.0)) == {0, 1, 2, 3}
+    assert draws(Sampling(temperature=1.0, top_p=1e-6)) == {0}
+    padded = torch.cat([logits, torch.full((4, 2), 100.0)], dim=1)  # padded vocabulary rows are never chosen
+    assert {int(t) for t in next_tokens(padded, 4, Sampling(), [None] * 4)} == {0}
+
+
+def test_eos_stop_ids_stop_strings_and_limits_end_each_sequence():
+    tok = load_tokenizer(SHARED / "tokenizers" / "dolma2-tokenizer.json")
+    model = random_model(ModelConfig(**dict(OLMO3_TINY, vocab_size=100352)), seed=5)
+    prompt = tok.encode("Once upon a time")
+    free = generate(model, [Request(prompt, 24)], tokenizer=tok).completions[0]
+    assert free.finish == "length" and free.text == tok.decode(free.tokens)
+    stop_id = free.tokens[6]
+    ended = generate(model, [Request(prompt, 24)], stop_ids=[stop_id], tokenizer=tok).completions[0]
+    first = free.tokens.index(stop_id)
+    assert ended.finish == "eos" and ended.tokens == free.tokens[:first + 1] and ended.text == tok.decode(free.tokens[:first])
+    # A stop string made of the text of tokens 8-10: the sequence ends once its text holds it, cut before it.
+    stop = tok.decode(free.tokens[8:11]).strip() or tok.decode(free.tokens[8:11])
+    cut = generate(model, [Request(prompt, 24, (stop, "never appears \u2603"))], tokenizer=tok).completions[0]
+    assert cut.finish == "stop" and len(cut.tokens) <= 11 and stop in tok.decode(cut.tokens)
+    assert cut.text == tok.decode(cut.tokens)[:tok.decode(cut.tokens).find(stop)] and stop not in cut.text
+
+
+def test_refusals_before_any_forward():
+    cfg = ModelConfig(**dict(OLMO3_TINY, vocab_size=384))
+    model = random_model(cfg)
+    with pytest.raises(ValueError, match="prompt 1: the prompt has 128 tokens: as long as or longer than the model's context of 128"):
+        generate(model, [Request([1], 2), Request([1] * 128, 1)])
+    with pytest.raises(ValueError, match="prompt 0: 100 tokens \\+ max_new_tokens 50 exceed the model's context of 128; lower max_new_tokens to 28"):
+        generate(model, [Request([1] * 100, 50)])
+    with pytest.raises(ValueError, match="stop strings must be non-empty strings, got ''"):
+        generate(model, [Request([1], 2, ("",))], tokenizer=object())
+    with pytest.raises(ValueError, match="outside the model's vocabulary of 384"):
+        generate(model, [Request([384], 2)])
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        generate(model, [Request([1], 0)])
+    with pytest.raises(ValueError, match="cuda_graphs needs the model on a CUDA device, not cpu"):
+        generate(model, [Request([1], 2)], cuda_graphs=True)
+    per_seq = bytes_per_sequence(cfg, 60, torch.float32)
+    with pytest.raises(ValueError, match=r"a batch of 8 sequences of up to 60 tokens needs .* at most 3 sequences fit; lower the batch size to 3"):
+        generate(model, [Request([1] * 10, 50)] * 8, batch_size=8, cache_budget=3 * per_seq + 1)
+    for bad, match in [(dict(temperature=-1), "temperature must be >= 0"), (dict(top_p=0), "top_p must be in"),
+                       (dict(top_p=1.5), "top_p must be in"), (dict(top_k=-2), "top_k must be an integer"),
+                       (dict(temperature=float("nan")), "temperature")]:
+        with pytest.raises(ValueError, match=match):
+            Sampling(**bad)
+
+
+def test_generate_script_writes_a_prompts_file_as_json_lines(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from olmo_ds.weights import save_model_dir
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = ModelConfig(**dict(OLMO3_TINY, vocab_size=100278))
+    model = random_model(cfg)
+    save_model_dir(tmp_path / "m", cfg, model.state_dict())
+    tokenizer_path = SHARED / "tokenizers" / "dolma2-tokenizer.json"
+    (tmp_path / "m" / "tokenizer.json").write_bytes(tokenizer_path.read_bytes())
+    prompts = tmp_path / "prompts.jsonl"
+    records = [{"prompt": "Once upon a time", "id": "a"}, {"prompt": "The capital of France is", "max_new_tokens": 3},
+               {"prompt": "1, 2, 3,", "stop": ["\n"]}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    script = [sys.executable, "scripts/generate.py", str(tmp_path / "m")]
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([*script, "--prompts", str(prompts), "--batch-size", "2", "--max-new-tokens", "6", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "generate: 3/3 prompts" in proc.stderr and "KiB per sequence" in proc.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    tok = load_tokenizer(tokenizer_path)
+    expected = generate(model, [Request(tok.encode(r["prompt"]), r.get("max_new_tokens", 6), tuple(r.get("stop", []))) for r in records],
+                        stop_ids=[tok.eos_id], tokenizer=tok).completions
+    assert lines == [{**({"id": "a"} if n == 0 else {}), "prompt": r["prompt"], "completion": c.text, "tokens": len(c.tokens),
+                      "finish": c.finish} for n, (r, c) in enumerate(zip(records, expected))]
+    again = subprocess.run([*script, "--prompts", str(prompts), "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert again.returncode == 2 and "exists; completions are never written over a file" in again.stderr
+    prompts.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    bad = subprocess.run([*script, "--prompts", str(prompts)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert bad.returncode == 2 and f"{prompts}:2: a \"messages\" record needs a chat template: pass --chat" in bad.stderr
+    bad = subprocess.run([*script, "--prompt", "x", "--top-p", "0"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert bad.returncode == 2 and "top_p must be in (0, 1], got 0.0" in bad.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_steps_decode_what_eager_steps_decode(dtype):
+    """GPU tier: steps with every slot busy replay CUDA graphs (one per span bucket; these prompts cross one)
+    and give the eager steps' tokens; the tail, with free slots, runs eagerly."""
+    cfg = ModelConfig(**dict(OLMO3_TINY, vocab_size=384, max_seq_len=600))
+    model = random_model(cfg, seed=3).to(device="cuda", dtype=dtype)
+    g = torch.Generator().manual_seed(2)
+    requests = [Request(torch.randint(0, 384, (n,), generator=g).tolist(), m)
+                for n, m in zip([300, 20, 270, 5, 40, 260, 8, 100, 3, 250], [30, 12, 25, 40, 30, 20, 3, 16, 30, 11])]
+    eager = generate(model, requests, batch_size=4, cuda_graphs=False)
+    graphed = generate(model, requests, batch_size=4)
+    assert eager.stats["graph_forwards"] == 0 and 0 < graphed.stats["graph_forwards"] < graphed.stats["decode_forwards"]
+    assert [c.tokens for c in graphed.completions] == [c.tokens for c in eager.completions]
