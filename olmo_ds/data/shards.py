@@ -395,6 +395,14 @@ class ShardCutter:
             done = end
         return breaks
 
+    def feed_pairs(self, lens: np.ndarray) -> list[int]:
+        """`feed` for preference pairs: `lens` are whole pairs' documents (chosen, rejected, ...); each pair
+        counts as one document, so a shard closes only between pairs. Returns document indices, as `feed`."""
+        if len(lens) % 2:
+            raise ValueError(f"{len(lens)} documents of preference pairs: pairs are added whole")
+        lens = np.asarray(lens)
+        return [2 * k for k in self.feed(lens[0::2] + lens[1::2])]
+
 
 class ShardedWriter:
     """Cuts a stream of whole documents into shards of at most `shard_tokens` tokens (`ShardCutter`).
@@ -421,12 +429,10 @@ class ShardedWriter:
         metadata extras of a shard closed just before document k of this batch (e.g. where in the input
         the next shard starts)."""
         ends = np.cumsum(lens, dtype=np.int64)
-        if self.preference:
-            if len(lens) % 2:
-                raise ValueError(f"{self.directory}: {len(lens)} documents added to a preference shard writer; pairs are added whole")
-            breaks = [2 * k for k in self.cutter.feed(np.asarray(lens[0::2]) + np.asarray(lens[1::2]))]
-        else:
-            breaks = self.cutter.feed(lens)
+        try:
+            breaks = self.cutter.feed_pairs(lens) if self.preference else self.cutter.feed(lens)
+        except ValueError as e:
+            raise ValueError(f"{self.directory}: {e}") from None
         start = 0
         for k in [*breaks, len(lens)]:
             if k > start:
