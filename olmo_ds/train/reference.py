@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from olmo_ds.atomic import atomic_write_bytes, atomic_write_json
+from olmo_ds.eval.preference import pair_sides
 from olmo_ds.train.config import ConfigError
 
 log = logging.getLogger("olmo_ds")
@@ -95,18 +96,6 @@ class ReferenceCache:
     stats: dict = dataclasses.field(default_factory=dict)  # the pass's seconds and tokens per second
 
 
-def document_pairs(out_logprob: torch.Tensor, out_tokens: torch.Tensor, pair_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, P, 2] views of a per-document forward's [B, D] sums and counts: row b's documents 2p and 2p + 1 are pair
-    pair_ids[b, p]'s chosen and rejected sides (the loader's layout). Entries of padding pairs (-1) are zero."""
-    b, p = pair_ids.shape
-    if out_logprob.shape[1] < 2 * p:
-        raise ValueError(f"rows have {out_logprob.shape[1]} documents but pair_ids name {p} pairs a row")
-    valid = (pair_ids >= 0)[..., None]
-    logprob = out_logprob[:, :2 * p].reshape(b, p, 2) * valid
-    tokens = out_tokens[:, :2 * p].reshape(b, p, 2) * valid
-    return logprob, tokens
-
-
 def compute_pair_logprobs(model, batches: Iterable[dict], num_pairs: int, device) -> tuple[PairLogprobs, int]:
     """The per-side log-probability sums of `model` (no grad) over this rank's `batches` (loader-style dicts with
     `pair_ids`), gathered over the data-parallel ranks: every rank returns the same `PairLogprobs` of `num_pairs`
@@ -123,13 +112,10 @@ def compute_pair_logprobs(model, batches: Iterable[dict], num_pairs: int, device
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             out = model(batch["input_ids"], labels=batch["labels"], doc_lens=batch["doc_lens"], positions=batch["positions"],
                         per_document=True)
-            lp, n = document_pairs(out.logprob, out.tokens, batch["pair_ids"])
-            ids = batch["pair_ids"]
-            keep = ids >= 0
-            gid = ids[keep]
-            logprob.index_add_(0, gid, lp[keep].float())
-            tokens.index_add_(0, gid, n[keep])
-            seen.index_add_(0, gid, torch.ones_like(gid))
+            lp, n, ids = pair_sides(out.logprob, out.tokens, batch["pair_ids"])
+            logprob.index_add_(0, ids, lp.float())
+            tokens.index_add_(0, ids, n)
+            seen.index_add_(0, ids, torch.ones_like(ids))
             forwarded += batch["input_ids"].numel()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         for t in (logprob, tokens, seen):
