@@ -17,6 +17,11 @@ Rank 0 finds the markers by polling the filesystem between steps (`poll`), so no
 beside training; the collective points are the next save and the end of training (`wait`), where all
 ranks learn together whether any rank's write failed.
 
+The writer thread, not training, waits for the deletes of pruned checkpoints, and only when the disk lacks the
+room for its files (`BackgroundRemover.make_room`): dropping an 18 GB checkpoint from the page cache takes seconds.
+Large records are hashed while they are written, not before (`manifest.HashingWriter`). Each completed save's
+summary says where its time went (snapshot, waiting for room, writing, fsyncing the directory and the marker).
+
 One save is in flight at a time (the next one waits for it, and so does a preemption's save);
 pruning runs only after completion and only removes checkpoints older than the newest complete one,
 so it never touches a save in flight; evaluation and export read complete checkpoints only.
@@ -273,14 +278,18 @@ def host_copy_fits(bytes_per_rank: int, local_ranks: int, held: int = 0) -> tupl
 
 class AsyncSaver:
     """Saves through `HostSnapshotEngine` and a writer thread; see the module docstring. Collective:
-    every rank calls `start` and `wait` at the same points; `poll` is rank 0's, between steps."""
+    every rank calls `start` and `wait` at the same points; `poll` is rank 0's, between steps.
+    `remover`: the `BackgroundRemover` deleting pruned checkpoints; the writer thread, not training, waits for
+    it, and only when the disk lacks the room for this rank's files (`BackgroundRemover.make_room`)."""
 
-    def __init__(self, engine, run_dir: str | Path, rank: int, world_size: int):
+    def __init__(self, engine, run_dir: str | Path, rank: int, world_size: int, *, remover=None):
         self.engine, self.run_dir, self.rank, self.world_size = engine, Path(run_dir), rank, world_size
+        self.remover = remover
         self.snapshots = HostSnapshotEngine()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._in_flight: dict | None = None  # ckpt_dir, step, train_state, tokenizer_path, started, blocked, alloc
+        self._phases: dict[str, float] = {}  # the writer thread's: room_s, write_s, sync_s
         self._last_poll = 0.0
 
     @property
@@ -300,30 +309,39 @@ class AsyncSaver:
         ckpt_dir = prepare_checkpoint_dir(self.run_dir, step, self.rank)
         previous = self.engine.checkpoint_engine
         self.engine.checkpoint_engine = self.snapshots
+        t_snapshot = time.perf_counter()
         try:
             self.engine.save_checkpoint(str(checkpoints_dir(self.run_dir)), tag=step_tag(step), save_latest=False)
         finally:
             self.engine.checkpoint_engine = previous
+        snapshot_s = time.perf_counter() - t_snapshot
         rng_entry = write_rng(ckpt_dir, self.rank)
         files = self.snapshots.take()
-        self._error = None
+        self._error, self._phases = None, {}
         self._thread = threading.Thread(target=self._write, args=(files, ckpt_dir, rng_entry), name=f"olmo_ds-save-{step}", daemon=True)
         self._thread.start()
         self._in_flight = {"ckpt_dir": ckpt_dir, "step": step, "train_state": train_state, "tokenizer_path": tokenizer_path,
-                           "started": t0, "blocked": time.perf_counter() - t0, "alloc": self.snapshots.alloc_s}
+                           "started": t0, "blocked": time.perf_counter() - t0, "alloc": self.snapshots.alloc_s,
+                           "snapshot": snapshot_s}
         return ckpt_dir
 
     def _write(self, files: list[tuple[str, object]], ckpt_dir: Path, entries: dict[str, dict]) -> None:
         try:
             entries = dict(entries)
+            t0 = time.perf_counter()
+            if self.remover is not None:
+                self.remover.make_room(ckpt_dir, self.snapshots.held_bytes)
+            t1 = time.perf_counter()
             with _without_crc32():
                 for path, state in files:
                     # hashed as written, fsynced: on disk before the marker says so, as the marker itself is
                     entries[relative_name(path, ckpt_dir)] = write_torch(state, path)
+            t2 = time.perf_counter()
             for directory in {Path(path).parent for path, _ in files}:
                 fsync_path(directory)
             write_part(ckpt_dir, self.rank, entries)
             atomic_write_bytes(written_marker(ckpt_dir, self.rank), b"")
+            self._phases = {"room_s": t1 - t0, "write_s": t2 - t1, "sync_s": time.perf_counter() - t2}
         except BaseException as e:  # reported at the next collective point; the previous checkpoint stays latest
             self._error = e
             log.warning("rank %d: writing %s failed in the background: %s: %s (%.2f GiB free there; the previous checkpoint "
@@ -370,7 +388,8 @@ class AsyncSaver:
         s = self._in_flight
         finalize_checkpoint(s["ckpt_dir"], s["step"], s["train_state"], tokenizer_path=s["tokenizer_path"])
         self._in_flight = None
-        return {"ckpt_dir": s["ckpt_dir"], "blocked_s": s["blocked"], "alloc_s": s["alloc"], "total_s": time.perf_counter() - s["started"]}
+        return {"ckpt_dir": s["ckpt_dir"], "blocked_s": s["blocked"], "alloc_s": s["alloc"], "snapshot_s": s["snapshot"],
+                "total_s": time.perf_counter() - s["started"], **self._phases}
 
 
 class AsyncSaveError(RuntimeError):

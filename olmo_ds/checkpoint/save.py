@@ -18,6 +18,7 @@ import platform
 import random
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -217,3 +218,14 @@ class BackgroundRemover:
         for thread in self._threads:
             thread.join()
         self._threads.clear()
+
+    def make_room(self, directory: Path, nbytes: int) -> float:
+        """Before `nbytes` are written into `directory`: wait for the deletes still running only if the disk has not
+        that much free (with a twentieth spare), so a disk that holds two checkpoints still never holds three,
+        and a roomier one writes while the old checkpoint is freed. Deleting a checkpoint of many GB also drops its
+        pages from the page cache, seconds that a save would otherwise wait for. Returns the seconds waited."""
+        if not self._threads or shutil.disk_usage(directory).free >= 1.05 * nbytes:
+            return 0.0
+        t0 = time.perf_counter()
+        self.wait()
+        return time.perf_counter() - t0

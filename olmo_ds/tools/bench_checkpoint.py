@@ -8,7 +8,9 @@ trains a few steps, then saves `--blocking-saves` times with `checkpoint.async_s
 `--saves` times with `always` (background), training on while each background save writes. Reported
 per save: "blocked" (the time `Trainer.save()` holds the training loop), of it "snapshot" (the
 background saver's part: DeepSpeed's state, the copy to host memory, the RNG files) and "alloc" (the
-host memory that the first background save allocates and later ones reuse), "complete" (until
+host memory that the first background save allocates and later ones reuse), the writer thread's phases
+("room": waiting for pruned checkpoints' deletes, only when the disk lacks space; "write": the files, hashed
+and fsynced; "sync": the directory's fsync, the manifest part and the marker), "complete" (until
 `train_state.json` exists, as rank 0's poll between steps sees it) and the steps trained meanwhile;
 then a raw write of as many bytes as the checkpoint holds (one buffer, `write` + `fsync`, the disk's
 own speed there) and the steady state (background saves after the first) against the targets of
@@ -137,17 +139,19 @@ def run(opts: BenchOptions, saves: int = 3, blocking_saves: int = 1, steps_cap: 
         path = trainer.save()
         blocked = time.perf_counter() - t0
         snapshot, alloc = trainer.saver.in_flight_blocked_s or (blocked, 0.0)
-        trained = 0
+        trained, summary = 0, {}
         while trainer.saver.in_flight is not None:  # train on until the background save completes
             if trained < steps_cap:
                 step()
                 trained += 1
             else:
                 time.sleep(0.05)
-            trainer._saved(trainer.saver.poll())
+            summary = trainer.saver.poll() or summary
+            trainer._saved(summary or None)
         complete = time.perf_counter() - t0
+        phases = {k: summary[k] for k in ("room_s", "write_s", "sync_s") if k in summary}
         rows.append({"mode": "background" if mode == "always" else "blocking", "blocked_s": blocked, "snapshot_s": snapshot, "alloc_s": alloc,
-                     "complete_s": complete, "steps_meanwhile": trained, "bytes": _dir_bytes(path)})
+                     "complete_s": complete, "steps_meanwhile": trained, "bytes": _dir_bytes(path), **phases})
     trainer.loader.close()
     trainer.remover.wait()  # the pruned checkpoints' deletes, still running in the background, end first
     nbytes = rows[-1]["bytes"]
@@ -173,14 +177,16 @@ def steady_state(r: dict) -> dict | None:
 def format_report(r: dict) -> str:
     gb = r["saves"][-1]["bytes"] / 1e9
     lines = [f"checkpoint saves: {r['preset']} on {r['device']} ({r['ds_config']}, one rank), {gb:.2f} GB per checkpoint",
-             f"{'save':<14} {'blocked s':>10} {'snapshot s':>11} {'alloc s':>8} {'complete s':>11} {'steps meanwhile':>16} {'complete / raw':>15}"]
+             f"{'save':<14} {'blocked s':>10} {'snapshot s':>11} {'alloc s':>8} {'room s':>7} {'write s':>8} {'sync s':>7} "
+             f"{'complete s':>11} {'steps meanwhile':>16} {'complete / raw':>15}"]
     n = 0
     for s in r["saves"]:
         n = n + 1 if s["mode"] == "background" else n
         name = f"background {n}" if s["mode"] == "background" else "blocking"
         snapshot = f"{s['snapshot_s']:.2f}" if s["mode"] == "background" else "-"
         alloc = f"{s['alloc_s']:.2f}" if s["mode"] == "background" and s["alloc_s"] >= 0.005 else "-"
-        lines.append(f"{name:<14} {s['blocked_s']:>10.2f} {snapshot:>11} {alloc:>8} {s['complete_s']:>11.2f} "
+        room, write, sync = (f"{s[k]:.2f}" if k in s else "-" for k in ("room_s", "write_s", "sync_s"))
+        lines.append(f"{name:<14} {s['blocked_s']:>10.2f} {snapshot:>11} {alloc:>8} {room:>7} {write:>8} {sync:>7} {s['complete_s']:>11.2f} "
                      f"{s['steps_meanwhile']:>16} {s['complete_s'] / r['raw_write_s']:>15.2f}")
     lines.append(f"raw write of the same bytes (one file, write + fsync): {r['raw_write_s']:.2f} s ({r['raw_write_gb_s']:.2f} GB/s)")
     steady = steady_state(r)

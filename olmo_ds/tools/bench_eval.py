@@ -51,7 +51,6 @@ from olmo_ds.model.config import preset
 from olmo_ds.tokenizer import load_tokenizer
 from olmo_ds.tools.harness import block_counts, current_device, dynamo_graphs, environment, timed
 from olmo_ds.train.config import config_from_dict
-from olmo_ds.train.ds_config import find_ds_config, load_ds_json
 from olmo_ds.train.launch import normalize_cuda_arch_list
 from olmo_ds.train.metrics import setup_console_logging
 from olmo_ds.train.trainer import Trainer
@@ -184,16 +183,14 @@ def build_train_config(opts: EvalBenchOptions, tokenizer, task_paths: list[str],
     """The TrainConfig of a run with in-loop evaluation of the tasks (all questions, no unconditional requests)."""
     rows = opts.micro_batch_size * 4
     data = write_token_shards(work / f"shards-{opts.seq_len}", tokenizer, (rows + 4) * opts.seq_len)
-    # torch's AdamW instead of DeepSpeed's FusedAdam, whose JIT build (~30 s on a fresh GPU host) buys
-    # nothing here: evaluation never steps the optimizer.
-    ds = load_ds_json(find_ds_config(opts.ds_config))
-    ds.setdefault("optimizer", {"type": "AdamW"}).setdefault("params", {})["torch_adam"] = True
-    (work / "ds_config.json").write_text(json.dumps(ds, indent=2))
     tree = {
         "run_dir": str(work / "run"),
         "max_steps": 1,
         "precision": opts.precision or ("bf16" if GPU else "fp32"),
-        "deepspeed_config": str(work / "ds_config.json"),
+        "deepspeed_config": opts.ds_config,
+        # torch's AdamW instead of DeepSpeed's FusedAdam, whose JIT build (~30 s on a fresh GPU host) buys
+        # nothing here: evaluation never steps the optimizer.
+        "deepspeed_overrides": ["optimizer.params.torch_adam=true"],
         "tokenizer": str(tokenizer.path),
         "model": {"preset": opts.preset},
         "data": {"sources": [{"path": str(data)}]},

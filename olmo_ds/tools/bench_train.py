@@ -301,7 +301,7 @@ def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> d
             return m["loss"]
 
         result = _time_steps(step, trainer.loader, opts, flops, peak, cfg.batch.global_batch_size * cfg.batch.seq_len, "deepspeed")
-        if trainer.masked:
+        if trainer.objective.masked:
             result.update(seen)
     finally:
         trainer.loader.close()

@@ -9,7 +9,6 @@ here, so that no benchmark imports another.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ from olmo_ds.data import shards
 from olmo_ds.model.float8 import MATMULS_PER_BLOCK
 from olmo_ds.model.model import BLOCK_CALLS
 from olmo_ds.train.config import ConfigError, apply_override, config_from_dict
-from olmo_ds.train.ds_config import find_ds_config, load_ds_json
 
 # --- the device and its clock --------------------------------------------------------------------
 
@@ -174,19 +172,9 @@ class BenchOptions:
     experiments: Experiments = field(default_factory=Experiments)
 
 
-def write_ds_config(opts: BenchOptions, work: Path) -> str:
-    """The chosen DeepSpeed JSON with `ds_set` overrides applied, written next to the run (or the file itself)."""
-    path = find_ds_config(opts.ds_config)
-    if not opts.ds_set and not opts.experiments.deepcompile:
-        return str(path)
-    ds = load_ds_json(path)
-    for assignment in opts.ds_set:
-        apply_override(ds, assignment)
-    if opts.experiments.deepcompile:
-        ds.setdefault("compile", {})["deepcompile"] = True
-    out = work / "ds_config.json"
-    out.write_text(json.dumps(ds, indent=2))
-    return str(out)
+def ds_overrides(opts: BenchOptions) -> list[str]:
+    """The train config's `deepspeed_overrides` for `--ds-set` and the experiments (the JSON is read by the plan)."""
+    return [*opts.ds_set, *(["compile.deepcompile=true"] if opts.experiments.deepcompile else [])]
 
 
 def build_train_config(opts: BenchOptions, data_dir: Path, work: Path):
@@ -205,7 +193,8 @@ def build_train_config(opts: BenchOptions, data_dir: Path, work: Path):
         "run_dir": str(work / "run"),
         "max_steps": steps,
         "precision": precision,
-        "deepspeed_config": write_ds_config(opts, work),
+        "deepspeed_config": opts.ds_config,
+        "deepspeed_overrides": ds_overrides(opts),
         "model": model,
         "data": {"sources": [{"path": str(data_dir)}], "prefetch": 2, "document_masking": opts.document_masking},
         "batch": {

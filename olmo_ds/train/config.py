@@ -181,6 +181,9 @@ class TrainConfig:
     max_steps: int = 1000
     tokenizer: str | None = None  # tokenizer.json / .model / hub id (allenai/dolma2-tokenizer); its vocab sizes the model when unset
     deepspeed_config: str = "ds_configs/zero3_bf16.json"
+    # KEY=VALUE edits of the DeepSpeed JSON as it is read, e.g. "zero_optimization.reduce_bucket_size=500000000"
+    # (to try a knob without copying the file); the train config's own fields are still checked against them.
+    deepspeed_overrides: list[str] = field(default_factory=list)
     precision: str = "bf16"  # bf16 | fp16 | fp32 (fills the DeepSpeed config's "auto" fields)
     deterministic: bool = False  # bitwise-reproducible kernels (slower on GPU; CPU runs are anyway)
     model: ModelSpec = field(default_factory=ModelSpec)

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from olmo_ds.model.config import ModelConfig
-from olmo_ds.train.config import ConfigError, TrainConfig
-from olmo_ds.train.offload import HostPlan, resolve_offload
+from olmo_ds.train.config import ConfigError, TrainConfig, apply_override
+from olmo_ds.train.offload import DEFAULT_SUB_GROUP, OFFLOAD_SUB_GROUP, HostPlan, param_device, plan_host
 
 log = logging.getLogger("olmo_ds")
 
@@ -187,6 +187,11 @@ def read_ds_config(cfg: TrainConfig, ds: dict | None = None) -> dict:
     a learning-rate scheduler, and a concrete micro-batch or accumulation while the micro-batch is `auto`."""
     ds_path = cfg.deepspeed_config
     ds = copy.deepcopy(ds if ds is not None else load_ds_json(find_ds_config(ds_path, cfg.path)))
+    for assignment in cfg.deepspeed_overrides:
+        try:
+            apply_override(ds, assignment)
+        except ConfigError as e:
+            raise ConfigError(f"{cfg.source}: deepspeed_overrides: {e}") from None
     if "scheduler" in ds:
         raise ConfigError(
             f"{ds_path}: has a \"scheduler\" section; the learning-rate schedule lives in the train config "
@@ -295,8 +300,48 @@ def resolve_zero(ds: dict, cfg: TrainConfig, model: ModelConfig, dp_world_size: 
                 del zero[key]
         elif zero.get(key, AUTO) == AUTO:
             zero[key] = value
-    return resolve_offload(ds, ds_path, cfg, model, dp_world_size, device=device or device_type(),
-                           resumed=resumed, **(offload_env or {}))
+    return _resolve_offload(zero, ds_path, cfg, model, dp_world_size, device=device or device_type(),
+                            resumed=resumed, **(offload_env or {}))
+
+
+def _resolve_offload(zero: dict, ds_path: str, cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *,
+                     device: str, host_available: int | None = None, ranks: int | None = None,
+                     gpu_bytes: int | None = None, resumed: dict | None = None) -> HostPlan | None:
+    """Fill the "auto" offload fields of `zero` (in place) with `olmo_ds.train.offload`'s decisions and check its
+    host plan; None without optimizer offload. `resumed` is the resolved DeepSpeed config saved with the
+    checkpoint a run resumes from: its choices for the "auto" fields are kept (and checked like explicit ones), so
+    a resumed run puts the same sub-groups' optimizer state on the host and runs the same kernels on them."""
+    opt = zero.get("offload_optimizer") or {}
+    par = zero.get("offload_param") or {}
+    saved = (resumed or {}).get("zero_optimization", {})
+    for node, saved_node, key in ((par, saved.get("offload_param") or {}, "device"), (opt, saved.get("offload_optimizer") or {}, "ratio"),
+                                  (zero, saved, "sub_group_size")):
+        if node.get(key) == AUTO and saved_node.get(key, AUTO) != AUTO:
+            node[key] = saved_node[key]
+    lp_bytes = 4 if cfg.precision == "fp32" else 2
+    if par.get("device") == AUTO:
+        par["device"] = param_device(model, dp_world_size, lp_bytes=lp_bytes, device=device, gpu_bytes=gpu_bytes)
+    if opt.get("device") not in ("cpu",):
+        if opt.get("ratio", AUTO) == AUTO:
+            opt.pop("ratio", None)
+        if zero.get("sub_group_size") == AUTO:
+            zero["sub_group_size"] = DEFAULT_SUB_GROUP
+        return None
+    stage = zero.get("stage")
+    if stage != 3 and opt.get("ratio", AUTO) not in (AUTO, 1, 1.0):
+        raise ConfigError(f"{ds_path}: zero_optimization.offload_optimizer.ratio {opt['ratio']} needs ZeRO stage 3")
+    if zero.get("sub_group_size", AUTO) == AUTO:
+        zero["sub_group_size"] = OFFLOAD_SUB_GROUP
+    ratio = opt.get("ratio", AUTO)
+    plan = plan_host(model, cfg, dp_world_size, source=ds_path, stage=stage, ratio=None if ratio == AUTO or stage != 3 else float(ratio),
+                     sub_group_size=int(zero["sub_group_size"]), lp_bytes=lp_bytes, offload_param=par.get("device") == "cpu",
+                     pin_param=bool(par.get("pin_memory", False)), pin=bool(opt.get("pin_memory", False)),
+                     host_available=host_available, ranks=ranks)
+    if stage != 3:
+        opt.pop("ratio", None)
+    elif ratio == AUTO:
+        opt["ratio"] = plan.ratio
+    return plan
 
 
 def _find_auto(node: Any, prefix: str = "") -> list[str]:

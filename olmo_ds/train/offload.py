@@ -2,7 +2,8 @@
 
 DeepSpeed's offload either fits the node's RAM or gets the run killed by the kernel's OOM killer minutes
 later, after `zero.Init` and `deepspeed.initialize` have run (that is how olmo2-7b first failed on one
-H200 with 125 GiB of RAM: BENCHMARKS.md). So the offload JSON may leave three fields "auto", resolved here:
+H200 with 125 GiB of RAM: BENCHMARKS.md). So the offload JSON may leave three fields "auto", decided here
+(`olmo_ds.train.ds_config.resolve_zero` reads the JSON and writes the decisions into it; this module never sees it):
 
 - `offload_param.device`: "none" when this rank's GPU holds its low-precision weights and gradients in
   under a third of its memory (an H200 holds olmo2-7b's 29 GB easily), else "cpu". Moving the weights
@@ -40,7 +41,6 @@ from olmo_ds.model.config import ModelConfig
 from olmo_ds.train.config import ConfigError, TrainConfig
 from olmo_ds.train.optim import param_groups
 
-AUTO = "auto"
 GiB = 2**30
 HOST_FRACTION = 0.85  # of the node's available memory at start-up, for all offloading ranks together
 RANK_OVERHEAD = 4 * GiB  # one rank's own process: CUDA context, libraries, data loader, staging copies
@@ -158,55 +158,31 @@ def _plan(subs: list[list[int]], ratio: float, *, lp_bytes: int, offload_param: 
                     ranks=ranks, available=available)
 
 
-def resolve_offload(ds: dict, ds_path: str, cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *,
-                    device: str, host_available: int | None = None, ranks: int | None = None,
-                    gpu_bytes: int | None = None, resumed: dict | None = None) -> HostPlan | None:
-    """Fill the "auto" offload fields of `ds` (in place) and check the host plan; None without optimizer offload.
+def param_device(model: ModelConfig, dp_world_size: int, *, lp_bytes: int, device: str, gpu_bytes: int | None = None) -> str:
+    """What `offload_param.device: auto` becomes: "none" when this rank's GPU holds its low-precision weights and
+    gradients in under `GPU_FRACTION_FOR_WEIGHTS` of its memory, else "cpu" (and "cpu" off CUDA: the JSON's intent)."""
+    if device != "cuda":
+        return "cpu"
+    gpu_bytes = gpu_bytes if gpu_bytes is not None else gpu_memory()
+    weights = 2 * lp_bytes * math.ceil(model.num_params() / dp_world_size)  # weights + their gradients
+    return "cpu" if gpu_bytes is None or weights > GPU_FRACTION_FOR_WEIGHTS * gpu_bytes else "none"
 
-    `resumed` is the resolved DeepSpeed config saved with the checkpoint a run resumes from: its choices
-    for the "auto" fields are kept (and checked like explicit ones), so a resumed run puts the same
-    sub-groups' optimizer state on the host and runs the same optimizer kernels on them as before.
-    """
-    zero = ds["zero_optimization"]
-    opt = zero.get("offload_optimizer") or {}
-    par = zero.get("offload_param") or {}
-    saved = (resumed or {}).get("zero_optimization", {})
-    for node, saved_node, key in ((par, saved.get("offload_param") or {}, "device"), (opt, saved.get("offload_optimizer") or {}, "ratio"),
-                                  (zero, saved, "sub_group_size")):
-        if node.get(key) == AUTO and saved_node.get(key, AUTO) != AUTO:
-            node[key] = saved_node[key]
-    lp_bytes = 4 if cfg.precision == "fp32" else 2
 
-    if par.get("device") == AUTO:
-        if device == "cuda":
-            gpu_bytes = gpu_bytes if gpu_bytes is not None else gpu_memory()
-            weights = 2 * lp_bytes * math.ceil(model.num_params() / dp_world_size)  # weights + their gradients
-            par["device"] = "cpu" if gpu_bytes is None or weights > GPU_FRACTION_FOR_WEIGHTS * gpu_bytes else "none"
-        else:
-            par["device"] = "cpu"
-    offload_param = par.get("device") == "cpu"
-    if opt.get("device") not in ("cpu",):
-        if opt.get("ratio", AUTO) == AUTO:
-            opt.pop("ratio", None)
-        if zero.get("sub_group_size") == AUTO:
-            zero["sub_group_size"] = DEFAULT_SUB_GROUP
-        return None
-
-    if zero.get("stage") != 3 and opt.get("ratio", AUTO) not in (AUTO, 1, 1.0):
-        raise ConfigError(f"{ds_path}: zero_optimization.offload_optimizer.ratio {opt['ratio']} needs ZeRO stage 3")
-    if zero.get("sub_group_size", AUTO) == AUTO:
-        zero["sub_group_size"] = OFFLOAD_SUB_GROUP
-    subs = sub_group_numels(model, cfg, dp_world_size, int(zero["sub_group_size"]))
+def plan_host(model: ModelConfig, cfg: TrainConfig, dp_world_size: int, *, source: str, stage: int, ratio: float | None,
+              sub_group_size: int, lp_bytes: int, offload_param: bool, pin_param: bool, pin: bool,
+              host_available: int | None = None, ranks: int | None = None) -> HostPlan:
+    """The host-memory plan of optimizer offload; `ratio` None ("auto") chooses the largest share that fits, a
+    given one is checked. A plan that cannot fit is a ConfigError naming `source` (the DeepSpeed JSON) and the
+    numbers. `ds_config.resolve_zero` reads the JSON's fields and writes the chosen ratio back."""
+    subs = sub_group_numels(model, cfg, dp_world_size, sub_group_size)
     ranks = ranks or local_ranks(dp_world_size)
     available = host_available if host_available is not None else host_memory_available()
     plan = lambda r: _plan(subs, r, lp_bytes=lp_bytes, offload_param=offload_param,  # noqa: E731
-                           pin_param=bool(par.get("pin_memory", False)), pin=bool(opt.get("pin_memory", False)),
-                           ranks=ranks, available=available)
+                           pin_param=pin_param, pin=pin, ranks=ranks, available=available)
 
-    if zero.get("stage") != 3:  # stages 1-2 offload all optimizer state; no ratio
-        opt.pop("ratio", None)
+    if stage != 3:  # stages 1-2 offload all optimizer state; no ratio
         result = plan(1.0)
-    elif opt.get("ratio", AUTO) == AUTO:
+    elif ratio is None:
         n = sum(len(g) for g in subs)
         # Sub-groups go to the host from the last one back; take as many as the budget holds. The ratio
         # given to DeepSpeed sits half a sub-group inside k/n so its int() rounding lands on k exactly.
@@ -219,15 +195,14 @@ def resolve_offload(ds: dict, ds_path: str, cfg: TrainConfig, model: ModelConfig
         if result is None:
             smallest = plan(0.5 / n)
             raise ConfigError(
-                f"{ds_path}: CPU offload does not fit this node's memory even with one optimizer sub-group on the host: "
+                f"{source}: CPU offload does not fit this node's memory even with one optimizer sub-group on the host: "
                 f"{smallest.describe()}. Use more nodes, a ds config without offload_param, or ds_configs/zero3_bf16.json"
             )
-        opt["ratio"] = result.ratio
     else:
-        result = plan(float(opt["ratio"]))
+        result = plan(ratio)
     if result.per_rank * ranks > result.budget:
         raise ConfigError(
-            f"{ds_path}: CPU offload would not fit this node's memory: {result.describe()}. Set "
+            f"{source}: CPU offload would not fit this node's memory: {result.describe()}. Set "
             f"zero_optimization.offload_optimizer.ratio to \"auto\" (or lower it), or train on more nodes"
         )
     return result

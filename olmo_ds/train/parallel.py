@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from olmo_ds.model.sequence_parallel import SequenceParallel
@@ -72,3 +73,9 @@ def sequence_group(layout: ParallelLayout) -> SequenceParallel | None:
         if first == layout.dp_rank * layout.sp_size:
             mine = group
     return SequenceParallel.of(mine)
+
+
+def local_rows(batch: dict[str, torch.Tensor], sp: SequenceParallel) -> dict[str, torch.Tensor]:
+    """This rank's slice of every row's `input_ids` and `labels`; `doc_lens` and `positions` stay whole (the masks
+    are the whole rows'). Cut on the host, before the copy to the device, which then moves 1/N of the tokens."""
+    return {**batch, "input_ids": sp.local(batch["input_ids"]), "labels": sp.local(batch["labels"])}

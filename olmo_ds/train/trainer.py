@@ -11,17 +11,9 @@ the engine, and DeepSpeed steps at the accumulation boundary; a step whose loss 
 skipped by DeepSpeed (its overflow check discards the gradients) and counted here, and never saved
 (`olmo_ds.train.nonfinite` says why it probably happened when the run stops on it).
 
-Fine-tuning (masked data, `DataLoader.masked`): the loss is the mean over the trained tokens of the whole
-GLOBAL batch. Before the first forward the step's targets (labels != -100 over all micro-batches of the rank) and
-its rows' conversation tokens are summed and all-reduced, one collective; every micro-batch's summed loss is
-divided by `token_mean_divisor` of that count (which undoes DeepSpeed's division by the accumulation steps and its
-averaging over ranks), so the gradient is the same however the step is split into micro-batches and ranks, and
-the logged loss is that token mean. Pretraining runs exactly as before (a mean per micro-batch).
-
-Sequence parallelism (`parallel.sequence_parallel_size` N, `olmo_ds.train.parallel`): the N ranks of a sequence
-group read the same rows, and each trains on its 1/N slice of every row's tokens and labels, with the rows' whole
-document lengths and positions for the masks (`olmo_ds.model.sequence_parallel`). The loss then takes the
-fine-tuning path above for pretraining rows too: a slice's share of the step's token mean, counted over all ranks.
+What a micro-batch's loss is, and what a step counts before its first forward and logs after it, is the
+objective's (`olmo_ds.train.objective`): pretraining's mean per micro-batch, fine-tuning's trained-token mean of
+the global batch, sequence parallelism's slices of every row.
 
 SIGTERM, SIGUSR1 (preemption), SIGINT (Ctrl-C) and the launcher's exit (`launch.watch_launcher`) all stop the
 run the same way: the ranks agree at the next step's start, save a checkpoint and exit.
@@ -49,7 +41,6 @@ from olmo_ds import checkpoint as ckpt
 from olmo_ds.checkpoint.async_save import AsyncSaveError, AsyncSaver, host_copy_fits, snapshot_bytes_estimate
 from olmo_ds.model import OLMo
 from olmo_ds.model.float8 import MATMULS_PER_BLOCK
-from olmo_ds.model.loss import count_targets, token_mean_divisor
 from olmo_ds.model.model import BLOCK_CALLS, Block
 from olmo_ds.ranks import local_world_size
 from olmo_ds.train.config import ConfigError, TrainConfig
@@ -58,6 +49,7 @@ from olmo_ds.train.engine_state import init_record, init_weights, load_engine_st
 from olmo_ds.train.launch import init_distributed, launcher_gone
 from olmo_ds.train.metrics import MetricsLogger, console_line, memory_gib, peak_tflops, tensorboard_purge_step
 from olmo_ds.train.nonfinite import nonfinite_report
+from olmo_ds.train.objective import NextTokenLoss
 from olmo_ds.train.optim import param_groups, set_lr
 from olmo_ds.train.parallel import sequence_group
 from olmo_ds.train.plan import RunPlan, plan_run
@@ -118,14 +110,14 @@ class Trainer:
         seed_everything(cfg.seed)  # the same on every rank: ZeRO-3 initialises each weight whole, then partitions it
         self.engine = self._build_engine()
         self.device = self.engine.device
-        self.saver = AsyncSaver(self.engine, self.run_dir, self.rank, self.world_size)
         self.remover = ckpt.BackgroundRemover()  # pruned checkpoints are deleted off the training thread
+        self.saver = AsyncSaver(self.engine, self.run_dir, self.rank, self.world_size, remover=self.remover)
         self._async_fits_logged: bool | None = None
 
         self.step = 0
         self.tokens_seen = 0
-        self.trained_tokens_seen = 0  # fine-tuning: loss targets trained on so far (global)
-        self.masked = bool(getattr(self.loader, "masked", False))
+        self.objective = NextTokenLoss(masked=bool(getattr(self.loader, "masked", False)), sp=self.sp, layout=self.layout,
+                                       z_loss_coef=cfg.optim.z_loss, device=self.device)
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
         self.last_finite_step: int | None = None  # this process's last step with a finite loss and gradient norm
@@ -191,7 +183,7 @@ class Trainer:
         load_engine_state(self.engine, self.resume_dir, state, self.rank, self.world_size)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
-        self.trained_tokens_seen = state.get("trained_tokens_seen", 0)
+        self.objective.load_state_dict(state)
         self.nonfinite_total = state.get("nonfinite_total", 0)
         self.last_finite_step = self.step  # a checkpoint holds a finite step (`save`)
         try:
@@ -219,63 +211,36 @@ class Trainer:
         lr = lr_at(self.step, peak_lr=cfg.optim.lr, max_steps=cfg.max_steps, cfg=cfg.schedule)
         set_lr(engine.optimizer, lr)
 
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # ce, z, non-finite micro-batches
         assert engine.gradient_accumulation_steps() == n_micro, "engine accumulation out of step with the batch"
         # DeepSpeed ZeRO-2/3 waits for its gradient stream at the end of every backward, which empties the
         # device's queue; whatever the host does from there to the next forward's first kernel leaves the
         # device idle. So the whole batch is copied once per step, and the loss bookkeeping is queued
         # while the forward still runs (BENCHMARKS.md, "The host between micro-batches").
-        sft: dict = {}
-        if self.sp is not None:
-            # Sequence parallelism: this rank's slice of every row's tokens and labels (cut before the copy to the
-            # device); doc_lens and positions stay whole (the masks are the whole rows'), and so does the loss's
-            # divisor: each rank's loss is its slice's share of the step's token mean, which is what DeepSpeed's
-            # average over all ranks then sums to.
-            batch = {**batch, "input_ids": self.sp.local(batch["input_ids"]), "labels": self.sp.local(batch["labels"])}
-            sft["sequence_parallel"] = self.sp
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        if self.masked or self.sp is not None:
-            # The step's trained tokens and conversation tokens over all ranks: one collective, before the first forward.
-            # A row's conversation tokens are counted by the first rank of its sequence group only.
-            targets = count_targets(batch["labels"])
-            real = batch["row_tokens"].sum() if self.masked and self.layout.sp_rank == 0 else targets.new_zeros(())
-            counts = torch.stack([targets, real.to(targets.dtype)])
-            torch.distributed.all_reduce(counts)
-            sft["loss_divisor"] = token_mean_divisor(counts[0], self.world_size, n_micro)
+        batch = self.objective.begin(batch, n_micro)
+        sums = torch.zeros(len(self.objective.stats) + 1, dtype=torch.float64, device=self.device)  # + non-finite micro-batches
         for i in range(n_micro):
             mb = {k: v[i * micro:(i + 1) * micro] for k, v in batch.items()}
             # Said explicitly: DeepSpeed would infer the boundary from its running micro-step count, which
             # a change of the batch size (and so of the accumulation steps) puts out of phase.
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
-            if self.masked:
-                sft["positions"] = mb["positions"]
             # The labels name these phases in a torch.profiler trace (scripts/bench_train.py --profile-dir).
             with record_function("olmo_ds.forward"):
-                out = engine(mb["input_ids"], labels=mb["labels"], doc_lens=mb.get("doc_lens"), z_loss_coef=cfg.optim.z_loss, **sft)
-                ce = out.ce_loss.detach().double()
-                z = out.z_loss.detach().double() if out.z_loss is not None else torch.zeros((), dtype=torch.float64, device=self.device)
-                sums += torch.stack([ce, z, (~torch.isfinite(out.loss.detach())).double()])
+                loss, stats = self.objective.forward(engine, mb)
+                sums += torch.cat([stats, (~torch.isfinite(loss.detach())).double()[None]])
             with record_function("olmo_ds.backward"):
-                engine.backward(out.loss)
+                engine.backward(loss)
             with record_function("olmo_ds.step"):
                 engine.step()  # applies the update only at the accumulation boundary
         torch.distributed.all_reduce(sums)
-        # Pretraining: the mean of the micro-batch means. Fine-tuning and sequence parallelism: micro-batch k returned
-        # S_k / d (its summed loss over d = N / (world * n_micro), N the step's global targets), so this is
-        # sum_k S_k / N, the step's token mean (for pretraining rows, whose targets per row are all alike, the same
-        # number as the mean of micro-batch means).
-        ce_loss, z_loss = (sums[:2] / (n_micro * self.world_size)).tolist()
-        finite = bool(sums[2].item() == 0) and engine.was_step_applied()  # DeepSpeed skips a step whose gradients overflow
+        finite = bool(sums[-1].item() == 0) and engine.was_step_applied()  # DeepSpeed skips a step whose gradients overflow
         grad_norm = engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
 
         self.step += 1
         tokens = global_batch * cfg.batch.seq_len  # row positions (padding of packed rows included): what the model computed
         self.tokens_seen += tokens
-        if self.masked:
-            trained, real = (int(c) for c in counts.tolist())
-            self.trained_tokens_seen += trained
-            sft = {"trained_tokens": trained, "packing_efficiency": real / tokens, "trained_fraction": trained / tokens}
+        metrics = self.objective.end(sums[:-1], n_micro=n_micro, world_size=self.world_size, tokens=tokens)
+        ce_loss = metrics["loss"]
         self.last_metrics = {"loss": ce_loss, "grad_norm": grad_norm}
         applied = engine.was_step_applied()
         finite = finite and (grad_norm is None or math.isfinite(grad_norm))
@@ -291,8 +256,7 @@ class Trainer:
                 raise NonFiniteLossError(self.nonfinite_report(
                     f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient "
                     f"(optim.max_nonfinite_in_a_row = {cfg.optim.max_nonfinite_in_a_row}), so the run stops"))
-        return {"loss": ce_loss, "z_loss": z_loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                "global_batch_size": global_batch, "skipped": not finite, **(sft if self.masked else {})}
+        return {**metrics, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "global_batch_size": global_batch, "skipped": not finite}
 
     def nonfinite_report(self, why_stopped: str) -> str:
         """The message of the `NonFiniteLossError` that stops the run at this step (`olmo_ds.train.nonfinite`)."""
@@ -319,7 +283,7 @@ class Trainer:
         cfg = self.cfg
         return {
             "tokens_seen": self.tokens_seen,
-            **({"trained_tokens_seen": self.trained_tokens_seen} if self.masked else {}),
+            **self.objective.state_dict(),
             "data": self.loader.state_dict(),
             "schedule": {
                 "lr": lr_at(max(self.step - 1, 0), peak_lr=cfg.optim.lr, max_steps=cfg.max_steps, cfg=cfg.schedule),
@@ -363,7 +327,6 @@ class Trainer:
                 if (waited := time.perf_counter() - t0) >= 1.0 and self.rank == 0:
                     log.info("checkpoint: training waited %.1fs for the previous background save to be written "
                              "(checkpoint.every is shorter than a write takes)", waited)
-                self.remover.wait()  # the space of checkpoints pruned just now is free before this one is written
                 path = self.saver.start(self.step, self.train_state(), tokenizer_path=tokenizer_path)
                 if final:
                     self._saved(self.saver.wait())
@@ -407,10 +370,10 @@ class Trainer:
         c, path = self.cfg.checkpoint, summary["ckpt_dir"]
         pruned = ckpt.prune_checkpoints(ckpt.checkpoints_dir(self.run_dir), c.keep_last, c.keep_every, protect=path,
                                         remove=self.remover)
-        alloc = summary.get("alloc_s", 0.0)
-        log.info("saved %s: training blocked %.1fs%s, written in %.1fs%s", path, summary["blocked_s"],
+        alloc, phases = summary.get("alloc_s", 0.0), ", ".join(f"{k[:-2]} {summary[k]:.1f}s" for k in ("room_s", "write_s", "sync_s") if k in summary)
+        log.info("saved %s: training blocked %.1fs%s, written in %.1fs%s%s", path, summary["blocked_s"],
                  f" ({alloc:.1f}s of it allocating host memory for background saves, once)" if alloc >= 0.05 else "",
-                 summary["total_s"], f" (removed {len(pruned)} old)" if pruned else "")
+                 summary["total_s"], f" (this rank: {phases})" if phases else "", f" (removed {len(pruned)} old)" if pruned else "")
 
     def _save_failed(self, ckpt_dir: Path | None, e: BaseException) -> CheckpointSaveError:
         # The half-written directory has no train_state.json, so resume skips it and the next save of
@@ -567,11 +530,7 @@ class Trainer:
             "perf/data_wait_fraction": (self.loader.wait_seconds - window["wait"]) / elapsed,
             **self._block_metrics(window),
         }
-        if self.masked:  # this step's (global): loss targets, and the shares of its row positions holding conversations / targets
-            metrics["train/trained_tokens"] = m["trained_tokens"]
-            metrics["train/trained_tokens_seen"] = self.trained_tokens_seen
-            metrics["data/packing_efficiency"] = m["packing_efficiency"]
-            metrics["data/trained_fraction"] = m["trained_fraction"]
+        metrics.update(self.objective.log_metrics(m))
         logger.log(self.step, metrics)
         if self.rank == 0:
             eta = (self.cfg.max_steps - self.step) * elapsed / window["steps"]

@@ -56,3 +56,22 @@ def test_pruned_checkpoints_stop_counting_at_once_and_are_deleted_off_the_caller
     release.set()
     remover.wait()
     assert not old.exists() and new.is_dir()
+
+
+def test_a_save_waits_for_pruned_deletes_only_when_the_disk_lacks_room_for_it(tmp_path, monkeypatch):
+    import shutil
+    import threading
+
+    from olmo_ds.checkpoint import BackgroundRemover, save
+
+    root = tmp_path / "checkpoints"
+    old, _ = make(tmp_path, 100), make(tmp_path, 200)
+    release = threading.Event()
+    real_remove = save._remove
+    monkeypatch.setattr(save, "_remove", lambda d: (release.wait(10), real_remove(d)))
+    remover = BackgroundRemover()
+    prune_checkpoints(root, keep_last=1, remove=remover)
+    free = shutil.disk_usage(root).free
+    assert remover.make_room(root, free // 2) == 0.0 and old.is_dir()  # room enough: the delete goes on beside the write
+    threading.Timer(0.3, release.set).start()
+    assert remover.make_room(root, 2 * free) >= 0.2 and not old.exists()  # not enough: the delete ends first

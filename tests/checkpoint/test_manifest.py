@@ -244,3 +244,14 @@ def test_a_truncated_or_empty_file_without_a_manifest_is_named_as_damaged(tmp_pa
         path.write_bytes(cut)
         with pytest.raises(ckpt.DamagedCheckpointError, match=rf"{path}: cannot be read \(.*\): the file is truncated or damaged"):
             ckpt.load_file(path)
+
+
+def test_a_large_record_hashed_while_it_is_written_gives_the_files_checksum(tmp_path, monkeypatch):
+    # Records from OVERLAP_BYTES up are hashed on a second thread during the write: lowered here so the test's
+    # tensors take that path beside small records that do not.
+    monkeypatch.setattr(manifest, "OVERLAP_BYTES", 4096)
+    state = {"big": torch.arange(100_000, dtype=torch.float32), "small": torch.ones(3), "step": 7}
+    entry = manifest.write_torch(state, tmp_path / "f.pt")
+    assert entry["size"] == (tmp_path / "f.pt").stat().st_size
+    assert entry["checksum"] == manifest.file_checksum(tmp_path / "f.pt", manifest.algorithm())
+    assert torch.equal(torch.load(tmp_path / "f.pt", weights_only=True)["big"], state["big"])

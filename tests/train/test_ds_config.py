@@ -204,3 +204,14 @@ def test_a_resumed_run_keeps_the_checkpoints_offload_choices():
     assert zero["sub_group_size"] == first["zero_optimization"]["sub_group_size"]
     with pytest.raises(ConfigError, match="would not fit"):  # kept, but not blindly: a smaller host is refused
         resolve_ds_config(cfg, model, 1, device="cuda", offload_env={**machine, "host_available": 60 * 2**30}, resumed=saved)
+
+
+def test_deepspeed_overrides_edit_the_json_as_it_is_read_and_the_train_configs_fields_still_win():
+    cfg = train_config("deepspeed_overrides=[zero_optimization.reduce_bucket_size=12345, optimizer.params.torch_adam=true]")
+    model = cfg.model.build(vocab_size=1000)
+    ds = resolve_ds_config(cfg, model, 2, device="cpu")
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 12345 and ds["optimizer"]["params"]["torch_adam"] is True
+    with pytest.raises(ConfigError, match=r"optimizer.params.lr = 0.1 contradicts optim.lr"):
+        resolve_ds_config(train_config("deepspeed_overrides=[optimizer.params.lr=0.1]"), model, 2, device="cpu")
+    with pytest.raises(ConfigError, match=r"deepspeed_overrides: .*expected KEY=VALUE"):
+        resolve_ds_config(train_config("deepspeed_overrides=[reduce_bucket_size]"), model, 2, device="cpu")
