@@ -211,3 +211,13 @@ def test_pack_pairs_places_both_sides_together_best_fit_decreasing():
         pack_pairs([3, 6, 2], [3, 6, 2], 11)
     d = pack_pairs([3, 6, 2], [3, 6, 2], 11, "drop")
     assert d.dropped.tolist() == [2, 3] and d.summary()["dropped_pairs"] == 1 and d.summary()["pairs"] == 2
+
+
+def test_chat_sources_are_unchanged_by_pairs(tmp_path):
+    """Chat shards' metadata, manifest and fingerprint record carry none of the preference keys (fingerprints unchanged)."""
+    chat = write_masked_source(tmp_path / "chat", list(encoded("train"))[:30], shard_docs=10)
+    meta = json.loads(shards.meta_path(chat, 0).read_text())
+    assert not {"preference", "pairs"} & set(meta) and not {"preference", "pairs"} & set(json.loads((chat / "manifest.json").read_text()))
+    L = loader(chat)
+    assert not L.preference and L.num_pairs == 0 and "pair_ids" not in L.next_batch()
+    assert set(L.sources[0].fingerprint_record()) == {"tokenizer_fingerprint", "shards", "masks", "long_docs"}
