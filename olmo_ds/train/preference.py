@@ -30,6 +30,7 @@ from olmo_ds.data.loader import validation_batches
 from olmo_ds.eval.preference import METRICS, batch_terms, means
 from olmo_ds.model.loss import token_mean_divisor
 from olmo_ds.train.config import ConfigError, TrainConfig
+from olmo_ds.train.evaluation import val_sources
 from olmo_ds.train.reference import (REFERENCE_PASSES, ReferenceCache, ReferenceIdentity, load_reference, reference_dir,
                                      reference_exists, run_reference_pass, save_reference)
 
@@ -75,47 +76,62 @@ def prepare_reference(cfg: TrainConfig, run_dir: Path, loader, val_sources, engi
     return cache
 
 
-class PreferenceStep:
-    """One optimizer step's preference loss and metrics; the trainer calls `prepare`, `begin`, `loss` per micro-batch
-    and `finish`, in that order, on every rank."""
+class PreferenceLoss:
+    """The preference objective (`olmo_ds.train.objective`'s interface: `begin`, `forward`, `end`, `log_metrics`,
+    `state_dict`); `prepare` gives it its reference once the engine holds the starting weights. Module docstring."""
 
-    def __init__(self, cfg: TrainConfig, reference: ReferenceCache | None):
-        self.dpo = cfg.dpo
-        self.reference = reference
+    stats = (*METRICS, "pairs")  # what `forward` returns per micro-batch, summed over the step's micro-batches and ranks
+
+    def __init__(self, cfg: TrainConfig, *, world_size: int, device: torch.device):
+        self.cfg, self.world_size, self.device = cfg, world_size, device
         self.settings = {"loss": cfg.dpo.loss, "beta": cfg.dpo.beta, "label_smoothing": cfg.dpo.label_smoothing,
                          "simpo_gamma": cfg.dpo.simpo_gamma}
-        self.sums: torch.Tensor | None = None
-        self.divisor = None
-        self.pairs: torch.Tensor | None = None
+        self.reference: ReferenceCache | None = None
+        self.pairs_seen = 0
+        self._divisor = None
 
-    def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The host batch with each pair's reference [B, P, 2] (`reference`) added, before the copy to the device."""
-        if self.reference is None:
-            return batch
-        return {**batch, "reference": self.reference.train.lookup(batch["pair_ids"], device="cpu")}
+    def prepare(self, plan, engine, *, model_fingerprint: str | None, resumed: bool) -> ReferenceCache | None:
+        """The reference (`prepare_reference`, collective), for training and for the in-loop evaluator's pairs."""
+        layout = plan.layout
+        self.reference = prepare_reference(self.cfg, plan.run_dir, plan.loader, val_sources(self.cfg), engine,
+                                           model_fingerprint=model_fingerprint or "", resumed=resumed, rank=plan.rank,
+                                           dp_rank=layout.dp_rank, dp_world=layout.dp_size, device=self.device)
+        if plan.evaluator is not None:
+            plan.evaluator.use_reference(self.reference, self.settings)
+        return self.reference
 
-    def begin(self, batch: dict[str, torch.Tensor], world_size: int, n_micro: int) -> None:
-        """The step's pairs over every rank (one all-reduce, before the first forward) and so the loss divisor."""
+    def begin(self, batch: dict[str, torch.Tensor], n_micro: int) -> dict[str, torch.Tensor]:
+        """This rank's rows on the device, with each pair's reference [B, P, 2] looked up on the host first; the
+        step's pairs over every rank (one all-reduce, before the first forward) give the loss divisor."""
+        if self.reference is not None:
+            batch = {**batch, "reference": self.reference.train.lookup(batch["pair_ids"], device="cpu")}
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         count = (batch["pair_ids"] >= 0).sum()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(count)
-        self.pairs = count
-        self.divisor = token_mean_divisor(count, world_size, n_micro)
-        self.sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=count.device)
+        torch.distributed.all_reduce(count)
+        self._divisor = token_mean_divisor(count, self.world_size, n_micro)
+        return batch
 
-    def loss(self, engine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The micro-batch's summed pair losses over the step's divisor: the value to back-propagate."""
+    def forward(self, engine, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the micro-batch's summed pair losses over the step's divisor, its float64 `stats` sums)."""
         out = engine(mb["input_ids"], labels=mb["labels"], doc_lens=mb["doc_lens"], positions=mb["positions"], per_document=True)
         total, sums = batch_terms(out.logprob, out.tokens, mb["pair_ids"], mb.get("reference"), **self.settings)
-        self.sums += sums
-        return total / self.divisor
+        return total / self._divisor, sums
 
-    def finish(self) -> dict[str, float]:
-        """The step's metrics (means over its pairs, every rank the same numbers): `loss`, `rewards/*`, `logps/*`, `pairs`."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(self.sums)
-        out = means(self.sums)
-        out["pairs"] = int(self.sums[-1].item())
-        if self.reference is None:  # simpo: no reference, its log-probabilities are not a quantity of the run
-            out.pop("logps/reference_chosen"), out.pop("logps/reference_rejected")
-        return out
+    def end(self, sums: torch.Tensor, *, n_micro: int, world_size: int, tokens: int) -> dict:
+        """The step's metrics, means over its pairs (all ranks' sums): `loss`, `rewards/*`, `logps/*`, `pairs`."""
+        metrics = means(sums)
+        metrics["pairs"] = int(sums[-1].item())
+        self.pairs_seen += metrics["pairs"]
+        if self.reference is None:  # simpo has no reference: its log-probabilities are no quantity of the run
+            metrics.pop("logps/reference_chosen"), metrics.pop("logps/reference_rejected")
+        return metrics
+
+    def log_metrics(self, m: dict) -> dict:
+        return {**{k: v for k, v in m.items() if k.startswith(("rewards/", "logps/"))}, "train/pairs": m["pairs"],
+                "train/pairs_seen": self.pairs_seen}
+
+    def state_dict(self) -> dict:
+        return {"pairs_seen": self.pairs_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pairs_seen = state.get("pairs_seen", 0)

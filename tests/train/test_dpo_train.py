@@ -1,0 +1,115 @@
+"""Preference tuning end to end on CPU: scripts/pretrain.py on a preference shard directory (real pref-sample pairs,
+OLMo 3 template, dolma2 ids folded into a tiny model's vocabulary) from a starting model; the reference pass runs
+once and is stored beside the run; the step and in-loop evaluation log the rewards; a resume continues bit for
+bit on the cached reference without recomputing it; and the plan refuses what cannot work."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from olmo_ds.train.config import ConfigError, config_from_dict
+from olmo_ds.train.launch import DistEnv
+from olmo_ds.train.plan import plan_run
+
+from pref_testlib import encoded_pairs, write_pref_source
+from sft_testlib import SmallVocab, encoded, folded, write_masked_source
+from test_dpo_multirank import MODEL, SEQ, VOCAB, starting_model
+from train_testlib import ROOT, read_metrics, run, tiny_config, torchrun_cmd, write_config
+
+PRETRAIN = ROOT / "scripts" / "pretrain.py"
+TOK = SmallVocab(VOCAB, eos_id=VOCAB - 2, pad_id=VOCAB - 1)
+ONE_RANK = DistEnv("single", rank=0, local_rank=0, world_size=1)
+
+
+def folded_pairs(split: str, count: int):
+    pairs = [p for p in encoded_pairs(split) if len(p[0][0]) + len(p[1][0]) <= SEQ][:count]
+    sides = folded([side for pair in pairs for side in pair], VOCAB, {100257: VOCAB - 2})
+    return list(zip(sides[::2], sides[1::2]))
+
+
+@pytest.fixture(scope="module")
+def pairs_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    data = write_pref_source(root / "pairs", folded_pairs("train", 80), tok=TOK, shard_tokens=8000)
+    write_pref_source(data / "val", folded_pairs("val", 12), tok=TOK, split="val")
+    return data, starting_model(root / "init")
+
+
+def dpo_config(tmp_path, data, init, **sections) -> dict:
+    return tiny_config(tmp_path, data, **{"max_steps": 4, "model": MODEL, "init_from": {"path": str(init)},
+                                          "batch": {"global_batch_size": 4, "micro_batch_size": 2, "seq_len": SEQ},
+                                          "optim": {"lr": 1e-3, "weight_decay": 0.0, "grad_clip": 1.0},
+                                          "dpo": {"loss": "dpo", "beta": 0.5},
+                                          "checkpoint": {"every": 2, "keep_last": 2}, "logging": {"every": 1, "tensorboard": False},
+                                          **sections})
+
+
+def pretrain(tmp_path, cfg, name, *extra):
+    result = run(torchrun_cmd(PRETRAIN, "--config", str(write_config(tmp_path / f"{name}.yaml", cfg)), *extra, nproc=1))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_a_dpo_run_logs_rewards_caches_its_reference_and_resumes_exactly(tmp_path, pairs_dir):
+    data, init = pairs_dir
+    cfg = dpo_config(tmp_path, data, init, eval={"every": 2, "max_batches": 4})
+    log = pretrain(tmp_path, cfg, "dpo")
+    straight = tmp_path / "run"
+    assert log.count("reference pass: computed") == 1 and "reference: saved" in log
+    manifest = json.loads((straight / "reference" / "reference.json").read_text())
+    assert set(manifest["sets"]) == {"train", "val/pairs"} and manifest["identity"]["model"].startswith("sha256:")
+    rows = read_metrics(straight)
+    steps = {r["step"]: r for r in rows if "train/loss" in r}
+    assert sorted(steps) == [1, 2, 3, 4]
+    first = steps[1]
+    assert first["rewards/chosen"] == first["rewards/rejected"] == 0.0  # the policy starts as the reference
+    assert abs(first["train/loss"] - 0.6931471805599453) < 1e-6  # -log sigmoid(0)
+    for r in steps.values():
+        assert r["logps/policy_chosen"] < 0 and r["logps/reference_chosen"] < 0 and r["train/pairs"] >= 4
+    assert steps[4]["rewards/margin"] > 0 and steps[4]["rewards/accuracy"] > 0.5  # it learns the training pairs
+    evals = [r for r in rows if "eval/pairs/rewards/accuracy" in r]
+    assert [r["step"] for r in evals] == [2, 4] and 0 < evals[-1]["eval/pairs/pairs"] <= 12  # eval.max_batches rows of them
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "checkpoints" / "step-0000002", resumed / "checkpoints" / "step-0000002")
+    shutil.copytree(straight / "reference", resumed / "reference")
+    again = pretrain(tmp_path, {**cfg, "run_dir": str(resumed)}, "resumed", "--resume", "auto")
+    assert "reference: reusing" in again and "reference pass: computed" not in again
+    got = {r["step"]: r for r in read_metrics(resumed) if "train/loss" in r}
+    assert sorted(got) == [3, 4]
+    for step in (3, 4):
+        for key in ("train/loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "logps/reference_rejected", "train/pairs_seen"):
+            assert got[step][key] == steps[step][key], (step, key, got[step][key], steps[step][key])
+
+    # A resume without the cache, or with one from another starting model, is refused before any engine exists.
+    gone = tmp_path / "gone"
+    shutil.copytree(straight / "checkpoints" / "step-0000002", gone / "checkpoints" / "step-0000002")
+    with pytest.raises(ConfigError, match="a resume never recomputes"):
+        plan_run(config_from_dict({**cfg, "run_dir": str(gone)}), resume="auto", env=ONE_RANK)
+    shutil.copytree(straight / "reference", gone / "reference")
+    manifest["identity"]["model"] = "sha256:another-starting-model"
+    (gone / "reference" / "reference.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match="model: 'sha256:another-starting-model' \\(cache\\) vs 'sha256:"):
+        plan_run(config_from_dict({**cfg, "run_dir": str(gone)}), resume="auto", env=ONE_RANK)
+
+
+def test_the_plan_refuses_preference_data_and_dpo_apart(tmp_path, pairs_dir):
+    data, init = pairs_dir
+    no_dpo = {k: v for k, v in dpo_config(tmp_path, data, init).items() if k != "dpo"}
+    with pytest.raises(ConfigError, match="are preference pairs, which train with DPO: add a dpo: section"):
+        plan_run(config_from_dict(no_dpo), env=ONE_RANK)
+    chat = write_masked_source(tmp_path / "chat", folded(list(encoded("train"))[:20], VOCAB, {100257: VOCAB - 2}), tok=TOK)
+    with pytest.raises(ConfigError, match="the dpo: section needs preference data, but data.sources .* are fine-tuning conversations"):
+        plan_run(config_from_dict(dpo_config(tmp_path, chat, init)), env=ONE_RANK)
+    with pytest.raises(ConfigError, match="set init_from.path"):
+        plan_run(config_from_dict({**dpo_config(tmp_path, data, init), "init_from": {}}), env=ONE_RANK)
+    with pytest.raises(ValueError, match="preference"):  # mixed with another kind of source: the loader's refusal
+        mixed = dpo_config(tmp_path, data, init)
+        mixed["data"] = {**mixed["data"], "sources": [{"path": str(data)}, {"path": str(chat)}]}
+        plan_run(config_from_dict(mixed), env=ONE_RANK)
+    assert not torch.distributed.is_initialized()
