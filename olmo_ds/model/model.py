@@ -534,7 +534,10 @@ class OLMo(nn.Module):
             tables = {kind: (cos[mine], sin[mine]) for kind, (cos, sin) in full.items()}
         mask = None
         if cache is None:
-            mask = AttentionMask(b, row, input_ids.device, doc_lens, branches, positions, static_shapes=score is not None)
+            # Scoring and per-document forwards keep to a few batch shapes (the loader's rows), so their no-grad
+            # forwards (evaluation, DPO's reference pass) may run compiled blocks too.
+            mask = AttentionMask(b, row, input_ids.device, doc_lens, branches, positions,
+                                 static_shapes=score is not None or per_document)
         checkpointing = torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.blocks):
             cos, sin = tables[self.cfg.layer_is_sliding(i)]
