@@ -10,7 +10,8 @@ over the pairs (padding pairs, id -1, excluded).
 A batch is the loader's (`input_ids`, `labels`, `doc_lens`, `positions`, `pair_ids`); row b's documents 2p and
 2p + 1 are pair `pair_ids[b, p]`'s chosen and rejected replies. The reference comes in as a callable from pair ids
 [B, P] to float32 [B, P, 2] (the run's cache, `olmo_ds.train.reference`, or a starting model's pass), or None for
-`simpo`, which has none.
+`simpo`, which has none. `compute_pair_logprobs` is that reference's pass: a model's per-side sums of every pair,
+gathered by pair id (the starting model before training, `olmo_ds.train.reference`; offline, `--reference PATH`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from olmo_ds.checkpoint.reference import PairLogprobs
 from olmo_ds.model.loss import preference_loss
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/policy_chosen",
@@ -84,3 +86,35 @@ def evaluate_preference(model, batches: Iterable[dict], reference: Callable[[tor
     out["pairs"] = float(sums[-1])
     out["tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
     return out
+
+
+def compute_pair_logprobs(model, batches: Iterable[dict], num_pairs: int, device) -> tuple[PairLogprobs, int]:
+    """The per-side log-probability sums of `model` (no grad) over this rank's `batches` (loader-style dicts with
+    `pair_ids`), gathered over the data-parallel ranks: every rank returns the same `PairLogprobs` of `num_pairs`
+    pairs (ids as the batches number them), and the row tokens it forwarded.
+
+    Collective when torch.distributed is initialised: every rank must pass equally many batches (the
+    `validation_batches` contract). A pair seen twice is an error; a pair never seen stays NaN (dropped by the data)."""
+    logprob = torch.zeros(num_pairs, 2, dtype=torch.float32, device=device)
+    tokens = torch.zeros(num_pairs, 2, dtype=torch.int64, device=device)
+    seen = torch.zeros(num_pairs, dtype=torch.int64, device=device)
+    forwarded = 0
+    with torch.no_grad():
+        for batch in batches:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            out = model(batch["input_ids"], labels=batch["labels"], doc_lens=batch["doc_lens"], positions=batch["positions"],
+                        per_document=True)
+            lp, n, ids = pair_sides(out.logprob, out.tokens, batch["pair_ids"])
+            logprob.index_add_(0, ids, lp.float())
+            tokens.index_add_(0, ids, n)
+            seen.index_add_(0, ids, torch.ones_like(ids))
+            forwarded += batch["input_ids"].numel()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        for t in (logprob, tokens, seen):
+            torch.distributed.all_reduce(t)
+    if num_pairs and int(seen.max()) > 1:
+        raise RuntimeError(f"the reference pass saw pair {int(seen.argmax())} {int(seen.max())} times; each pair belongs to one row")
+    missing = seen == 0
+    logprob[missing] = float("nan")
+    tokens[missing] = -1
+    return PairLogprobs(logprob.cpu().numpy(), tokens.cpu().numpy()), forwarded

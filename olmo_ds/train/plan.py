@@ -42,7 +42,7 @@ from olmo_ds.train.metrics import roll_back_metrics, setup_console_logging
 from olmo_ds.train.parallel import ParallelLayout
 from olmo_ds.train.preference import reference_identity
 from olmo_ds.train.preflight import check_launch
-from olmo_ds.train.reference import load_reference, reference_dir, reference_exists
+from olmo_ds.checkpoint.reference import ReferenceCacheError, load_reference, reference_dir, reference_exists
 from olmo_ds.train.run_lock import RunDirLock, lock_run_dir
 
 log = logging.getLogger("olmo_ds")
@@ -176,7 +176,10 @@ def check_preference(cfg: TrainConfig, loader: DataLoader, run_dir: Path, resume
             raise ConfigError(f"{cache}: missing, but {resume_dir} continues a dpo.loss {cfg.dpo.loss} run; a resume never recomputes "
                               f"the reference (the weights are no longer the starting model's): restore {cache}")
         started = (resume_state.get("init_from") or {}).get("fingerprint") or ""
-        load_reference(cache, reference_identity(cfg, loader.fingerprint, started))
+        try:
+            load_reference(cache, reference_identity(cfg, loader.fingerprint, started))
+        except ReferenceCacheError as e:
+            raise ConfigError(f"{cfg.source}: resuming {resume_dir}: {e}") from None
         log.info("reference: %s verified against %s; the resume reuses it", cache, resume_dir)
     elif not cfg.init_from.path:
         raise ConfigError(f"{where}: dpo.loss {cfg.dpo.loss} compares the policy with the model it starts from: set init_from.path "

@@ -31,8 +31,9 @@ from olmo_ds.eval.preference import METRICS, batch_terms, means
 from olmo_ds.model.loss import token_mean_divisor
 from olmo_ds.train.config import ConfigError, TrainConfig
 from olmo_ds.train.evaluation import val_sources
-from olmo_ds.train.reference import (REFERENCE_PASSES, ReferenceCache, ReferenceIdentity, load_reference, reference_dir,
-                                     reference_exists, run_reference_pass, save_reference)
+from olmo_ds.checkpoint.reference import (ReferenceCache, ReferenceCacheError, ReferenceIdentity, load_reference, reference_dir,
+                                          reference_exists, save_reference)
+from olmo_ds.train.reference import REFERENCE_PASSES, run_reference_pass
 
 log = logging.getLogger("olmo_ds")
 
@@ -52,7 +53,10 @@ def prepare_reference(cfg: TrainConfig, run_dir: Path, loader, val_sources, engi
     directory = reference_dir(run_dir)
     identity = reference_identity(cfg, loader.fingerprint, model_fingerprint)
     if reference_exists(directory):
-        cache = load_reference(directory, identity)
+        try:
+            cache = load_reference(directory, identity)
+        except ReferenceCacheError as e:
+            raise ConfigError(str(e)) from None
         REFERENCE_PASSES["loaded"] += 1
         log.info("reference: reusing %s (%d training pairs; checksums and inputs verified, not recomputed)", directory, cache.train.num_pairs)
         return cache
@@ -69,7 +73,10 @@ def prepare_reference(cfg: TrainConfig, run_dir: Path, loader, val_sources, engi
         val[src.name or Path(src.path).name] = (stream, TokenSource(src.path).num_pairs)
     cache = run_reference_pass(engine, identity, train, val, device)
     if rank == 0:
-        save_reference(directory, cache)
+        try:
+            save_reference(directory, cache)
+        except ReferenceCacheError as e:
+            raise ConfigError(str(e)) from None
         log.info("reference: saved %s", directory)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()

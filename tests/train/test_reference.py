@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
 import numpy as np
 import pytest
 import torch
 
+from olmo_ds.checkpoint.reference import (PairLogprobs, ReferenceCache, ReferenceCacheError, ReferenceIdentity, load_reference,
+                                          save_reference)
 from olmo_ds.data.loader import validation_batches
 from olmo_ds.model import ModelConfig, OLMo
 from olmo_ds.model.loss import labels_from_mask
-from olmo_ds.train.config import ConfigError
-from olmo_ds.train.reference import (REFERENCE_PASSES, PairLogprobs, ReferenceCache, ReferenceIdentity, load_reference,
-                                     run_reference_pass, save_reference)
+from olmo_ds.train.reference import REFERENCE_PASSES, run_reference_pass
 
 from pref_testlib import encoded_pairs, write_pref_source
 from sft_testlib import tokenizer
@@ -67,7 +66,7 @@ def test_pass_equals_each_side_alone_and_drops_long_pairs(tmp_path):
                 assert abs(ref.logprob[k, side] - want) <= 1e-5 * abs(want), (k, side)
         assert 0 < ref.present < len(pairs)  # pref-sample has pairs longer than SEQ: they were dropped, not computed
     assert REFERENCE_PASSES["computed"] == before + 2
-    with pytest.raises(ConfigError, match="reference is missing"):
+    with pytest.raises(ReferenceCacheError, match="reference is missing"):
         ref.lookup(torch.tensor([[int(np.isnan(ref.logprob[:, 0]).nonzero()[0][0])]]))
 
 
@@ -75,7 +74,7 @@ def test_lookup_gives_padding_zero():
     ref = PairLogprobs(np.array([[-1.0, -2.0], [-3.0, -4.0]], dtype=np.float32), np.ones((2, 2), dtype=np.int64))
     got = ref.lookup(torch.tensor([[1, 0, -1]]))
     assert got.tolist() == [[[-3.0, -4.0], [-1.0, -2.0], [0.0, 0.0]]]
-    with pytest.raises(ConfigError, match="beyond"):
+    with pytest.raises(ReferenceCacheError, match="beyond"):
         ref.lookup(torch.tensor([[2]]))
 
 
@@ -93,14 +92,14 @@ def test_cache_round_trips_and_is_never_overwritten(tmp_path):
     assert back.identity == IDENTITY
     assert np.array_equal(back.train.logprob, cache.train.logprob) and np.array_equal(back.train.tokens, cache.train.tokens)
     assert np.array_equal(back.val["pairs"].logprob, cache.val["pairs"].logprob)
-    with pytest.raises(ConfigError, match="never overwritten"):
+    with pytest.raises(ReferenceCacheError, match="never overwritten"):
         save_reference(tmp_path / "reference", cache)
 
 
 @pytest.mark.parametrize("field, value", [("data", "sha256:other-data"), ("model", "sha256:other-weights"), ("seq_len", 2048)])
 def test_other_data_or_starting_model_is_refused_naming_both(tmp_path, field, value):
     save_reference(tmp_path / "reference", _cache())
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ReferenceCacheError) as e:
         load_reference(tmp_path / "reference", dataclasses.replace(IDENTITY, **{field: value}))
     assert f"{field}: {getattr(IDENTITY, field)!r} (cache) vs {value!r} (this run)" in str(e.value)
 
@@ -111,10 +110,10 @@ def test_damaged_or_missing_files_are_refused(tmp_path):
     data = bytearray(target.read_bytes())
     data[-1] ^= 1
     target.write_bytes(bytes(data))
-    with pytest.raises(ConfigError, match="sha256"):
+    with pytest.raises(ReferenceCacheError, match="sha256"):
         load_reference(directory, IDENTITY)
     target.unlink()
-    with pytest.raises(ConfigError, match="missing"):
+    with pytest.raises(ReferenceCacheError, match="missing"):
         load_reference(directory, IDENTITY)
-    with pytest.raises(ConfigError, match="no reference cache"):
+    with pytest.raises(ReferenceCacheError, match="no reference cache"):
         load_reference(tmp_path / "nowhere", IDENTITY)
