@@ -209,6 +209,7 @@ def measure_prepare(tokenizer: Path, corpus: Path, output: Path, workers: int, b
     if (backend == "fast") != (ran == "fastokens"):
         raise RuntimeError(f"asked for backend {backend}, prepare_data.py ran {ran}")
     seconds = prep["seconds"] + val["seconds"]
+    phases = _phases(prep["stdout"], prep["seconds"], val["seconds"])
     # prepare_data.py's own figure (its `tokenizing` line): from the first block read to the last shard written, without
     # start-up (imports, tokenizer loading, the backend guard), which a long run amortizes.
     steady = float(re.search(r"tokenizing\s+([\d.,]+) s", prep["stdout"]).group(1).replace(",", ""))
@@ -229,7 +230,34 @@ def measure_prepare(tokenizer: Path, corpus: Path, output: Path, workers: int, b
         "tokens_per_cpu_s": manifest["num_tokens"] / (prep["cpu_seconds"] + val["cpu_seconds"]),
         "input_mb_per_s": sum(i["bytes"] for i in manifest["inputs"]) / seconds / 1e6,
         "layout": re.search(r"^tokenizer\s+(.*)$", prep["stdout"], re.M).group(1),  # who tokenized, as the summary says
+        "phases": phases, "outside_loop_seconds": seconds - phases["tokenizing"],
     }
+
+
+# The steps of a prepare_data.py run in the order they run (its summary shows the backend check and the
+# tokenizing loop above the others, which it lists under "the rest"; a run without a check lists "backend" there).
+_STEPS = ("inputs", "tokenizer", "output", "fast backend", "workers", "backend check", "backend", "resume", "tokenizing", "manifests", "stop workers")
+
+
+def _phases(summary: str, prepare_seconds: float, validate_seconds: float) -> dict[str, float]:
+    """Where the wall time of prepare + validate went, in order, from prepare_data.py's `time` lines:
+    the Python start, imports and exit (the process's wall time less the run's own), each step of the
+    run (start-up, the backend check, the tokenizing loop, the manifests), then validate_shards.py
+    (a process of its own: its start, the tokenizer and the reading of every shard)."""
+    times = summary[summary.index("\ntime "):]  # the summary's last lines
+    total = float(re.search(r"^time\s+([\d.,]+) s in all$", times, re.M).group(1).replace(",", ""))
+    steps = {m.group(1): float(m.group(2).replace(",", "")) for m in re.finditer(r"^ {2,4}(\S.*?)\s+([\d.,]+) s", times, re.M)}
+    steps.pop("the rest", None)
+    phases = {"python, imports, exit": max(prepare_seconds - total, 0.0)}
+    phases |= {k: steps.pop(k) for k in _STEPS if k in steps} | steps  # a step this list lacks still shows, last
+    phases["validate_shards.py"] = validate_seconds
+    return phases
+
+
+def format_phases(r: dict) -> str:
+    """One line: where a prepare + validate run's wall time went (`_phases`), and all but the loop together."""
+    steps = ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
+    return f"--workers {r['workers']} phases (wall s): {steps}; outside the tokenizing loop {r['outside_loop_seconds']:.3f} s of {r['seconds']:.3f}"
 
 
 def measure_stages(tokenizer: Path, corpus: Path, output: Path) -> dict:
@@ -402,6 +430,7 @@ def run(tokenizer: Path, corpus_dir: Path, size_mb: int, workers: list[int], bac
                 f"{r['loop_tokens_per_s'] / 1e6:.3f}M tokens/s without start-up, peak RSS prepare {r['prepare_peak_rss_mb']:.0f} MB / validate {r['validate_peak_rss_mb']:.0f} MB, "
                 f"{r['vs_ceiling']:.2f}x its ceiling"
             )
+            log(format_phases(r))
     by = {(r["backend"], r["workers"]): r for r in results["prepare"]}
     for backend in backends:
         if (backend, 1) in by and (backend, 2) in by:
@@ -623,6 +652,7 @@ def run_many_files(tokenizer: Path, directory: Path, gz_mb: int, files: int, wor
             f"{r['tokens_per_s'] / 1e6:.1f}M tokens/s end to end, {r['loop_tokens_per_s'] / 1e6:.1f}M without start-up; {r['layout']}; "
             f"prepare kept {r['prepare_cores_busy']:.1f} cores busy on average ({r['prepare_sys_share']:.0%} of it in the kernel); "
             f"{_written(r['prepare_disk_written'], r['output_bytes'])}")
+        log(format_phases(r))
     first = directory / f"shards-w{workers[0]}"
     for w in workers[1:]:
         ok, what = same_output(first, directory / f"shards-w{w}")

@@ -16,18 +16,13 @@ log go to the work directory; the table is printed last.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import yaml
 
-from olmo_ds.tools.harness import environment, generate_shards, sync
-
-GiB = 2**30
+from olmo_ds.tools.harness import add_launch_options, generate_shards, launch_timed, timed_launch_worker
 
 
 def config_tree(args, data: Path, size: int, work: Path) -> dict:
@@ -47,37 +42,6 @@ def config_tree(args, data: Path, size: int, work: Path) -> dict:
         "schedule": {"kind": "constant"}, "checkpoint": {"every": 0, "save_final": False},
         "logging": {"every": 1, "tensorboard": False},
     }
-
-
-def worker(config: str, out: str, warmup: int) -> None:
-    """One launch: warm-up steps, then the timed ones; rank 0 writes the figures."""
-    from olmo_ds.train.config import load_config
-    from olmo_ds.train.trainer import Trainer
-
-    trainer = Trainer.from_config(load_config(config))
-    steps = trainer.cfg.max_steps - warmup
-    for _ in range(warmup):
-        trainer.train_step(trainer.loader.next_batch())
-    sync()
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    tokens, losses, start = 0, [], time.perf_counter()
-    for _ in range(steps):
-        m = trainer.train_step(trainer.loader.next_batch())
-        tokens += m["tokens"]
-        losses.append(m["loss"])
-    sync()
-    seconds = time.perf_counter() - start
-    peak = torch.tensor(float(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0, device=trainer.device)
-    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-    layout = trainer.layout
-    trainer.close()
-    if trainer.rank == 0:
-        Path(out).write_text(json.dumps({
-            "sequence_parallel_size": layout.sp_size, "data_parallel_size": layout.dp_size, "gpus": layout.world_size,
-            "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / layout.world_size,
-            "peak_gib": float(peak) / GiB, "steps": steps, "seconds": seconds, "losses": losses,
-            "micro_batch": trainer.cfg.batch.micro_batch_size, "environment": environment()}, indent=1))
 
 
 def table(results: list[dict]) -> str:
@@ -100,14 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,2,4" if gpu else "1,2", help="sequence-parallel sizes, comma-separated")
     p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
                    help="model fields, e.g. activation_checkpointing=false (default: the preset's, with YaRN for 65,536)")
-    p.add_argument("--warmup", type=int, default=3 if gpu else 1)
-    p.add_argument("--steps", type=int, default=5 if gpu else 2)
-    p.add_argument("--work-dir", default="out/bench-sp")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
-    p.add_argument("--worker", nargs=3, metavar=("CONFIG", "OUT", "WARMUP"), help=argparse.SUPPRESS)
+    add_launch_options(p, steps=5, work_dir="out/bench-sp")
     args = p.parse_args(argv)
     if args.worker:
-        worker(args.worker[0], args.worker[1], int(args.worker[2]))
+        timed_launch_worker(args.worker[0], args.worker[1], int(args.worker[2]))
         return 0
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -119,16 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     for size in (int(s) for s in args.sizes.split(",")):
         config = work / f"sp{size}.yaml"
         config.write_text(yaml.safe_dump(config_tree(args, data, size, work), sort_keys=False))
-        out, log = work / f"sp{size}.json", work / f"sp{size}.log"
-        out.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
-               "-m", "olmo_ds.tools.bench_sequence_parallel", "--worker", str(config), str(out), str(args.warmup)]
-        with open(log, "w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
-        if rc != 0 or not out.exists():
-            print(f"sequence_parallel_size {size}: the launch failed (exit {rc}); see {log}", file=sys.stderr)
+        result = launch_timed("olmo_ds.tools.bench_sequence_parallel", config, work / f"sp{size}.json", nproc=args.gpus,
+                              warmup=args.warmup, timeout=args.timeout)
+        if result is None:
             return 1
-        results.append(json.loads(out.read_text()))
+        results.append(result)
         print(f"N = {size}: {results[-1]['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, peak {results[-1]['peak_gib']:.1f} GiB",
               flush=True)
     env = results[0]["environment"]

@@ -3,6 +3,8 @@
     python scripts/check_resume.py --config configs/my_run.yaml --steps 6 --kill-after 4        # CPU: bit-identical
     python scripts/check_resume.py --config configs/olmo2-1b.yaml --set schedule.warmup_steps=10 \
         --steps 40 --kill-after 30 --launcher torchrun --nproc 8 --noise    # GPUs: the difference and the noise floor
+    python scripts/check_resume.py ... --launcher torchrun --nproc 8 --resume-nproc 4 --tolerance 0.02   # resumed on 4 GPUs
+    python scripts/check_resume.py ... --nproc 8 --resume-set parallel.sequence_parallel_size=2       # resumed with SP 2
 
 Runs DIR/straight, then DIR/resumed (killed after its step-K checkpoint, then resumed), and with
 --noise DIR/straight2; compares the losses of steps K+1..N and the final weights. Exit 0 when the
@@ -74,6 +76,8 @@ class ResumeCheck:
     launcher: str = "python"
     nproc: int = 1
     noise: bool = False
+    resume_nproc: int | None = None  # the resumed launch's ranks (default: nproc): resume on another world size
+    resume_overrides: list[str] = field(default_factory=list)  # --set values of the resumed launch only (e.g. its sequence_parallel_size)
     timeout: float = 1800.0  # seconds per launch
     overwrite: bool = False  # replace the runs of an earlier check in work_dir
 
@@ -89,12 +93,15 @@ class ResumeCheck:
             raise ValueError(f"--launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
         if self.nproc < 1 or (self.launcher == "python" and self.nproc != 1):
             raise ValueError(f"--nproc {self.nproc}: the python launcher runs one rank; use --launcher torchrun or deepspeed for more")
+        if self.resume_nproc is not None and (self.resume_nproc < 1 or self.launcher == "python"):
+            raise ValueError(f"--resume-nproc {self.resume_nproc}: needs --launcher torchrun or deepspeed and at least one rank")
         if self.timeout <= 0:
             raise ValueError(f"--timeout must be > 0, got {self.timeout}")
         if self.work_dir.exists() and any(self.work_dir.iterdir()) and not self.overwrite:
             raise ValueError(f"--work-dir {self.work_dir} is not empty; choose another or pass --overwrite to replace its runs")
         # The user's config with the check's settings on top must be valid (ConfigError names the file and key).
         load_config(self.config, self.run_overrides("straight"))
+        load_config(self.config, [*self.run_overrides("resumed"), *self.resume_overrides])
 
     def run_overrides(self, name: str) -> list[str]:
         """The user's --set values, then the check's: ours win. Checkpoints at K and N only, both kept;
@@ -103,19 +110,21 @@ class ResumeCheck:
         return [*self.overrides, f"run_dir={run_dir}", f"max_steps={self.steps}", f"checkpoint.every={self.kill_after}",
                 "checkpoint.keep_last=2", "checkpoint.save_final=true", "logging.every=1", "logging.wandb=false"]
 
-    def command(self, name: str, *extra: str) -> list[str]:
+    def command(self, name: str, *extra: str, resuming: bool = False) -> list[str]:
+        """The launch of run `name`; `resuming`: the resumed launch, with `resume_nproc` ranks and `resume_overrides`."""
         args = ["-m", PRETRAIN, "--config", str(self.config)]
-        for o in self.run_overrides(name):
+        for o in [*self.run_overrides(name), *(self.resume_overrides if resuming else [])]:
             args += ["--set", o]
         args += extra
+        nproc = self.resume_nproc if resuming and self.resume_nproc else self.nproc
         if self.launcher == "python":
             return [sys.executable, *args]
         if self.launcher == "torchrun":
-            return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}", *args]
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
         # Without a hostfile DeepSpeed's launcher runs locally on GPUs 0..P-1 (it ignores CUDA_VISIBLE_DEVICES
         # once --num_gpus is given); a free port lets two checks share a machine.
         # The `deepspeed` command is this module's wrapper; running the module needs no bin/ on PATH.
-        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(self.nproc), "--master_port", str(free_port()),
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(free_port()),
                 "--module", *args[1:]]
 
 
@@ -168,9 +177,9 @@ def wait(proc: subprocess.Popen, name: str, log: Path, timeout: float) -> None:
         raise RunFailed(f"{name}: exit code {code}", log)
 
 
-def train(check: ResumeCheck, name: str, log_name: str, *extra: str) -> None:
+def train(check: ResumeCheck, name: str, log_name: str, *extra: str, resuming: bool = False) -> None:
     log = check.work_dir / log_name
-    wait(start(check.command(name, *extra), log), log_name.removesuffix(".log"), log, check.timeout)
+    wait(start(check.command(name, *extra, resuming=resuming), log), log_name.removesuffix(".log"), log, check.timeout)
 
 
 def train_and_kill(check: ResumeCheck) -> int:
@@ -304,8 +313,10 @@ def run_check(check: ResumeCheck, say=print) -> dict:
     train(check, "straight", "straight.log")
     say(f"killed: the same run in {wd / 'resumed'}, SIGKILLed after its step-{k} checkpoint ({time.monotonic() - t0:.0f} s so far)")
     killed_at = train_and_kill(check)
-    say(f"resumed: --resume auto from step {k} to {n} (the killed run had logged step {killed_at})")
-    train(check, "resumed", "resumed.log", "--resume", "auto")
+    other = "".join([f" on {check.resume_nproc} ranks" if check.resume_nproc else "",
+                     f" with {' '.join(check.resume_overrides)}" if check.resume_overrides else ""])
+    say(f"resumed: --resume auto from step {k} to {n}{other} (the killed run had logged step {killed_at})")
+    train(check, "resumed", "resumed.log", "--resume", "auto", resuming=True)
     if check.noise:
         say(f"straight2: {n} steps again, for the run-to-run noise floor")
         train(check, "straight2", "straight2.log")
@@ -316,7 +327,8 @@ def run_check(check: ResumeCheck, say=print) -> dict:
     ref = losses_by_step(wd / "straight")
     return {
         "config": str(check.config), "overrides": check.overrides, "steps": n, "kill_after": k, "launcher": check.launcher,
-        "nproc": check.nproc, "work_dir": str(wd), "killed_at_step": killed_at, "compared_steps": f"{k + 1}-{n}",
+        "nproc": check.nproc, "resume_nproc": check.resume_nproc or check.nproc, "resume_overrides": check.resume_overrides,
+        "work_dir": str(wd), "killed_at_step": killed_at, "compared_steps": f"{k + 1}-{n}",
         "precision": state["config"]["precision"], "world_size": state["world_size"], "zero_stage": state["zero_stage"],
         "versions": state["versions"],
         "resume": compare(ref, ref_weights, wd / "resumed", steps, n),
@@ -335,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="python: one rank, no launcher (default); torchrun; deepspeed (uses GPUs 0..P-1 whatever "
                         "CUDA_VISIBLE_DEVICES says; torchrun honours it)")
     p.add_argument("--nproc", type=int, default=1, help="ranks for torchrun / deepspeed")
+    p.add_argument("--resume-nproc", type=int, default=None, help="ranks of the resumed launch (default --nproc): resume on another world size")
+    p.add_argument("--resume-set", dest="resume_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="train config values of the resumed launch only, e.g. parallel.sequence_parallel_size=2")
     p.add_argument("--work-dir", type=Path, default=Path("runs/check_resume"), help="where the runs and their logs go")
     p.add_argument("--overwrite", action="store_true", help="replace the runs of an earlier check in --work-dir")
     p.add_argument("--noise", action="store_true", help="also run straight twice: the device's run-to-run difference")
@@ -345,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
 
     check = ResumeCheck(config=args.config, steps=args.steps, kill_after=args.kill_after, work_dir=args.work_dir,
                         overrides=args.overrides, launcher=args.launcher, nproc=args.nproc, noise=args.noise,
-                        timeout=args.timeout, overwrite=args.overwrite)
+                        timeout=args.timeout, overwrite=args.overwrite, resume_nproc=args.resume_nproc,
+                        resume_overrides=args.resume_overrides)
     try:
         report = run_check(check, say=lambda line: print(line, flush=True))
     except (ConfigError, ValueError, FileNotFoundError) as e:

@@ -9,7 +9,11 @@ here, so that no benchmark imports another.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,3 +219,69 @@ def write_bench_shards(opts: BenchOptions, directory: Path, vocab_size: int) -> 
     tokens = (rows + 8) * opts.seq_len * 2
     return generate_shards(directory, tokens, shard_tokens=max(tokens // 2, opts.seq_len * 4), vocab_size=vocab_size,
                            mean_doc_len=min(1200, opts.seq_len))
+
+
+# --- one launch per size: the real Trainer under torchrun, timed -------------------------------------
+
+
+def timed_launch_worker(config: str, out: str, warmup: int) -> None:
+    """In each rank of a launch: the config's Trainer, `warmup` steps, then the rest of max_steps timed; rank 0
+    writes the figures to `out` (tokens/s per GPU, MFU, the largest rank's peak memory, the micro-batch and its
+    memory estimate, the losses)."""
+    from olmo_ds.train.metrics import peak_tflops
+    from olmo_ds.train.trainer import Trainer
+    from olmo_ds.train.config import load_config
+
+    trainer = Trainer.from_config(load_config(config))
+    steps = trainer.cfg.max_steps - warmup
+    for _ in range(warmup):
+        trainer.train_step(trainer.loader.next_batch())
+    sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    tokens, losses, start = 0, [], time.perf_counter()
+    for _ in range(steps):
+        m = trainer.train_step(trainer.loader.next_batch())
+        tokens += m["tokens"]
+        losses.append(m["loss"])
+    sync()
+    seconds = time.perf_counter() - start
+    peak = torch.tensor(float(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0, device=trainer.device)
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    layout, rank = trainer.layout, trainer.rank
+    per_gpu = tokens / seconds / layout.world_size
+    device_peak = peak_tflops(trainer.cfg.logging.peak_tflops)
+    tflops = per_gpu * trainer.model_cfg.flops_per_token(trainer.cfg.batch.seq_len) / 1e12
+    trainer.close()
+    if rank == 0:
+        Path(out).write_text(json.dumps({
+            "sequence_parallel_size": layout.sp_size, "data_parallel_size": layout.dp_size, "gpus": layout.world_size,
+            "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": per_gpu, "tflops_per_gpu": tflops,
+            "mfu": tflops / device_peak if device_peak else None, "peak_gib": float(peak) / 2**30, "steps": steps,
+            "seconds": seconds, "losses": losses, "micro_batch": trainer.plan.deepspeed.micro_batch.record(),
+            "environment": environment()}, indent=1))
+
+
+def add_launch_options(p, *, steps: int, work_dir: str) -> None:
+    """The options every one-launch-per-size benchmark takes (timed steps, where its runs go, the worker's entry)."""
+    gpu = torch.cuda.is_available()
+    p.add_argument("--warmup", type=int, default=3 if gpu else 1)
+    p.add_argument("--steps", type=int, default=steps if gpu else 2)
+    p.add_argument("--work-dir", default=work_dir)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
+    p.add_argument("--worker", nargs=3, metavar=("CONFIG", "OUT", "WARMUP"), help=argparse.SUPPRESS)
+
+
+def launch_timed(module: str, config: Path, out: Path, *, nproc: int, warmup: int, timeout: float) -> dict | None:
+    """Launch `python -m module --worker CONFIG OUT WARMUP` on `nproc` ranks (torchrun, this host); the figures its
+    `timed_launch_worker` wrote, or None (the log beside `out` says why)."""
+    log = out.with_suffix(".log")
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", module, "--worker", str(config), str(out), str(warmup)]
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    if rc != 0 or not out.exists():
+        print(f"{config.name}: the launch on {nproc} rank(s) failed (exit {rc}); see {log}", file=sys.stderr)
+        return None
+    return json.loads(out.read_text())

@@ -8,6 +8,7 @@
 #   bash scripts/gpu/acceptance.sh bench-fp8|bench-fp8-mb8   # issue 24: bf16 and FP8 side by side through the trainer
 #   bash scripts/gpu/acceptance.sh bench-boundary   # issue 24: attempts at the host gap between micro-batches
 #   bash scripts/gpu/acceptance.sh parity   # issue 24: FP8's loss against bf16's, 300 steps each
+#   bash scripts/gpu/acceptance.sh multi-scaling|multi-sp|multi-resume|multi-faults|multi-fp8-sft   # issue 47, on 2-8 GPUs
 # Needs deepspeed importable and `python` on PATH; the test data at $OLMO_DS_SHARED (default ./shared).
 # The host has no network, so the Dolma 2 tokenizer goes into the HF cache as `hf download` would put it.
 # Logs go to $OUT (default out/gpu); the last lines printed are a table of step, exit code and seconds.
@@ -33,6 +34,7 @@ t() {  # t NAME CMD...: run, log to $OUT/NAME.log, record exit code and seconds
   return $rc
 }
 launch() { deepspeed --hostfile hostfile --no_ssh_check --master_addr 127.0.0.1 scripts/pretrain.py "$@"; }
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 case "${1:-}" in
 launch)
@@ -114,8 +116,58 @@ bench-eval)  # issue 26's targets at the 1B: exact vs packed scoring, perplexity
   t bench-eval python scripts/bench_eval.py --work-dir /tmp/bench-eval --json "$OUT/bench-eval.json"
   tail -n 30 "$OUT/bench-eval.log"
   ;;
+multi-scaling)  # issue 47.1: ZeRO-3 weak scaling of the 1B on 1, 2, 4, 8 GPUs (as many as the host has); the 7B on all of them
+  sizes=$(python -c "print(','.join(str(2 ** i) for i in range(4) if 2 ** i <= $GPUS))")
+  t multi-scaling python scripts/bench_scaling.py --gpus "$sizes" --work-dir /tmp/bench-scaling --timeout 280
+  t multi-scaling-7b python scripts/bench_scaling.py --preset olmo3-7b --gpus "$GPUS" --micro-batch-size auto \
+      --model-set activation_checkpointing=full --warmup 2 --steps 5 --work-dir /tmp/bench-scaling-7b --timeout 500
+  python scripts/memory_plan.py configs/olmo3-7b-stage1.yaml --gpus "$GPUS" > "$OUT/memory-plan-7b.txt"
+  tail -n 7 "$OUT/multi-scaling.log"; tail -n 4 "$OUT/multi-scaling-7b.log"
+  ;;
+multi-sp)  # issue 47.2: sequence parallelism at 65,536 tokens, N = 1, 2, 4 (8) on all GPUs, against N = 1
+  sizes=$(python -c "print(','.join(str(2 ** i) for i in range(4) if 2 ** i <= $GPUS))")
+  t multi-sp python scripts/bench_sequence_parallel.py --gpus "$GPUS" --sizes "$sizes" --work-dir /tmp/bench-sp --timeout 280
+  tail -n 8 "$OUT/multi-sp.log"
+  ;;
+multi-resume)  # issue 47.3: a run saved on all GPUs resumes on half of them, and on all of them with sequence parallelism 2
+  [ -f data/dolma/shards/manifest.json ] || t prepare-small python scripts/prepare_data.py --input "$OLMO_DS_SHARED/data/c4-sample" \
+      --tokenizer allenai/dolma2-tokenizer --output data/dolma/shards --no-progress
+  common=(--config configs/olmo2-1b.yaml --set batch.seq_len=1024 --set batch.global_batch_size=$GPUS --set batch.micro_batch_size=1
+          --set schedule.warmup_steps=2 --set eval.every=0 --steps 8 --kill-after 5 --launcher deepspeed --nproc "$GPUS" --noise)
+  t multi-resume-half python scripts/check_resume.py "${common[@]}" --resume-nproc $((GPUS / 2)) --tolerance 0.05 \
+      --work-dir /tmp/resume-half --overwrite --json "$OUT/resume-half.json"
+  t multi-resume-sp python scripts/check_resume.py "${common[@]}" --resume-set parallel.sequence_parallel_size=2 --tolerance 0.05 \
+      --work-dir /tmp/resume-sp --overwrite --json "$OUT/resume-sp.json"
+  tail -n 3 "$OUT/multi-resume-half.log" "$OUT/multi-resume-sp.log"
+  ;;
+multi-faults)  # issue 47.4: one rank SIGKILLed mid-step (the run ends, says which, within 60 s; --resume auto goes on); the launcher killed (the ranks save once and exit)
+  [ -f hostfile ] || make hostfile OFFLINE=1
+  [ -f data/dolma/shards/manifest.json ] || t prepare-small python scripts/prepare_data.py --input "$OLMO_DS_SHARED/data/c4-sample" \
+      --tokenizer allenai/dolma2-tokenizer --output data/dolma/shards --no-progress
+  run=(--config configs/olmo2-1b.yaml --set run_dir=runs/faults --set batch.seq_len=1024 --set batch.global_batch_size=$GPUS
+       --set batch.micro_batch_size=1 --set eval.every=0 --set checkpoint.every=5 --set max_steps=400 --set logging.every=1)
+  rm -rf runs/faults
+  launch "${run[@]}" > "$OUT/fault-rank.log" 2>&1 & pid=$!
+  until grep -q "step 8/" "$OUT/fault-rank.log" 2>/dev/null || ! kill -0 $pid 2>/dev/null; do sleep 1; done
+  victim=$(pgrep -f "scripts/pretrain.py.*--local_rank=1" | head -n 1); killed=$(date +%s); kill -9 "$victim"
+  wait $pid; echo "fault-rank rc=$? ended $(( $(date +%s) - killed ))s after the kill" >> "$OUT/table"
+  grep -m 3 -i "rank 1\|exited\|died" "$OUT/fault-rank.log" > "$OUT/fault-rank-message.txt"
+  t fault-rank-resume launch "${run[@]}" --set max_steps=12 --resume auto
+  launch "${run[@]}" --set max_steps=400 --resume auto > "$OUT/fault-launcher.log" 2>&1 & pid=$!
+  until grep -q "step 14/" "$OUT/fault-launcher.log" 2>/dev/null || ! kill -0 $pid 2>/dev/null; do sleep 1; done
+  kill -9 "$(pgrep -f "deepspeed.launcher.launch" | head -n 1)"
+  wait $pid; sleep 20  # the ranks notice their launcher is gone, save once and exit
+  echo "fault-launcher: ranks left $(pgrep -fc scripts/pretrain.py), newest checkpoint $(cat runs/faults/checkpoints/latest)" >> "$OUT/table"
+  grep -m 2 "saving a checkpoint at step\|saved " "$OUT/fault-launcher.log" | tail -n 2
+  ;;
+multi-fp8-sft)  # issue 47.5: at the largest size, FP8 against bf16 and SFT against pretraining (tokens/s per GPU, same call)
+  t multi-bf16 python scripts/bench_scaling.py --gpus "$GPUS" --work-dir /tmp/bench-bf16 --timeout 280
+  t multi-fp8 python scripts/bench_scaling.py --gpus "$GPUS" --model-set float8=tensorwise --work-dir /tmp/bench-fp8 --timeout 280
+  t multi-sft python scripts/bench_train.py --sft --work-dir /tmp/bench-sft --sweep-timeout 280 --json "$OUT/sft-1gpu.json"
+  tail -n 3 "$OUT/multi-bf16.log" "$OUT/multi-fp8.log" "$OUT/multi-sft.log"
+  ;;
 *)
-  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers|gpu-tier|cpu-tier|bench-checkpoint|bench-prepare|bench-eval|bench-fp8|bench-fp8-mb8|parity" >&2; exit 2;;
+  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers|gpu-tier|cpu-tier|bench-checkpoint|bench-prepare|bench-eval|bench-fp8|bench-fp8-mb8|parity|multi-scaling|multi-sp|multi-resume|multi-faults|multi-fp8-sft" >&2; exit 2;;
 esac
 echo "--- step, exit code, seconds"
 cat "$OUT/table"

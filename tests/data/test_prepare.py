@@ -713,3 +713,41 @@ def test_the_summary_time_covers_the_whole_run(tmp_path):
     rest = float(re.search(r"^  the rest\s+([\d.,]+) s", text, re.M).group(1).replace(",", ""))
     assert 0.95 * wall - 0.005 <= total <= wall + 0.001, (total, wall)
     assert check > 0 and loop > 0 and abs(check + loop + rest - total) < 0.005
+    # The rest, step by step in run order (what bench_prepare.py reads back to show start-up on many cores).
+    steps = re.findall(r"^    (\S.*?)\s+([\d.,]+) s$", text, re.M)
+    assert [name for name, _ in steps] == ["inputs", "tokenizer", "output", "fast backend", "workers", "resume", "manifests", "stop workers"]
+    assert list(result.phases) == ["inputs", "tokenizer", "output", "fast backend", "workers", "backend", "resume", "tokenizing", "manifests", "stop workers"]
+    assert abs(sum(float(v) for _, v in steps) - rest) < 0.01 and result.phases["tokenizing"] >= loop - 0.001
+    # Without a check (HF asked for), choosing the backend is a step under the rest like the others.
+    text = format_summary(run([C4_DIR], tmp_path / "hf", DOLMA2, tokenizer_backend="hf"))
+    rest = float(re.search(r"^  the rest\s+([\d.,]+) s", text, re.M).group(1).replace(",", ""))
+    steps = re.findall(r"^    (\S.*?)\s+([\d.,]+) s$", text, re.M)
+    assert "backend check" not in text and [name for name, _ in steps] == ["inputs", "tokenizer", "output", "fast backend", "workers", "backend", "resume",
+                                                                             "manifests", "stop workers"]
+    assert abs(sum(float(v) for _, v in steps) - rest) < 0.01
+
+
+def test_workers_are_forked_after_fastokens_parsed_in_a_thread():
+    """fastokens parses the tokenizer in a thread while HF loads it (`backend.early_parse`); that
+    thread has ended when the workers start, so they are still forked (and inherit both encoders),
+    even in the moment the system lists an ended thread. A thread still running means spawn."""
+    import threading
+
+    from olmo_ds.data.prepare.backend import early_parse, fast_candidate
+    from olmo_ds.tokenizer import load_tokenizer
+
+    before = prepare_mod._thread_count()
+    parse = early_parse("auto", DOLMA2)
+    hf = load_tokenizer(DOLMA2)
+    fast, why = fast_candidate("auto", hf, parse)
+    assert why is None and fast.backend == "fastokens" and fast.encode("Hello world") == hf.encode("Hello world")
+    assert parse.thread_id is not None and prepare_mod._start_method(before, parse.thread_id) == "fork"
+    assert early_parse("hf", DOLMA2) is None
+    stop = threading.Event()
+    running = threading.Thread(target=stop.wait)
+    running.start()
+    try:
+        assert prepare_mod._start_method(before, parse.thread_id) == "spawn"
+    finally:
+        stop.set()
+        running.join()

@@ -1,11 +1,33 @@
 """bench_prepare runs end to end on a small corpus (the figures themselves are for BENCHMARKS.md)."""
 
+import subprocess
+import sys
+import time
+
 import pytest
 
-from olmo_ds.tools.bench_prepare import run
+from olmo_ds.tools import package_env
+from olmo_ds.tools.bench_prepare import _phases, format_phases, run
 from testdata import SHARED
 
 DOLMA2 = SHARED / "tokenizers" / "dolma2-tokenizer.json"
+
+
+def test_the_phases_account_for_the_whole_wall_time(tmp_path):
+    """A real prepare_data.py run's summary read back into the breakdown the many-core runs are
+    judged by: every step in run order, and together the process's wall time (plus validation's)."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "olmo_ds.cli.prepare_data", "--input", str(SHARED / "data" / "c4-sample"), "--output", str(tmp_path / "out"),
+                           "--tokenizer", str(DOLMA2), "--workers", "2", "--work-unit", "files", "--no-progress"],
+                          capture_output=True, text=True, check=True, env=package_env())
+    wall = time.perf_counter() - t0
+    phases = _phases(proc.stdout, wall, 0.25)
+    assert list(phases) == ["python, imports, exit", "inputs", "tokenizer", "output", "fast backend", "workers", "backend check", "resume", "tokenizing",
+                            "manifests", "stop workers", "validate_shards.py"]
+    assert abs(sum(phases.values()) - (wall + 0.25)) < 0.01 and all(v >= 0 for v in phases.values())
+    assert phases["python, imports, exit"] > 0.05 and phases["tokenizer"] > 0 and phases["backend check"] > 0  # dolma2: the fast backend is checked
+    line = format_phases({"workers": 2, "phases": phases, "seconds": wall + 0.25, "outside_loop_seconds": wall + 0.25 - phases["tokenizing"]})
+    assert line.startswith("--workers 2 phases (wall s): python, imports, exit ") and ", validate_shards.py 0.250; outside the tokenizing loop " in line
 
 
 @pytest.mark.slow
@@ -50,3 +72,5 @@ def test_bench_prepare_many_files(tmp_path):
     assert lines[-3].startswith("--workers 2 / --workers 1, end to end:") and "identical output: yes" in lines[-3]
     assert "/ 2 independent prepare jobs: " in lines[-2] and lines[-1].startswith("the disk: 2 writers wrote + fsynced the output at ")
     assert not (tmp_path / "shards-w1").exists()  # deleted after the comparison
+    assert [line.split(" phases")[0] for line in lines if " phases (wall s): python, imports, exit " in line] == ["--workers 1", "--workers 2"]
+    assert all(abs(sum(run["phases"].values()) - run["seconds"]) < 0.01 for run in r["prepare"]), [(run["phases"], run["seconds"]) for run in r["prepare"]]

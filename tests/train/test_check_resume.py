@@ -99,8 +99,24 @@ def test_bad_arguments_fail_before_any_run(config, tmp_path):
 
     assert "between 1 and --steps - 1" in problem(kill_after=6)
     assert "the python launcher runs one rank" in problem(nproc=2)
+    assert "--resume-nproc 1: needs --launcher torchrun or deepspeed" in problem(resume_nproc=1)
+    assert "parallel.sequence_parallel_size" in problem(launcher="torchrun", nproc=2, resume_overrides=["parallel.sequence_parallel_size=0"])
     assert "does not exist" in problem(config=tmp_path / "missing.yaml")
     assert "batch.seq_len must be > 0" in problem(overrides=["batch.seq_len=0"])
     work.mkdir()
     (work / "keep.txt").write_text("mine")
     assert "is not empty" in problem()
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_a_run_saved_on_two_ranks_resumes_on_one_with_the_same_losses(config, tmp_path):
+    # Issue 47's resume across sizes, as the GPU acceptance runs it (scripts/gpu/acceptance.sh multi-resume): the
+    # resumed launch has half the ranks, so its checkpoint is converted to DeepSpeed's universal format first.
+    work = tmp_path / "work"
+    result = check_resume("--config", str(config), "--steps", "6", "--kill-after", "4", "--launcher", "torchrun", "--nproc", "2",
+                          "--resume-nproc", "1", "--tolerance", "1e-5", "--work-dir", str(work), "--json", str(work / "report.json"))
+    assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
+    report = json.loads((work / "report.json").read_text())
+    assert (report["nproc"], report["resume_nproc"]) == (2, 1) and report["resume"]["max_abs_dloss"] <= 1e-5
+    assert "on 1 ranks" in result.stdout and "universal" in (work / "resumed.log").read_text()

@@ -18,7 +18,7 @@ from typing import Callable
 
 from olmo_ds.data.prepare import readers
 from olmo_ds.data.prepare.output import PrepareError
-from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastBackendError, fast_beside
+from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastBackendError, FastParse, fast_beside
 
 
 def guard_sample(files: list[Path], text_field: str, budget: int = 1 << 20) -> tuple[list[str], list[str]]:
@@ -42,14 +42,20 @@ def guard_sample(files: list[Path], text_field: str, budget: int = 1 << 20) -> t
     return texts, labels
 
 
-def fast_candidate(requested: str, reference) -> tuple[object | None, str | None]:
+def early_parse(requested: str, path: Path) -> FastParse | None:
+    """fastokens parsing the tokenizer file `path` in a thread from now on, where `fast_candidate`
+    will want it (`FastParse`): the caller loads the HF reference meanwhile."""
+    return None if requested == "hf" or path.suffix == ".model" else FastParse(path)
+
+
+def fast_candidate(requested: str, reference, parse: FastParse | None = None) -> tuple[object | None, str | None]:
     """fastokens over `reference`'s tokenizer.json, to be checked: `(encoder, None)`; or `(None,
     why not)` when it cannot load it; `(None, None)` when there is nothing to check (HF asked for,
-    or a sentencepiece model, which has its own encoder)."""
+    or a sentencepiece model, which has its own encoder). `parse`: `early_parse`'s, if started."""
     if reference.kind == "sentencepiece" or requested == "hf":
         return None, None
     try:
-        return fast_beside(reference), None
+        return (parse.beside(reference) if parse is not None else fast_beside(reference)), None
     except (FastBackendError, ImportError) as e:
         return None, str(e)
 

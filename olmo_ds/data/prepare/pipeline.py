@@ -42,7 +42,6 @@ import multiprocessing as mp
 import os
 import json
 import shutil
-import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +54,7 @@ from olmo_ds.atomic import atomic_write_json
 from olmo_ds.chat import MASKS, ChatEncoder, load_chat_template
 from olmo_ds.data import shards
 from olmo_ds.data.prepare import partition, readers
-from olmo_ds.data.prepare.backend import check_texts, choose, fast_candidate
+from olmo_ds.data.prepare.backend import check_texts, choose, early_parse, fast_candidate
 from olmo_ds.data.prepare.conversations import LONG_CONVERSATIONS, POLICY_REASONS, template_sha256
 from olmo_ds.data.prepare.output import (
     STATE_FILE,
@@ -82,6 +81,7 @@ from olmo_ds.data.prepare.pieces import (
 from olmo_ds.data.prepare.pool import OrderedPool, TaskPool
 from olmo_ds.data.prepare.report import (
     FileStats,
+    Phases,
     PrepareResult,
     Progress,
     SkipLog,
@@ -100,7 +100,7 @@ from olmo_ds.data.prepare.worker import (
     special_token_texts,
     train_lines_done,
 )
-from olmo_ds.tokenizer import load_tokenizer
+from olmo_ds.tokenizer import load_tokenizer, resolve_path
 
 
 @dataclass
@@ -197,18 +197,21 @@ def _single_threaded() -> None:
     os.environ["RAYON_NUM_THREADS"] = "1"
 
 
-def _thread_count() -> int | None:
+def _thread_count(ignore: int | None = None) -> int | None:
+    """This process's threads, but `ignore` (a native thread id: one that has ended, which the
+    system may list for a moment after `join`)."""
     try:
-        return len(os.listdir("/proc/self/task"))
+        return len([t for t in os.listdir("/proc/self/task") if t != str(ignore)])
     except OSError:  # no /proc: not Linux
         return None
 
 
-def _start_method(threads_before: int | None) -> str:
+def _start_method(threads_before: int | None, ended: int | None = None) -> str:
     """fork, so that workers inherit the loaded and checked tokenizer for free, unless loading or
     running it started threads (a library's thread pool would be inherited without its threads):
-    then the workers are spawned and load the tokenizer themselves."""
-    now = _thread_count()
+    then the workers are spawned and load the tokenizer themselves. `ended`: the thread that
+    parsed the fast encoder (`backend.early_parse`), joined but maybe not yet gone."""
+    now = _thread_count(ended)
     return "fork" if now is not None and threads_before is not None and now <= threads_before else "spawn"
 
 
@@ -324,7 +327,7 @@ def _resolve_chat(cfg: PrepareConfig, tok) -> object:
 
 def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareResult:
     """Run data preparation; see the module docstring. Raises `PrepareError` for bad input or output."""
-    started = time.perf_counter()  # the summary's time covers all of it (`report.format_summary`)
+    clock = Phases()  # the summary's time covers all of it, step by step (`report.format_summary`)
     cfg.validate()
     try:
         files = readers.resolve_inputs(list(cfg.inputs))
@@ -335,29 +338,34 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
         raise PrepareError(str(e)) from e
     if all(f.stat().st_size == 0 for f in files):
         raise PrepareError(f"no documents to prepare: every input file is empty (0 bytes): {_some(files)}; nothing was written")
+    clock.mark("inputs")
+    chat = cfg.format == "chat"
+    _single_threaded()
+    threads_before = _thread_count()
     try:
-        tok = load_tokenizer(cfg.tokenizer, cfg.eos_token)
+        path = resolve_path(cfg.tokenizer)
+        parse = early_parse("hf" if chat else cfg.tokenizer_backend, path)  # fastokens parses while HF loads
+        tok = load_tokenizer(path, cfg.eos_token)
     except (OSError, ValueError) as e:
         raise PrepareError(str(e)) from e
     tok.split_special_tokens = not cfg.match_special_tokens
-    chat = cfg.format == "chat"
     if chat:
         if tok.kind != "hf":
             raise PrepareError(f"--tokenizer {cfg.tokenizer}: --format chat needs an HF tokenizer.json (its special tokens and offsets), not a {tok.kind} model")
         _resolve_chat(cfg, tok)
+    clock.mark("tokenizer")
     out = Path(cfg.output)
     ident = identity(tok, files, _settings(cfg))
     file_stats = [FileStats(str(f), f.stat().st_size) for f in files[lo:hi]]
     mode = "fresh" if cfg.dry_run else check_output(out, ident, cfg.overwrite, tok)
+    clock.mark("output")
     if mode == "complete":
         m = shards.Manifest.load(out)
         log(f"{out}: already complete ({m.num_docs} documents, {m.num_tokens} tokens in {len(m.shards)} shards); nothing to do")
         return PrepareResult(out, file_stats, m.num_docs, m.num_tokens, 0, 0, len(m.shards), SkipLog.from_dict(m.extra["skipped"]), 0.0, 0, 0,
                              noted=SkipLog.from_dict(m.extra.get("noted", SkipLog().to_dict())), already_complete=True)
 
-    _single_threaded()
-    threads_before = _thread_count()
-    fast, difference = fast_candidate(cfg.tokenizer_backend, tok) if not chat else (None, None)
+    fast, difference = fast_candidate(cfg.tokenizer_backend, tok, parse) if not chat else (None, None)
     spec = Spec(str(cfg.tokenizer), cfg.eos_token, "fast" if fast else "hf", cfg.text_field, cfg.val_fraction,
                 not cfg.match_special_tokens, special_token_texts(tok))
     if chat:
@@ -367,14 +375,15 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     loaded_tokenizers[spec] = fast or tok
     loaded_tokenizers[dataclasses.replace(spec, backend="hf")] = tok  # the check's reference; forked workers inherit both
     unit = work_unit(cfg.work_unit, cfg.workers, hi - lo)
-    context = mp.get_context(_start_method(threads_before))
+    context = mp.get_context(_start_method(threads_before, parse.thread_id if parse else None))
+    clock.mark("fast backend")
 
     with contextlib.ExitStack() as stack:
         # The workers start before fastokens is trusted, so that they can check it: a fallback to HF
         # starts workers anew.
         workers = _Workers.start(stack, unit, cfg.workers, spec, context)
+        clock.mark("workers")
         texts = []
-        check_started = time.perf_counter()
         if fast is not None:
             texts, labels = check_texts(files, cfg.text_field)
             difference = _first_difference(workers, texts, labels)
@@ -383,15 +392,17 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
             if workers.pool:
                 workers.pool.close()
             workers = _Workers.start(stack, unit, cfg.workers, dataclasses.replace(spec, backend="hf"), context)
-        check_seconds = time.perf_counter() - check_started if fast is not None else 0.0
+        clock.mark("backend")  # choosing it: the check, when there is one
+        check_seconds = clock.seconds["backend"] if fast is not None else 0.0
         if mode == "overwrite":
             for p in our_files(out):
                 p.unlink()
-        result = _run(_Setup(cfg, files, (lo, hi), tok, ident, file_stats, backend, log), workers)
+        result = _run(_Setup(cfg, files, (lo, hi), tok, ident, file_stats, backend, log, clock), workers)
         result.layout = workers.layout()
         if chat:
             result.conversations = True
-    result.check_seconds, result.total_seconds = check_seconds, time.perf_counter() - started
+    clock.mark("stop workers")
+    result.check_seconds, result.total_seconds, result.phases = check_seconds, sum(clock.seconds.values()), clock.seconds
     return result
 
 
@@ -407,6 +418,7 @@ class _Setup:
     file_stats: list[FileStats]  # one per file of files[lo:hi], counted as they are read
     backend: dict  # which library encodes (`backend.choose`), for the manifest and the summary
     log: Callable[[str], None]
+    clock: Phases  # the run's steps, timed
 
 
 @dataclass
@@ -505,7 +517,7 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
             log(f"resuming {out} from {resumed_from} (complete shards kept: {kept}){lag}")
         atomic_write_json(out / STATE_FILE, setup.ident)
 
-    t0 = time.perf_counter()
+    setup.clock.mark("resume")
     disk_done = sum(s.bytes for s in file_stats[: split_position(start)[0] - lo])
     label = "prepare" if cfg.partition is None else f"prepare part {cfg.partition[0]}/{cfg.partition[1]}"
     progress = Progress(sum(s.bytes for s in file_stats), disk_done, cfg.progress, label, cfg.progress_every)
@@ -519,7 +531,8 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
         finished = True
     finally:
         progress.close(finished)
-    seconds = time.perf_counter() - t0
+    setup.clock.mark("tokenizing")
+    seconds = setup.clock.seconds["tokenizing"]
     if run.docs == 0 and all(k == 0 for _, k, _ in resume.values()) and cfg.partition is None:
         _no_documents(setup, skiplog, created)
 
@@ -531,6 +544,7 @@ def _run(setup: _Setup, workers: _Workers) -> PrepareResult:
     for name in (["val"] if "val" in resume else []) + ["train"]:  # the top-level manifest last
         manifests[name] = _write_manifest(setup, resume[name][0], _state(skiplog, noted), name, manifests.get("val"))
     train, val = manifests["train"], manifests.get("val")
+    setup.clock.mark("manifests")
     return PrepareResult(
         out, file_stats, train.num_docs, train.num_tokens, val.num_docs if val else 0, val.num_tokens if val else 0,
         len(train.shards) + (len(val.shards) if val else 0), skiplog, seconds, run.text_bytes, run.tokens, resumed_from,

@@ -74,6 +74,23 @@ class PrepareResult:
     total_seconds: float = 0.0  # the whole of `prepare`, from checking the inputs to the last manifest
     run_docs: int = 0  # documents written by this run (less than the totals after a resume)
     conversations: bool = False  # `--format chat`: the documents are conversations (the summary says conversations/s)
+    phases: dict[str, float] = field(default_factory=dict)  # wall seconds of each step of `prepare`, in order (`Phases`)
+
+
+class Phases:
+    """Wall seconds of each step of a run, in order, one clock from start to end: where start-up
+    goes (inputs, tokenizer, workers, the backend check) is what decides a short run's speed-up on
+    many cores, so the summary shows it and `bench_prepare.py` reads it back."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def mark(self, step: str) -> None:
+        """`step` ended now: it took the time since the previous mark (added to an earlier same-named step)."""
+        now = time.perf_counter()
+        self.seconds[step] = self.seconds.get(step, 0.0) + now - self.last
+        self.last = now
 
 
 class Progress:
@@ -168,4 +185,6 @@ def format_summary(r: PrepareResult, dry_run: bool = False) -> str:
             per_s = f"{r.run_docs / r.seconds:,.0f} conversations/s, " if r.conversations else ""
             lines.append(f"  tokenizing    {r.seconds:>10,.3f} s  (reading, tokenizing, writing: {per_s}{r.run_tokens / r.seconds / 1e6:,.2f}M tokens/s, {r.text_bytes / r.seconds / 1e6:,.1f} MB/s of text)")
         lines.append(f"  the rest      {rest:>10,.3f} s  (checking inputs and output, loading the tokenizer, starting workers, manifests)")
+        own = {"backend": r.check_seconds > 0, "tokenizing": r.seconds > 0}  # the steps shown on lines of their own above
+        lines += [f"    {step:<12}{seconds:>10,.3f} s" for step, seconds in r.phases.items() if not own.get(step)]
     return "\n".join(lines)
