@@ -72,7 +72,7 @@ from olmo_ds.train.memory import estimate_peak_memory
 from olmo_ds.train.metrics import memory_gib, peak_tflops, setup_console_logging
 from olmo_ds.train.optim import param_groups
 from olmo_ds.train.preflight import check_float8
-from olmo_ds.train.reference import compute_pair_logprobs
+from olmo_ds.eval.preference import compute_pair_logprobs
 from olmo_ds.weights import MODEL_CONFIG_FILE, save_model_dir
 from olmo_ds.train.trainer import Trainer
 
