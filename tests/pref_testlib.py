@@ -1,8 +1,10 @@
 """Preference (DPO) shard directories from real pairs, for the tests (importable by name).
 
-The pairs of shared/data/pref-sample, each side rendered with OLMo 3's chat template and the dolma2
-tokenizer and masked to its final assistant reply (`olmo_ds.chat.ChatEncoder`, mask="last"), written with
-the shard format's own streaming writer (`shards.ShardedWriter(preference=True)`, `shards.write_manifest`).
+`prepare_pref_source`: shared/data/pref-sample through the real preparation (`prepare_data.py --format
+preference`, OLMo 3's chat template, the dolma2 tokenizer). `encoded_pairs`: the same pairs encoded directly
+by `olmo_ds.chat.ChatEncoder` (mask="last"), the reference the prepared shards are checked against.
+`write_pref_source`: given pairs (e.g. folded into a tiny model's vocabulary, or deliberately broken) written
+with the shard format's own streaming writer (`shards.ShardedWriter(preference=True)`, `shards.write_manifest`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 
 from olmo_ds.data import shards
 
-from sft_testlib import tokenizer
+from sft_testlib import DOLMA2, tokenizer
 from testdata import SHARED
 
 PREF = SHARED / "data" / "pref-sample"
@@ -34,6 +36,15 @@ def encoded_pairs(split: str = "train") -> tuple[tuple[tuple[np.ndarray, np.ndar
         chosen, rejected = enc.encode(row["chosen"]), enc.encode(row["rejected"])
         out.append(((chosen.ids, chosen.mask), (rejected.ids, rejected.mask)))
     return tuple(out)
+
+
+def prepare_pref_source(directory: Path, split: str = "train", **options) -> Path:
+    """pref-sample's `split` prepared by `prepare_data.py --format preference` into `directory` (`options`: PrepareConfig's)."""
+    from olmo_ds.data.prepare.pipeline import PrepareConfig, prepare
+
+    prepare(PrepareConfig(inputs=[str(PREF / f"{split}.jsonl")], output=Path(directory), tokenizer=str(DOLMA2), format="preference",
+                          chat_template="olmo3", progress=False, **options), log=lambda _: None)
+    return Path(directory)
 
 
 def write_pref_source(directory: Path, pairs, *, tok=None, shard_tokens: int = 20_000, split: str = "train") -> Path:

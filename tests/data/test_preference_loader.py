@@ -1,7 +1,7 @@
 """Preference (DPO) data through the read path: shards of pairs, rows of whole pairs, `pair_ids`, resume (issue 45).
 
-Real pairs (shared/data/pref-sample, OLMo 3's template, the dolma2 tokenizer, each side masked to its final
-reply), real shards, the real loader.
+Real pairs (shared/data/pref-sample prepared by `prepare_data.py --format preference`: OLMo 3's template, the
+dolma2 tokenizer, each side masked to its final reply), checked against the pairs encoded directly; the real loader.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from olmo_ds.data.loader import DataLoader, validation_batches
 from olmo_ds.data.packing import LongPairError, pack_pairs
 from olmo_ds.model.loss import IGNORE_INDEX
 
-from pref_testlib import encoded_pairs, write_pref_source
+from pref_testlib import encoded_pairs, prepare_pref_source
 from sft_testlib import encoded, tokenizer, write_masked_source
 
 SEQ = 1024
@@ -30,8 +30,8 @@ def pairs():
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory, pairs):
-    return write_pref_source(tmp_path_factory.mktemp("pref") / "pairs", pairs, shard_tokens=20_000)
+def source(tmp_path_factory):
+    return prepare_pref_source(tmp_path_factory.mktemp("pref") / "pairs", shard_tokens=20_000)
 
 
 def loader(*sources, world=1, rank=0, batch=8, long_pairs="drop", **data):
@@ -102,9 +102,10 @@ def test_a_pair_longer_than_a_row_is_refused_naming_it_or_dropped_and_counted(so
 
 
 def test_pair_ids_are_global_over_the_sources(tmp_path, source, pairs):
-    second = write_pref_source(tmp_path / "second", pairs[:40], shard_tokens=8_000)
+    second = prepare_pref_source(tmp_path / "second", "val", shard_tokens=8_000)
+    val = encoded_pairs("val")
     L = loader(source, second, batch=16)
-    assert L.pair_offsets.tolist() == [0, len(pairs)] and L.num_pairs == len(pairs) + 40
+    assert L.pair_offsets.tolist() == [0, len(pairs)] and L.num_pairs == len(pairs) + len(val)
     seen = set()
     for _ in range(L.mixture.epoch_size // 16):
         b = {k: v.numpy() for k, v in L.next_batch().items()}
@@ -112,9 +113,9 @@ def test_pair_ids_are_global_over_the_sources(tmp_path, source, pairs):
             ids = b["pair_ids"][r][b["pair_ids"][r] >= 0]
             offset = len(pairs) if ids.min() >= len(pairs) else 0
             assert (ids >= len(pairs)).all() == bool(offset)  # a row is one source's
-            check_row(b, r, pairs[:40] if offset else pairs, offset)
+            check_row(b, r, val if offset else pairs, offset)
             seen.update(ids.tolist())
-    assert seen <= set(fits(pairs)) | {len(pairs) + j for j in fits(pairs[:40])}
+    assert seen <= set(fits(pairs)) | {len(pairs) + j for j in fits(val)} and max(seen) >= len(pairs)
 
 
 def test_a_preference_source_mixes_with_neither_chat_nor_plain_data(tmp_path, source):

@@ -1,4 +1,5 @@
-"""validate_shards on preference (DPO) sources: sound pairs pass; each kind of broken pair is found, counted and named."""
+"""validate_shards on preference (DPO) sources: prepared pairs pass; each kind of broken pair (written with the shard
+writer, since the preparation never writes one) is found, counted and named."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from olmo_ds.data import shards
 from olmo_ds.data.validate import format_report, validate_directory
 
-from pref_testlib import encoded_pairs, write_pref_source
+from pref_testlib import encoded_pairs, prepare_pref_source, write_pref_source
 from sft_testlib import DOLMA2
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ def failures(directory: Path) -> dict[str, str]:
 
 
 def test_sound_pairs_validate_with_their_count(tmp_path, pairs):
-    src = write_pref_source(tmp_path / "ok", pairs, shard_tokens=5_000)
+    src = prepare_pref_source(tmp_path / "ok", "val", shard_tokens=5_000)
     r = validate_directory(src, workers=2)
     assert r.ok, format_report(r)
     assert r.pairs == len(pairs) and len(r.shards) > 3
