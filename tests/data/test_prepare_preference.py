@@ -238,3 +238,31 @@ def test_parquet_and_compressed_pairs_give_the_jsonl_bytes(tmp_path):
     pq.write_table(pa.table({"chosen": [r["chosen"] for r in rows]}), tmp_path / "one_side.parquet")
     with pytest.raises(PrepareError, match=r"one_side\.parquet: no column 'rejected'"):
         run([tmp_path / "one_side.parquet"], tmp_path / "d")
+
+
+def test_rerun_after_sigkill_is_byte_identical(tmp_path):
+    import signal
+    import time
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for k in range(10):
+        (raw / f"train-{k:02d}.jsonl").write_bytes((PREF / "train.jsonl").read_bytes())
+    (raw / "train-04.jsonl").write_bytes((PREF / "train.jsonl").read_bytes() + (PREF / "bad.jsonl").read_bytes())
+    args = ["--format", "preference", "--chat-template", "olmo3", "--input", str(raw), "--tokenizer", str(DOLMA2), "--shard-tokens", "20000",
+            "--no-progress", "--val-fraction", "0.05", "--max-tokens", "4096", "--long-pairs", "drop"]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    subprocess.run([sys.executable, "scripts/prepare_data.py", *args, "--output", str(ref)], cwd=REPO, check=True, capture_output=True)
+    proc = subprocess.Popen([sys.executable, "scripts/prepare_data.py", *args, "--output", str(out)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("shard-*.json"))) < 8 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists(), "the run finished before it could be killed"
+    r = subprocess.run([sys.executable, "scripts/prepare_data.py", *args, "--output", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout
+    assert dir_bytes(out) == dir_bytes(ref)
+    assert validate_directory(out).ok
