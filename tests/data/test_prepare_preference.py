@@ -266,3 +266,11 @@ def test_rerun_after_sigkill_is_byte_identical(tmp_path):
     assert "resumed from" in r.stdout
     assert dir_bytes(out) == dir_bytes(ref)
     assert validate_directory(out).ok
+
+
+def test_a_chat_directory_is_not_taken_for_pairs(tmp_path):
+    """The same template and mask (last) as chat data, but another format: refused, not resumed or called complete."""
+    prepare(PrepareConfig(inputs=[str(SHARED / "data" / "chat-sample" / "val.jsonl")], output=tmp_path / "out", tokenizer=str(DOLMA2),
+                          format="chat", chat_template="olmo3", chat_mask="last", progress=False), log=lambda _: None)
+    with pytest.raises(PrepareError, match="other settings"):
+        run([PREF / "val.jsonl"], tmp_path / "out")

@@ -316,6 +316,8 @@ def _settings(cfg: PrepareConfig) -> dict:
         # The template by content, wherever it lies. `long_pairs` is not here: `refuse` stops at the first long
         # pair, so the shards it completed are those `drop` writes, and a rerun with `drop` resumes them.
         settings["chat"] = {k: v for k, v in _chat_record(cfg).items() if k != "template"}
+    if cfg.format == "preference":  # else a chat run with --mask last would share its identity (chat's own keys stay as they were)
+        settings["format"] = "preference"
     return settings if cfg.match_special_tokens else settings | {"special_tokens": "as_text"}
 
 
