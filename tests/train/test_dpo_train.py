@@ -57,7 +57,7 @@ def pretrain(tmp_path, cfg, name, *extra):
 @pytest.mark.slow
 def test_a_dpo_run_logs_rewards_caches_its_reference_and_resumes_exactly(tmp_path, pairs_dir):
     data, init = pairs_dir
-    cfg = dpo_config(tmp_path, data, init, eval={"every": 2, "max_batches": 4})
+    cfg = dpo_config(tmp_path, data, init, eval={"every": 2, "max_batches": 50})
     log = pretrain(tmp_path, cfg, "dpo")
     straight = tmp_path / "run"
     assert log.count("reference pass: computed") == 1 and "reference: saved" in log
@@ -73,7 +73,8 @@ def test_a_dpo_run_logs_rewards_caches_its_reference_and_resumes_exactly(tmp_pat
         assert r["logps/policy_chosen"] < 0 and r["logps/reference_chosen"] < 0 and r["train/pairs"] >= 4
     assert steps[4]["rewards/margin"] > 0 and steps[4]["rewards/accuracy"] > 0.5  # it learns the training pairs
     evals = [r for r in rows if "eval/pairs/rewards/accuracy" in r]
-    assert [r["step"] for r in evals] == [2, 4] and 0 < evals[-1]["eval/pairs/pairs"] <= 12  # eval.max_batches rows of them
+    assert [r["step"] for r in evals] == [2, 4] and evals[-1]["eval/pairs/pairs"] == 12
+
 
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "checkpoints" / "step-0000002", resumed / "checkpoints" / "step-0000002")
@@ -96,6 +97,39 @@ def test_a_dpo_run_logs_rewards_caches_its_reference_and_resumes_exactly(tmp_pat
     (gone / "reference" / "reference.json").write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match="model: 'sha256:another-starting-model' \\(cache\\) vs 'sha256:"):
         plan_run(config_from_dict({**cfg, "run_dir": str(gone)}), resume="auto", env=ONE_RANK)
+
+
+@pytest.mark.slow
+def test_offline_eval_of_the_run_reports_the_in_loop_numbers(tmp_path):
+    """`bash scripts/eval.sh RUN` on a DPO run (real dolma2 ids: evaluation reads the checkpoint's own tokenizer) gives
+    its validation pairs' loss, rewards and accuracy as in-loop evaluation logged them at the same step: against the
+    run's cached reference (the default for its validation source), and against the starting model named with
+    --reference (a pass of it over the pairs)."""
+    from olmo_ds.model import OLMo
+    from olmo_ds.model.config import ModelConfig
+    from olmo_ds.weights import save_model_dir
+    from sft_testlib import DOLMA2, tokenizer
+
+    every = [p for p in encoded_pairs("train") if len(p[0][0]) + len(p[1][0]) <= SEQ][:16]
+    data = write_pref_source(tmp_path / "pairs", every)
+    write_pref_source(data / "val", [p for p in encoded_pairs("val") if len(p[0][0]) + len(p[1][0]) <= SEQ][:8], split="val")
+    model = {**MODEL, "vocab_size": tokenizer().vocab_size}
+    torch.manual_seed(3)
+    init = tmp_path / "init"
+    shape = ModelConfig(**{k: v for k, v in model.items() if k != "preset"})
+    save_model_dir(init, shape, OLMo(shape).state_dict())
+    cfg = dpo_config(tmp_path, data, init, max_steps=2, model=model, tokenizer=str(DOLMA2), eval={"every": 2, "max_batches": 50},
+                     checkpoint={"every": 2, "keep_last": 1})
+    pretrain(tmp_path, cfg, "dpo")
+    inloop = [r for r in read_metrics(tmp_path / "run") if "eval/pairs/rewards/accuracy" in r][-1]
+    for extra, out in (([], "eval-cache"), (["--data", f"pairs={data / 'val'}", "--reference", str(init)], "eval-ref")):
+        offline = run(["bash", str(ROOT / "scripts" / "eval.sh"), str(tmp_path / "run"), "--out", str(tmp_path / out), *extra])
+        assert offline.returncode == 0, offline.stdout[-3000:] + offline.stderr[-3000:]
+        got = json.loads((tmp_path / out / "results.json").read_text())["preference"]["pairs"]
+        assert got["pairs"] == inloop["eval/pairs/pairs"] == 8
+        for key in ("loss", "rewards/accuracy", "rewards/margin", "logps/reference_chosen"):
+            assert abs(got[key] - inloop[f"eval/pairs/{key}"]) <= 1e-4 * max(1.0, abs(got[key])), (out, key, got[key])
+        assert "pairs source" in offline.stdout
 
 
 def test_the_plan_refuses_preference_data_and_dpo_apart(tmp_path, pairs_dir):
