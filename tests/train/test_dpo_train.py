@@ -147,3 +147,42 @@ def test_the_plan_refuses_preference_data_and_dpo_apart(tmp_path, pairs_dir):
         mixed["data"] = {**mixed["data"], "sources": [{"path": str(data)}, {"path": str(chat)}]}
         plan_run(config_from_dict(mixed), env=ONE_RANK)
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.slow
+def test_preference_accuracy_on_val_rises_above_0_9_after_sft(tmp_path):
+    """Issue 45's learning check: a tiny model fine-tuned (SFT, scripts/pretrain.py) on pref-sample's chosen
+    conversations, then preference-tuned (dpo_norm) from that checkpoint on the training pairs: the in-loop preference
+    accuracy on the 24 validation pairs (other prompts than training's; those within a row of 1,024 tokens) rises above
+    0.9 and the validation loss falls from ln 2. Measured here (CPU, deterministic): 0.917 at steps 4-32, 0.875 at
+    36-48; the loss 0.43 -> 0.28 -> 0.30. (Plain dpo with beta 0.1 on this setup peaked at 0.79-0.875, also with a
+    4-layer model: probably the wrong-number and reversed-sentence rejections, which a tiny model cannot judge.)"""
+    model = {**MODEL, "d_model": 64, "n_heads": 2, "n_kv_heads": 2, "mlp_hidden": 128, "max_seq_len": 1024}
+    train_pairs = folded_pairs_at("train", 1024)
+    chats = write_masked_source(tmp_path / "chosen", [chosen for chosen, _ in train_pairs], tok=TOK, shard_docs=300)
+    sft = tiny_config(tmp_path / "sft", chats, max_steps=150, model=model, seed=0,
+                      batch={"global_batch_size": 2, "micro_batch_size": 2, "seq_len": 1024},
+                      data={"sources": [{"path": str(chats)}], "prefetch": 1},
+                      optim={"lr": 3e-3, "weight_decay": 0.0, "grad_clip": 0.0}, schedule={"kind": "constant", "warmup_steps": 0},
+                      checkpoint={"every": 0, "save_final": True}, logging={"every": 50, "tensorboard": False})
+    pretrain(tmp_path, sft, "sft")
+    pairs = write_pref_source(tmp_path / "pairs", train_pairs, tok=TOK, shard_tokens=50_000)
+    write_pref_source(pairs / "val", folded_pairs_at("val", 1024), tok=TOK, split="val")
+    dpo = tiny_config(tmp_path / "dpo", pairs, max_steps=48, model=model, seed=0, init_from={"path": sft["run_dir"]},
+                      batch={"global_batch_size": 4, "micro_batch_size": 2, "seq_len": 1024},
+                      data={"sources": [{"path": str(pairs)}], "prefetch": 1, "long_pairs": "drop"},
+                      optim={"lr": 1e-3, "weight_decay": 0.0, "grad_clip": 0.0}, schedule={"kind": "constant", "warmup_steps": 0},
+                      dpo={"loss": "dpo_norm", "beta": 2.0}, eval={"every": 4, "max_batches": 50},
+                      checkpoint={"every": 0, "save_final": False}, logging={"every": 8, "tensorboard": False})
+    pretrain(tmp_path, dpo, "dpo")
+    evals = [r for r in read_metrics(tmp_path / "dpo" / "run") if "eval/pairs/rewards/accuracy" in r]
+    acc = [r["eval/pairs/rewards/accuracy"] for r in evals]
+    assert {r["eval/pairs/pairs"] for r in evals} == {len(folded_pairs_at("val", 1024))}
+    assert max(acc) > 0.9, acc
+    assert min(r["eval/pairs/loss"] for r in evals) < 0.4, [r["eval/pairs/loss"] for r in evals]  # from ln 2 = 0.693 at step 0
+
+
+def folded_pairs_at(split: str, seq: int):
+    pairs = [p for p in encoded_pairs(split) if len(p[0][0]) + len(p[1][0]) <= seq]
+    sides = folded([side for pair in pairs for side in pair], VOCAB, {100257: VOCAB - 2})
+    return list(zip(sides[::2], sides[1::2]))
