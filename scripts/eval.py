@@ -48,13 +48,16 @@ def parse_args(argv=None) -> EvalOptions:
                         "batches of one exact context length, eager (the reference; same numbers up to float rounding)")
     p.add_argument("--gen-batch-size", type=int, metavar="N",
                    help="generative tasks: sequences decoded at once (default 64 on GPU, 8 on CPU; fewer where their KV cache would not fit)")
+    p.add_argument("--reference", metavar="PATH",
+                   help="preference sources: the model they are compared with (the DPO run's starting model; default: the run's "
+                        "cached reference of its validation pairs)")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", help="do not add scalars to RUN/tb")
     a = p.parse_args(argv)
     return EvalOptions(
         target=a.target, data=a.data, tasks=a.tasks, task_dirs=a.task_dirs or [], out=a.out,
         all_checkpoints=a.all_checkpoints, skip_evaluated=a.skip_evaluated, seq_len=a.seq_len, batch_tokens=a.batch_tokens, max_tokens=a.max_tokens, limit=a.limit,
         uncond=a.uncond, device=a.device, dtype=a.dtype, backend=a.backend, text_field=a.text_field, tensorboard=a.tensorboard,
-        batching=a.batching, gen_batch_size=a.gen_batch_size,
+        batching=a.batching, gen_batch_size=a.gen_batch_size, reference=a.reference,
     )
 
 

@@ -24,6 +24,7 @@ from olmo_ds.train.config import (
     BatchConfig,
     BatchRamp,
     CheckpointConfig,
+    DPOConfig,
     EvalConfig,
     InitFromConfig,
     LoggingConfig,
@@ -51,6 +52,7 @@ SECTIONS = [
     ("logging", LoggingConfig),
     ("eval", EvalConfig),
     ("parallel", ParallelConfig),
+    ("dpo (optional: present for preference data only)", DPOConfig),
 ]
 
 

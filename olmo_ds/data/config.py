@@ -27,6 +27,9 @@ class DataConfig:
     # Masked (fine-tuning) data: a conversation longer than batch.seq_len keeps its first seq_len tokens
     # (`truncate`, as OLMo-core) or is left out (`drop`); either is counted and logged.
     long_conversations: str = "truncate"
+    # Preference (DPO) data: a pair longer than batch.seq_len is an error naming it (`refuse`) or is left out
+    # (`drop`, counted and logged). A pair is never cut: its final reply is what is compared.
+    long_pairs: str = "refuse"
     prefetch: int = 2  # global batches prepared ahead in a background thread
     val_sources: list[SourceConfig] = field(default_factory=list)  # fixed, unshuffled validation streams
     allow_data_change: bool = False  # resume even if the data fingerprint differs (explicit opt-in)
@@ -44,5 +47,8 @@ class DataConfig:
                 raise ValueError(f"data source {s.path}: max_epochs must be > 0 (or null for 1), got {s.max_epochs}")
         if self.long_conversations not in ("truncate", "drop"):
             raise ValueError(f"data.long_conversations {self.long_conversations!r}: expected truncate or drop")
+        if self.long_pairs not in ("refuse", "drop"):
+            raise ValueError(f"data.long_pairs {self.long_pairs!r}: expected refuse (a pair longer than batch.seq_len is an error) "
+                             "or drop (such pairs are left out and counted)")
         if self.prefetch < 0:
             raise ValueError(f"data.prefetch must be >= 0 (0 = no background thread), got {self.prefetch}")

@@ -20,6 +20,13 @@ function of the data, `seq_len` and `long_docs` only, so instance ids, the globa
 and resume on any world size work as for pretraining; `read_packed` copies row r with its loss mask
 and its conversations' lengths.
 
+Preference sources (a masked source whose manifest says `preference: true`: documents 2i and 2i + 1 are
+pair i's chosen and rejected conversations) pack PAIRS whole (`packing.pack_pairs`): both documents
+adjacent in one row, chosen first, each its own piece of the row; a pair longer than a row is refused,
+naming the source, the pair and its shard, unless `long_pairs="drop"` (`data.long_pairs`), which leaves it
+out and counts it. A pair is never truncated: its reply is what DPO compares. `row_pairs` gives the pair
+indexes of a packed row, numbered within the source (0 .. `num_pairs` - 1, dropped pairs keep their number).
+
 Every inconsistency the loader can detect without reading the data is raised here, naming the file,
 before training starts: a missing shard, a truncated `.bin`, a document index that does not span its
 shard, shards of different tokenizers or dtypes in one directory, and a sequence length that the
@@ -38,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from olmo_ds.data import shards
-from olmo_ds.data.packing import LONG_DOCS, Packing, pack_documents
+from olmo_ds.data.packing import LONG_DOCS, LONG_PAIRS, LongPairError, Packing, pack_documents, pack_pairs
 from olmo_ds.data.shards import MANIFEST, Manifest, ShardMeta
 
 log = logging.getLogger("olmo_ds")
@@ -123,11 +130,14 @@ class ShardInfo:
 class TokenSource:
     """The concatenated token stream of one shard directory (see the module docstring)."""
 
-    def __init__(self, path: str | Path, name: str | None = None, long_docs: str = "truncate") -> None:
+    def __init__(self, path: str | Path, name: str | None = None, long_docs: str = "truncate", long_pairs: str = "refuse") -> None:
         raise_open_file_limit()
         if long_docs not in LONG_DOCS:
             raise ValueError(f"data.long_conversations {long_docs!r}: expected one of {', '.join(LONG_DOCS)}")
+        if long_pairs not in LONG_PAIRS:
+            raise ValueError(f"data.long_pairs {long_pairs!r}: expected one of {', '.join(LONG_PAIRS)}")
         self.long_docs = long_docs
+        self.long_pairs = long_pairs
         self.directory = Path(path)
         if not self.directory.is_dir():
             raise FileNotFoundError(f"data source {self.directory}: no such directory (expected shards written by scripts/prepare_data.py)")
@@ -144,6 +154,9 @@ class TokenSource:
         self._offset_files: list[Path] = []
         self._masks: list[np.ndarray] = []
         self.masked = self.manifest.masked
+        self.preference = self.manifest.preference
+        if self.preference and not self.masked:
+            raise ValueError(f"{manifest_file}: preference: true without masked: true; pairs are masked conversations (prepare it again)")
         for listed in self.manifest.shards:
             stem = listed[: -len(".bin")] if listed.endswith(".bin") else listed
             meta_file = self.directory / f"{stem}.json"
@@ -168,6 +181,12 @@ class TokenSource:
                 raise ValueError(
                     f"{meta_file}: {'carries a loss mask' if meta.masked else 'carries no loss mask'}, but {manifest_file} says "
                     f"masked: {str(self.masked).lower()}; a source's shards are all fine-tuning data or none (prepare it again)"
+                )
+            if meta.is_preference != self.preference or (self.preference and (meta.num_docs % 2 or meta.pairs != meta.num_docs // 2)):
+                raise ValueError(
+                    f"{meta_file}: preference {meta.preference}, pairs {meta.pairs} for {meta.num_docs} documents, but {manifest_file} says "
+                    f"preference: {str(self.preference).lower()}; a preference source's shards each hold whole (chosen, rejected) pairs "
+                    "(prepare it again)"
                 )
             if self.masked:
                 mask_file = self.directory / meta.mask
@@ -203,8 +222,10 @@ class TokenSource:
             starts = [self.starts[k] + self._offsets[k][:-1].astype(np.int64) for k in range(len(self.metas))]
             lens = [np.diff(self._offsets[k]).astype(np.int64) for k in range(len(self.metas))]
             doc_start, doc_len = np.concatenate(starts), np.concatenate(lens)
-            keep = doc_len > 0  # an empty document holds nothing to train on
+            # An empty conversation holds nothing to train on; pairs keep every document (their alignment is the pairing).
+            keep = doc_len > 0 if not self.preference else np.ones(len(doc_len), dtype=bool)
             self.doc_start, self.doc_len = doc_start[keep], doc_len[keep]
+        self.num_pairs = len(self.doc_len) // 2 if self.preference else 0
 
     @property
     def vocab_size(self) -> int:
@@ -223,9 +244,13 @@ class TokenSource:
         return np.dtype(self.manifest.dtype)
 
     def packing(self, seq_len: int) -> Packing:
-        """A masked source's conversations packed into rows of `seq_len` (computed once per length, logged)."""
+        """A masked source's conversations (a preference source's pairs) packed into rows of `seq_len` (computed once per length, logged)."""
         if not self.masked:
             raise ValueError(f"data source {self.directory}: not a masked (fine-tuning) source; its instances are not packed")
+        if self.preference:
+            if seq_len not in self._packings:
+                self._packings[seq_len] = self._pack_pairs(seq_len)
+            return self._packings[seq_len]
         if seq_len not in self._packings:
             p = pack_documents(self.doc_len, seq_len, long_docs=self.long_docs)
             self._packings[seq_len] = p
@@ -236,8 +261,34 @@ class TokenSource:
                      s["tokens_truncated"], s["dropped"], self.long_docs)
         return self._packings[seq_len]
 
+    def _pack_pairs(self, seq_len: int) -> Packing:
+        try:
+            p = pack_pairs(self.doc_len[0::2], self.doc_len[1::2], seq_len, self.long_pairs)
+        except LongPairError as e:
+            file, _, doc = self.locate(int(self.doc_start[2 * e.pair]))
+            raise ValueError(
+                f"data source {self.name!r} ({self.directory}): pair {e.pair} (documents {doc} and {doc + 1} of {file.name}) has "
+                f"{e.tokens} tokens (chosen + rejected), more than a row of seq_len {seq_len}; {e.count} pairs of the source are "
+                "that long. A pair is never cut (its reply is what is compared): raise batch.seq_len, prepare the data with "
+                "--max-tokens and --long-pairs drop, or set data.long_pairs: drop to leave them out"
+            ) from None
+        except ValueError as e:
+            raise ValueError(f"data source {self.name!r} ({self.directory}): {e}; check it with scripts/validate_shards.py") from None
+        s = p.summary()
+        log.info("data source %s: %d preference pairs packed whole into %d rows of %d tokens (packing efficiency %.4f, the lower "
+                 "bound %d rows); longer than a row: %d pairs dropped (data.long_pairs %s)",
+                 self.name, s["pairs"], s["rows"], seq_len, s["efficiency"], s["min_rows"], s["dropped_pairs"], self.long_pairs)
+        return p
+
+    def row_pairs(self, row: int, seq_len: int) -> np.ndarray:
+        """The pairs of packed row `row` of a preference source, in row order (indexes within this source)."""
+        return self.packing(seq_len).row_pairs(row)
+
     def num_instances(self, seq_len: int) -> int:
         """How many whole instances of `seq_len` tokens the stream holds (a masked source: packed rows); raises if not even one."""
+        if self.preference and self.packing(seq_len).num_rows == 0:
+            raise ValueError(f"data source {self.directory}: no preference pair fits a row of seq_len {seq_len} "
+                             f"(data.long_pairs {self.long_pairs} dropped all {self.num_pairs})")
         if self.masked:
             n = self.packing(seq_len).num_rows
             if n == 0:
@@ -257,7 +308,10 @@ class TokenSource:
         }
         if self.masked:  # only then: pretraining sources keep their fingerprint
             record["masks"] = [m.mask_checksum for m in self.metas]
-            record["long_docs"] = self.long_docs
+            if self.preference:  # chat sources keep theirs
+                record["long_pairs"] = self.long_pairs
+            else:
+                record["long_docs"] = self.long_docs
         return record
 
     def fingerprint(self) -> str:

@@ -31,6 +31,18 @@ conversations (`olmo_ds.data.dataset`), and the batch differs thus:
   src/olmo_core/nn/attention/__init__.py:537,619) and as a conversation run alone sees them.
 - `row_tokens` int64 [B]: conversation tokens per row (the rest is padding), for packing efficiency.
 
+Preference data (DPO; `DataLoader.preference`, a masked source whose documents are (chosen, rejected)
+pairs): rows pack pairs whole (`TokenSource.packing`), so each row is, in order, pair p0's chosen and
+rejected conversations, pair p1's, ..., then padding; every key above is as for fine-tuning data (each side
+its own piece of `doc_lens`, `labels` only on each side's final reply), plus
+- `pair_ids` int64 [B, P]: the pairs of each row in row order, -1 padded (P = the most pairs in any row of
+  the batch; 0 when every row is padding). Pair ids are global over the loader's sources: source k's pair
+  j is `pair_offsets[k] + j`, the offsets in source order (`pair_offsets`), so a pair keeps its id in
+  every epoch, on every rank and after a resume, and a cache of per-pair values (the reference model's
+  log-probabilities) can be indexed by it. So the documents of row b are, in order, (chosen, rejected) of
+  pair_ids[b, 0], then of pair_ids[b, 1], ...: document d of the row is pair d // 2's side d % 2.
+A preference source mixes only with other preference sources.
+
 Order. Global batch k is the next `global_batch_size(k)` instance ids of the stream described in
 `olmo_ds.data.order`, a function of (data, seed, batch-size schedule, seq_len) only. So the state is
 two numbers, the step and the instances consumed, plus what they are valid for (seed, seq_len, data
@@ -84,11 +96,17 @@ def _to_tensors(arrays: dict[str, np.ndarray | torch.Tensor], pin: bool) -> dict
     return out
 
 
+def pair_offsets(sources: list[TokenSource]) -> np.ndarray:
+    """The global id of each preference source's first pair: int64 [len(sources) + 1], the last entry the total
+    (source k's pair j has id `offsets[k] + j`; see the module docstring)."""
+    return np.concatenate([[0], np.cumsum([s.num_pairs for s in sources])]).astype(np.int64)
+
+
 def packed_batch(sources: list[TokenSource], rows: list[tuple[int, int]], seq_len: int, pad_rows: int = 0,
                  model_vocab_size: int | None = None) -> dict[str, np.ndarray]:
     """The batch arrays of packed rows: row b is packed row i of `sources[s]`, (s, i) = rows[b] (see the
-    module docstring for the keys); `pad_rows` more rows of padding only (no targets) are appended.
-    Ids are checked against the vocabulary (`check_ids`)."""
+    module docstring for the keys; preference sources add `pair_ids`); `pad_rows` more rows of padding only
+    (no targets) are appended. Ids are checked against the vocabulary (`check_ids`)."""
     n, T = len(rows) + pad_rows, seq_len
     input_ids = np.empty((n, T), dtype=np.int64)
     mask = np.zeros((n, T), dtype=bool)
@@ -107,11 +125,19 @@ def packed_batch(sources: list[TokenSource], rows: list[tuple[int, int]], seq_le
         ends = np.cumsum(p)
         labels[b, ends - 1] = IGNORE_INDEX  # a conversation's last token predicts nothing (nor does the padding's)
         positions[b] = np.arange(T) - np.repeat(ends - p, p)
-    return {"input_ids": input_ids, "labels": labels, "doc_lens": pad_doc_lens(pieces), "positions": positions, "row_tokens": row_tokens}
+    batch = {"input_ids": input_ids, "labels": labels, "doc_lens": pad_doc_lens(pieces), "positions": positions, "row_tokens": row_tokens}
+    if sources[0].preference:
+        offsets = pair_offsets(sources)
+        pairs = [offsets[s] + sources[s].row_pairs(i, T) for s, i in rows]
+        pair_ids = np.full((n, max((len(p) for p in pairs), default=0)), -1, dtype=np.int64)
+        for b, p in enumerate(pairs):
+            pair_ids[b, :len(p)] = p
+        batch["pair_ids"] = pair_ids
+    return batch
 
 
-def _open_sources(configs: list[SourceConfig], long_docs: str = "truncate") -> list[TokenSource]:
-    sources = [TokenSource(c.path, c.name, long_docs) for c in configs]
+def _open_sources(configs: list[SourceConfig], long_docs: str = "truncate", long_pairs: str = "refuse") -> list[TokenSource]:
+    sources = [TokenSource(c.path, c.name, long_docs, long_pairs) for c in configs]
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         raise ValueError(f"data sources have duplicate names {names}; give each a distinct `name`")
@@ -123,6 +149,14 @@ def _open_sources(configs: list[SourceConfig], long_docs: str = "truncate") -> l
                 f"data sources {masked.directory} (masked: fine-tuning conversations with a loss mask) and {plain.directory} "
                 f"(no loss mask: pretraining text) in one mixture: a batch is either packed conversations trained on their "
                 f"masked tokens or pretraining rows trained on every token; prepare both as chat data, or train them in separate stages"
+            )
+    for s in sources[1:]:
+        if s.preference != first.preference:
+            pairs, other = (first, s) if first.preference else (s, first)
+            raise ValueError(
+                f"data sources {pairs.directory} (preference pairs: DPO) and {other.directory} ({'fine-tuning conversations' if other.masked else 'pretraining text'}) "
+                "in one mixture: a DPO step compares the two sides of each pair, which other data does not have; "
+                "train them in separate stages (SFT, then DPO), or prepare every source with --format preference"
             )
     for s in sources[1:]:
         if not same_tokenizer(s.tokenizer_fingerprint, first.tokenizer_fingerprint):
@@ -149,8 +183,10 @@ class DataLoader:
         self.dp_world_size = dp_world_size
         self.schedule = BatchSizeSchedule.parse(global_batch_size)
 
-        self.sources = _open_sources(cfg.sources, cfg.long_conversations)
+        self.sources = _open_sources(cfg.sources, cfg.long_conversations, cfg.long_pairs)
         self.masked = self.sources[0].masked  # fine-tuning data: packed rows, a loss mask, the step's token mean
+        self.preference = self.sources[0].preference  # DPO data: masked, rows of whole pairs, `pair_ids`
+        self.pair_offsets = pair_offsets(self.sources)[:-1] if self.preference else np.zeros(0, dtype=np.int64)
         if self.masked and cfg.document_masking is False:
             raise ValueError(
                 f"data.document_masking: false, but {self.sources[0].directory} is a masked (fine-tuning) source: its rows pack "
@@ -196,6 +232,11 @@ class DataLoader:
         return self.sources[0].tokenizer_fingerprint
 
     @property
+    def num_pairs(self) -> int:
+        """Preference pairs over all sources: global pair ids run 0 .. num_pairs - 1 (0 for other data)."""
+        return sum(s.num_pairs for s in self.sources)
+
+    @property
     def epoch(self) -> int:
         return self.instances_consumed // self.mixture.epoch_size
 
@@ -227,8 +268,8 @@ class DataLoader:
             if src.masked:  # packed rows: nothing is cut off the end; padding, truncation and drops instead
                 p = src.packing(self.seq_len)
                 row["dropped_tail_tokens"] = 0
-                row["packing"] = {**p.summary(), "long_conversations": src.long_docs,
-                                  "trained_tokens": int(src.manifest.extra.get("trained_tokens", 0))}
+                policy = {"long_pairs": src.long_pairs} if src.preference else {"long_conversations": src.long_docs}
+                row["packing"] = {**p.summary(), **policy, "trained_tokens": int(src.manifest.extra.get("trained_tokens", 0))}
             else:
                 row["dropped_tail_tokens"] = src.num_tokens - row["instances"] * self.seq_len
         return rows
@@ -394,6 +435,7 @@ def validation_batches(
     *,
     document_masking: bool = False,
     long_docs: str = "truncate",
+    long_pairs: str = "refuse",
 ) -> Iterator[dict[str, torch.Tensor]]:
     """A fixed, unshuffled pass over a validation source: every instance exactly once, in order.
 
@@ -405,13 +447,15 @@ def validation_batches(
 
     A masked (fine-tuning) source gives its packed rows in packing order (`long_docs` as
     `data.long_conversations`), batched as in training (module docstring; document masking always),
-    its padding rows all `pad_id`: the loss over its labels is the masked validation loss.
+    its padding rows all `pad_id`: the loss over its labels is the masked validation loss. A preference
+    source (`long_pairs` as `data.long_pairs`) gives rows of whole pairs with `pair_ids` numbered within
+    this source (0 .. its pairs - 1; padding rows all -1).
     """
     # Opened and checked here, not at the first iteration, so bad data fails before training starts.
     if isinstance(source, SourceConfig):
-        src = TokenSource(source.path, source.name, long_docs)
+        src = TokenSource(source.path, source.name, long_docs, long_pairs)
     else:
-        src = TokenSource(source, long_docs=long_docs)
+        src = TokenSource(source, long_docs=long_docs, long_pairs=long_pairs)
     if not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank {dp_rank} outside 0 .. dp_world_size - 1 = {dp_world_size - 1}")
     if batch_size < 1:

@@ -21,6 +21,13 @@ order they were opened (longest first document first), so the caller shuffles th
 Documents longer than `seq_len`: `truncate` keeps their first `seq_len` tokens (a row of their own;
 OLMo-core's `LongDocStrategy.truncate`), `drop` leaves them out. Both are counted. An empty document
 is an error: there is nothing to place, and a caller that produced one has lost track of its data.
+
+Preference pairs (`pack_pairs`): a pair's chosen and rejected conversations share their prompt and are
+compared with each other, so the unit placed is the PAIR, whole: best-fit decreasing on the pair's total
+length, both documents adjacent in one row, chosen first. The result is the same `Packing` over documents
+(a pair's two documents are two entries, so the read path needs nothing new), with `paired` set. A pair
+longer than `seq_len` cannot be cut (its reply is what is compared): `refuse` raises `LongPairError`
+naming it, `drop` leaves it out and counts it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,16 @@ from dataclasses import dataclass
 import numpy as np
 
 LONG_DOCS = ("truncate", "drop")
+LONG_PAIRS = ("refuse", "drop")
+
+
+class LongPairError(ValueError):
+    """A preference pair longer than a row, under `long_pairs="refuse"`; `pair` is its index, `tokens` its length."""
+
+    def __init__(self, pair: int, tokens: int, seq_len: int, count: int):
+        super().__init__(f"pair {pair} has {tokens} tokens (chosen + rejected), more than a row of seq_len {seq_len} "
+                         f"({count} such pairs in all)")
+        self.pair, self.tokens, self.seq_len, self.count = pair, tokens, seq_len, count
 
 
 @dataclass(frozen=True)
@@ -46,8 +63,9 @@ class Packing:
     doc_tokens: np.ndarray  # int64, tokens each placed document contributes
     row_offsets: np.ndarray  # int64 [rows + 1] into doc_index
     truncated: np.ndarray  # int64, indexes of documents cut to seq_len (placed)
-    dropped: np.ndarray  # int64, indexes of documents left out (long_docs="drop")
+    dropped: np.ndarray  # int64, indexes of documents left out (long_docs="drop"; for pairs, both documents of each)
     tokens_truncated: int  # tokens cut from truncated documents (not counted in `tokens`)
+    paired: bool = False  # documents 2i, 2i + 1 are a preference pair, placed together (`pack_pairs`)
 
     @property
     def num_rows(self) -> int:
@@ -83,10 +101,17 @@ class Packing:
         """Document tokens per row, int64 [rows]."""
         return np.add.reduceat(self.doc_tokens, self.row_offsets[:-1]) if self.num_rows else np.zeros(0, np.int64)
 
+    def row_pairs(self, r: int) -> np.ndarray:
+        """The pair indexes of row r, in row order (a `paired` packing)."""
+        return self.row(r)[0::2] // 2
+
     def summary(self) -> dict:
-        return {"seq_len": self.seq_len, "documents": len(self.doc_index), "rows": self.num_rows, "min_rows": self.min_rows,
-                "tokens": self.tokens, "padding": self.padding, "efficiency": round(self.efficiency, 6),
-                "truncated": len(self.truncated), "tokens_truncated": self.tokens_truncated, "dropped": len(self.dropped)}
+        out = {"seq_len": self.seq_len, "documents": len(self.doc_index), "rows": self.num_rows, "min_rows": self.min_rows,
+               "tokens": self.tokens, "padding": self.padding, "efficiency": round(self.efficiency, 6),
+               "truncated": len(self.truncated), "tokens_truncated": self.tokens_truncated, "dropped": len(self.dropped)}
+        if self.paired:
+            out.update(pairs=len(self.doc_index) // 2, dropped_pairs=len(self.dropped) // 2)
+        return out
 
 
 def pack_documents(lengths, seq_len: int, long_docs: str = "truncate") -> Packing:
@@ -145,3 +170,26 @@ def pack_documents(lengths, seq_len: int, long_docs: str = "truncate") -> Packin
     np.cumsum(counts, out=offsets[1:])
     return Packing(seq_len, np.asarray(docs, dtype=np.int64)[by_row], np.asarray(sizes, dtype=np.int64)[by_row], offsets,
                    truncated, dropped, cut)
+
+
+def pack_pairs(chosen, rejected, seq_len: int, long_pairs: str = "refuse") -> Packing:
+    """Preference pairs, each whole, into rows of `seq_len` by best-fit decreasing on the pair's total length
+    (the module docstring): pair i's documents are 2i (`chosen[i]` tokens) and 2i + 1 (`rejected[i]`)."""
+    if long_pairs not in LONG_PAIRS:
+        raise ValueError(f"long_pairs {long_pairs!r}: expected one of {', '.join(LONG_PAIRS)}")
+    chosen, rejected = np.asarray(chosen, dtype=np.int64), np.asarray(rejected, dtype=np.int64)
+    if chosen.shape != rejected.shape or chosen.ndim != 1:
+        raise ValueError(f"pairs need one chosen and one rejected length each, got {chosen.shape} and {rejected.shape}")
+    if len(chosen) and min(chosen.min(), rejected.min()) < 1:
+        i = int(np.argmin(np.minimum(chosen, rejected)))
+        raise ValueError(f"pair {i} has a side of {int(min(chosen[i], rejected[i]))} tokens: every document must have at least one")
+    totals = chosen + rejected
+    long = np.flatnonzero(totals > seq_len)
+    if len(long) and long_pairs == "refuse":
+        raise LongPairError(int(long[0]), int(totals[long[0]]), seq_len, len(long))
+    rows = pack_documents(totals, seq_len, long_docs="drop")
+    pairs = rows.doc_index
+    doc_index = np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
+    doc_tokens = np.stack([chosen[pairs], rejected[pairs]], axis=1).reshape(-1)
+    dropped = np.stack([2 * rows.dropped, 2 * rows.dropped + 1], axis=1).reshape(-1)
+    return Packing(seq_len, doc_index, doc_tokens, 2 * rows.row_offsets, np.zeros(0, np.int64), dropped, 0, paired=True)

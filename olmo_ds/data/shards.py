@@ -11,6 +11,13 @@ A shard directory holds, for i = 0, 1, ...:
   hold, `labels != -100`). Its metadata adds `mask`, `mask_checksum` and `trained_tokens` (the count of
   ones); a source's shards either all carry a mask or none do, and its manifest then says `masked: true`
   and sums `trained_tokens`. Pretraining shards and their metadata are unchanged, byte for byte.
+- Preference pairs (DPO data): a masked source whose documents come in pairs, document 2i the chosen
+  conversation of pair i and 2i + 1 its rejected one, each masked to its final assistant reply only; a pair
+  never spans shards, so every shard holds an even number of documents. Each shard's metadata adds
+  `preference: true` and `pairs` (num_docs / 2); the manifest says `preference: true` and sums `pairs`.
+  Why pairs live as adjacent documents of an ordinary masked source: every guarantee of chat data (order,
+  resume points, partitions, merge, validation of masks) carries over untouched, and a reader that knows
+  nothing of pairs still sees well-formed conversations. Chat and pretraining shards carry neither key.
 and, written last, `manifest.json` with the totals, the tokenizer fingerprint and the arguments.
 
 Every file appears under its final name only when complete (written to a temporary name, fsynced,
@@ -87,10 +94,17 @@ class ShardMeta:
     mask: str | None = None  # the loss mask's file name, relative to the shard directory
     mask_checksum: str | None = None  # "sha256:<hex>" of the mask file
     trained_tokens: int | None = None  # tokens whose mask is 1
+    # Preference shards only (None, and absent from the file, elsewhere):
+    preference: bool | None = None  # documents 2i, 2i + 1 are pair i's chosen and rejected conversations
+    pairs: int | None = None  # num_docs / 2
 
     @property
     def masked(self) -> bool:
         return self.mask is not None
+
+    @property
+    def is_preference(self) -> bool:
+        return bool(self.preference)
 
     @classmethod
     def load(cls, path: Path) -> "ShardMeta":
@@ -102,13 +116,25 @@ class ShardMeta:
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def to_dict(self) -> dict:
-        """The metadata as written: the mask's keys only where there is a mask."""
+        """The metadata as written: the mask's keys only where there is a mask, the pairs' only on preference shards."""
         d = dataclasses.asdict(self)
-        return {k: v for k, v in d.items() if not (k in MASK_META and v is None)}
+        return {k: v for k, v in d.items() if not (k in MASK_META + PREFERENCE_META and v is None)}
 
 
 MASK_META = ("mask", "mask_checksum", "trained_tokens")
-OPTIONAL_META = ("format_version", *MASK_META)
+PREFERENCE_META = ("preference", "pairs")
+OPTIONAL_META = ("format_version", *MASK_META, *PREFERENCE_META)
+
+
+def preference_fields(num_docs: int, masked: bool, where: Path) -> dict:
+    """The metadata keys of a preference shard of `num_docs` documents; raises naming `where` when they
+    cannot be pairs (an odd count, or no loss mask to say which reply each side trains)."""
+    if not masked:
+        raise ValueError(f"{where}: a preference shard needs a loss mask (each side trains its final reply only)")
+    if num_docs % 2:
+        raise ValueError(f"{where}: a preference shard of {num_docs} documents: pairs are (chosen, rejected) documents, "
+                         "so the count must be even and a pair never spans shards")
+    return {"preference": True, "pairs": num_docs // 2}
 
 
 def open_mask(path: Path, meta: ShardMeta) -> np.ndarray:
@@ -129,12 +155,12 @@ def mask_bytes(mask: np.ndarray) -> bytes:
 
 
 def write_shard(directory: Path, index: int, tokens: np.ndarray, doc_offsets: np.ndarray, *, vocab_size: int, eos_id: int,
-                mask: np.ndarray | None = None) -> ShardMeta:
+                mask: np.ndarray | None = None, preference: bool = False) -> ShardMeta:
     """Write one complete shard (bin, offsets, the loss mask where given, metadata), each file atomically,
     metadata last.
 
     `tokens` must already have the shard dtype; `doc_offsets` starts at 0 and ends at len(tokens);
-    `mask`, one bool per token (True = trained).
+    `mask`, one bool per token (True = trained); `preference`: the documents are (chosen, rejected) pairs.
     """
     directory = Path(directory)
     dtype = dtype_for_vocab(vocab_size)
@@ -157,6 +183,8 @@ def write_shard(directory: Path, index: int, tokens: np.ndarray, doc_offsets: np
         mask_fields = dict(mask=mask_path(directory, index).name, mask_checksum="sha256:" + hashlib.sha256(raw_mask).hexdigest(),
                            trained_tokens=int(np.count_nonzero(np.asarray(mask, dtype=bool))))
     num_docs = len(doc_offsets) - 1
+    if preference:
+        mask_fields.update(preference_fields(num_docs, mask is not None, meta_path(directory, index)))
     meta = ShardMeta(
         num_tokens=int(len(tokens)),
         num_docs=int(num_docs),
@@ -222,12 +250,14 @@ class ShardWriter:
     renames them to their final names and writes the metadata last, so that a shard whose `.json`
     exists is complete, and anything else left by a crash is a temporary or an orphan to delete.
     `extra` keys are stored in the metadata beside `ShardMeta`'s (data preparation keeps its resume
-    point there). `masked`: the shard carries a loss mask, given with every `append`.
+    point there). `masked`: the shard carries a loss mask, given with every `append`; `preference`: its
+    documents are (chosen, rejected) pairs (a masked shard; `close` refuses an odd number of documents).
     """
 
-    def __init__(self, directory: Path, index: int, *, vocab_size: int, eos_id: int, masked: bool = False):
+    def __init__(self, directory: Path, index: int, *, vocab_size: int, eos_id: int, masked: bool = False, preference: bool = False):
         self.directory = Path(directory)
         self.index = index
+        self.preference = preference
         self.vocab_size = vocab_size
         self.eos_id = eos_id
         self.dtype = dtype_for_vocab(vocab_size)
@@ -281,6 +311,7 @@ class ShardWriter:
         self.max_token_id = max(self.max_token_id, int(tokens.max()))
 
     def close(self, extra: dict | None = None) -> ShardMeta:
+        pair_fields = preference_fields(self.num_docs, self._mask is not None, meta_path(self.directory, self.index)) if self.preference else {}
         for f, path in self._files():
             with naming(path):
                 f.flush()
@@ -316,6 +347,7 @@ class ShardWriter:
             bin=bin_path(self.directory, self.index).name,
             offsets=offsets_path(self.directory, self.index).name,
             **mask_fields,
+            **pair_fields,
         )
         atomic_write_json(meta_path(self.directory, self.index), {**(extra or {}), **meta.to_dict()})
         return meta
@@ -363,16 +395,28 @@ class ShardCutter:
             done = end
         return breaks
 
+    def feed_pairs(self, lens: np.ndarray) -> list[int]:
+        """`feed` for preference pairs: `lens` are whole pairs' documents (chosen, rejected, ...); each pair
+        counts as one document, so a shard closes only between pairs. Returns document indices, as `feed`."""
+        if len(lens) % 2:
+            raise ValueError(f"{len(lens)} documents of preference pairs: pairs are added whole")
+        lens = np.asarray(lens)
+        return [2 * k for k in self.feed(lens[0::2] + lens[1::2])]
+
 
 class ShardedWriter:
     """Cuts a stream of whole documents into shards of at most `shard_tokens` tokens (`ShardCutter`).
 
     Shard boundaries depend only on the document stream, so the same documents always give the same shards.
+    `preference`: the documents come in (chosen, rejected) pairs and every `add` holds whole pairs; the cutter
+    then sees each pair as one document, so a shard closes only between pairs.
     """
 
-    def __init__(self, directory: Path, shard_tokens: int, *, vocab_size: int, eos_id: int, next_index: int = 0, masked: bool = False):
+    def __init__(self, directory: Path, shard_tokens: int, *, vocab_size: int, eos_id: int, next_index: int = 0, masked: bool = False,
+                 preference: bool = False):
         self.directory = Path(directory)
         self.masked = masked
+        self.preference = preference
         self.shard_tokens = shard_tokens
         self.vocab_size = vocab_size
         self.eos_id = eos_id
@@ -385,11 +429,16 @@ class ShardedWriter:
         metadata extras of a shard closed just before document k of this batch (e.g. where in the input
         the next shard starts)."""
         ends = np.cumsum(lens, dtype=np.int64)
+        try:
+            breaks = self.cutter.feed_pairs(lens) if self.preference else self.cutter.feed(lens)
+        except ValueError as e:
+            raise ValueError(f"{self.directory}: {e}") from None
         start = 0
-        for k in [*self.cutter.feed(lens), len(lens)]:
+        for k in [*breaks, len(lens)]:
             if k > start:
                 if self.writer is None:
-                    self.writer = ShardWriter(self.directory, self.next_index, vocab_size=self.vocab_size, eos_id=self.eos_id, masked=self.masked)
+                    self.writer = ShardWriter(self.directory, self.next_index, vocab_size=self.vocab_size, eos_id=self.eos_id, masked=self.masked,
+                                              preference=self.preference)
                 lo, hi = (ends[start - 1] if start else 0), ends[k - 1]
                 self.writer.append(tokens[lo:hi], lens[start:k], None if mask is None else mask[lo:hi])
             if k < len(lens):
@@ -573,6 +622,11 @@ class Manifest:
         """Whether the source's shards carry loss masks (fine-tuning data)."""
         return bool(self.extra.get("masked", False))
 
+    @property
+    def preference(self) -> bool:
+        """Whether the source's documents are (chosen, rejected) pairs (DPO data; a masked source too)."""
+        return bool(self.extra.get("preference", False))
+
 
 def write_manifest(directory: Path, tokenizer, split: str, extra: dict, metas: list[ShardMeta] | None = None, names: list[str] | None = None) -> Manifest:
     """Write `manifest.json` last, over the shards in `metas` (default: the directory's, in order).
@@ -590,6 +644,11 @@ def write_manifest(directory: Path, tokenizer, split: str, extra: dict, metas: l
         raise ValueError(f"{directory}: some shards carry a loss mask and some do not; a source is all fine-tuning data or none")
     if masked == {True}:
         extra = {**extra, "masked": True, "trained_tokens": sum(m.trained_tokens for m in metas)}
+    paired = {m.is_preference for m in metas}
+    if len(paired) > 1:
+        raise ValueError(f"{directory}: some shards hold preference pairs and some do not; a source is all pairs or none")
+    if paired == {True}:
+        extra = {**extra, "preference": True, "pairs": sum(m.pairs for m in metas)}
     manifest = Manifest(
         num_tokens=sum(m.num_tokens for m in metas),
         num_docs=sum(m.num_docs for m in metas),

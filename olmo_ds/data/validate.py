@@ -19,6 +19,14 @@ ones are `trained_tokens`, the shards' trained tokens sum to the manifest's, and
 documents that do not end in EOS (the cut ones; open-instruct appends none either): counted, not an
 error; anywhere else a document must end in EOS.
 
+Preference pairs (`manifest.preference`, DPO data): every shard says `preference: true` and holds an even
+number of documents (a pair never spans shards) with `pairs` = num_docs / 2, and the manifest's `pairs` is
+their sum. Each pair (documents 2i, 2i + 1: chosen, rejected) must be what DPO compares: both sides train
+at least one token; each side's trained tokens are one run (its final reply: an earlier turn trained too
+would be a mask from `--chat-mask assistant`, not a pair's); the two sides are identical up to their first
+trained token (they share the prompt, so that token is at the same place in both) and differ somewhere
+after it (an identical pair has nothing to prefer). Every failing pair is counted, the first few named.
+
 How the reading is spread over `workers` processes: a shard's sha256 must read it whole, in order,
 so it is one task; the id checks (largest id, EOS count) are cut into ranges of `SCAN_BYTES` and
 the document checks (offsets, EOS at each end) are one more task. All shards of both splits go to
@@ -74,6 +82,7 @@ class Report:
     num_tokens: int = 0
     num_docs: int = 0
     trained_tokens: int | None = None  # masked sources: the total over the shards' masks (train split)
+    pairs: int | None = None  # preference sources: the pairs of the train split
 
     @property
     def ok(self) -> bool:
@@ -116,6 +125,7 @@ class _Rules:
     masked: bool = False
     pad_id: int | None = None
     eos_less_ok: bool = False
+    preference: bool = False  # documents 2i, 2i + 1 are a (chosen, rejected) pair
 
 
 def _open_shard(directory: Path, bin_name: str, prefix: str, inner_eos_why: str, rules: _Rules = _Rules()) -> tuple[ShardReport, _Shard | None]:
@@ -162,6 +172,14 @@ def _open_shard(directory: Path, bin_name: str, prefix: str, inner_eos_why: str,
         if mask_file.stat().st_size != meta.num_tokens:
             report.errors.append(f"loss mask {meta.mask}: {mask_file.stat().st_size} bytes != num_tokens {meta.num_tokens} (one byte per token; truncated or corrupt)")
             return report, None
+    if rules.preference != meta.is_preference:
+        said = "holds preference pairs" if rules.preference else "does not hold preference pairs"
+        report.errors.append(f"{meta_file.name} says preference {meta.preference}, but the manifest {said} (a mixed or damaged directory)")
+        return report, None
+    if meta.is_preference and (meta.num_docs % 2 or meta.pairs != meta.num_docs // 2):
+        report.errors.append(f"{meta.num_docs} documents, metadata pairs {meta.pairs}: a preference shard holds whole (chosen, rejected) "
+                             "pairs, num_docs = 2 x pairs")
+        return report, None
     return report, _Shard(report, meta, bin_file, directory / meta.offsets, inner_eos_why, rules, mask_file)
 
 
@@ -244,6 +262,65 @@ def _mask(bin_file: str, mask_file: str, meta: shards.ShardMeta, pad_id: int | N
     return "sha256:" + digest.hexdigest(), trained, problem
 
 
+PAIR_PROBLEMS = {
+    "no_target": "train no token on one side (each side must train its final reply)",
+    "not_final_reply": "train more than one run of tokens on a side (only the final reply of a pair is trained)",
+    "prompt_differs": "differ before their first trained token (the two sides must share every message but the final reply)",
+    "identical": "have identical sides (nothing to prefer)",
+}
+PAIRS_SHOWN = 3  # failing pairs named per kind
+
+
+def _pairs(bin_file: str, offsets_file: str, mask_file: str, meta: shards.ShardMeta) -> list[str]:
+    """Each pair of a preference shard against the rules of the module docstring: one problem line per kind
+    found (how many pairs, the first few named). Reads the shard in blocks of about `BLOCK_BYTES` tokens of pairs."""
+    try:
+        offsets = np.asarray(shards.load_offsets(Path(offsets_file)), dtype=np.int64)
+    except ValueError:
+        return []  # the documents task reports it
+    if len(offsets) != meta.num_docs + 1 or meta.num_docs % 2 or np.any(np.diff(offsets) <= 0):
+        return []  # the documents task (or the metadata check) reports it
+    tokens = shards.open_tokens(Path(bin_file), meta)
+    mask = shards.map_file(Path(mask_file))[: meta.num_tokens]
+    found: dict[str, list[int]] = {k: [] for k in PAIR_PROBLEMS}
+    counts = dict.fromkeys(PAIR_PROBLEMS, 0)
+    d0 = 0
+    while d0 < meta.num_docs:
+        d1 = int(np.searchsorted(offsets, offsets[d0] + BLOCK_BYTES, side="right")) - 1
+        d1 = max(d0 + 2, d1 - d1 % 2)
+        lo = int(offsets[d0])
+        starts = offsets[d0:d1] - lo
+        m = np.asarray(mask[lo:int(offsets[d1])]) != 0
+        rise = m.copy()
+        rise[1:] &= ~m[:-1]
+        rise[starts] = m[starts]  # a run that starts a document
+        runs = np.add.reduceat(rise.astype(np.int64), starts)
+        at = np.flatnonzero(rise)
+        doc_of = np.searchsorted(starts, at, side="right") - 1
+        first = np.full(len(starts), -1, dtype=np.int64)
+        docs, where = np.unique(doc_of, return_index=True)
+        first[docs] = at[where] - starts[docs]
+        for c in range(0, len(starts), 2):
+            pair = (d0 + c) // 2
+            a, b, e = int(offsets[d0 + c]), int(offsets[d0 + c + 1]), int(offsets[d0 + c + 2])
+            if runs[c] == 0 or runs[c + 1] == 0:
+                kind = "no_target"
+            elif runs[c] > 1 or runs[c + 1] > 1:
+                kind = "not_final_reply"
+            elif first[c] != first[c + 1] or tokens[a:a + first[c]].tobytes() != tokens[b:b + first[c]].tobytes():
+                kind = "prompt_differs"
+            elif b - a == e - b and tokens[a:b].tobytes() == tokens[b:e].tobytes():
+                kind = "identical"
+            else:
+                continue
+            counts[kind] += 1
+            if len(found[kind]) < PAIRS_SHOWN:
+                found[kind].append(pair)
+        d0 = d1
+    return [f"{counts[k]} pairs {PAIR_PROBLEMS[k]}; first: " + ", ".join(f"pair {j} (documents {2 * j}, {2 * j + 1})" for j in found[k])
+            + (", ..." if counts[k] > len(found[k]) else "") for k in PAIR_PROBLEMS if counts[k]]
+
+
 INNER_EOS_SHOWN = 5  # documents with an inner EOS named in the report
 
 
@@ -259,7 +336,7 @@ def _inner_eos(bin_file: str, offsets_file: str, meta: shards.ShardMeta) -> tupl
     return len(docs), len(inner), docs[:INNER_EOS_SHOWN].tolist(), int(inner[0])
 
 
-_TASKS = {"scan": _scan, "documents": _documents, "inner_eos": _inner_eos, "mask": _mask}
+_TASKS = {"scan": _scan, "documents": _documents, "inner_eos": _inner_eos, "mask": _mask, "pairs": _pairs}
 
 
 def _run(task: tuple) -> tuple:
@@ -277,6 +354,8 @@ def _first_round(k: int, s: _Shard, split: bool) -> tuple[tuple, list[tuple]]:
     others = [("documents", k, (path, str(s.offsets_file), m, rules.eos_less_ok))]
     if s.mask_file is not None:
         others.append(("mask", k, (path, str(s.mask_file), m, rules.pad_id)))
+    if s.mask_file is not None and m.is_preference:
+        others.append(("pairs", k, (path, str(s.offsets_file), str(s.mask_file), m)))
     if split:
         step = SCAN_BYTES - SCAN_BYTES % np.dtype(dtype).itemsize
         others += [("scan", k, (path, a, min(a + step, s.nbytes), dtype, m.eos_id, False, True)) for a in range(0, s.nbytes, step)]
@@ -301,6 +380,8 @@ def _record(s: _Shard, kind: str, value) -> None:
             s.document_errors.append(f"loss mask {m.mask}: {trained} trained tokens != metadata trained_tokens {m.trained_tokens}")
         if problem:
             s.document_errors.append(problem)
+    elif kind == "pairs":
+        s.document_errors += value
     else:
         docs, inner, first_docs, first_token = value
         r = s.report
@@ -390,7 +471,8 @@ class _Split:
         if self.manifest is None:
             return _Rules()
         extra = self.manifest.extra
-        return _Rules(self.manifest.masked, extra.get("pad_id"), (extra.get("chat") or {}).get("long_conversations") == "truncate")
+        return _Rules(self.manifest.masked, extra.get("pad_id"), (extra.get("chat") or {}).get("long_conversations") == "truncate",
+                      self.manifest.preference)
 
 
 def validate_directory(directory: Path, tokenizer=None, workers: int = 1) -> Report:
@@ -422,6 +504,10 @@ def validate_directory(directory: Path, tokenizer=None, workers: int = 1) -> Rep
                 _check_trained(s, mine)
                 if not s.prefix:
                     report.trained_tokens = sum(r.trained_tokens or 0 for r in mine)
+            if s.manifest.preference:
+                pairs = _check_pairs(s, mine)
+                if not s.prefix:
+                    report.pairs = pairs
         report.shards += mine
         report.errors += s.errors
         report.num_tokens += tokens
@@ -476,6 +562,23 @@ def _check_trained(split: _Split, reports: list[ShardReport]) -> None:
         split.errors.append(f"{where}: a masked source must record pad_id (the padding id that is never trained)")
 
 
+def _check_pairs(split: _Split, reports: list[ShardReport]) -> int:
+    """A preference split's pair total: the manifest's against the shards' metadata (each shard's own count
+    against its documents is checked with the shard); returns the shards' total."""
+    where = f"{split.prefix}{shards.MANIFEST}"
+    total = 0
+    for s in reports:
+        try:
+            total += shards.ShardMeta.load((split.directory / Path(s.name).name).with_suffix(".json")).pairs or 0
+        except (OSError, ValueError, TypeError):
+            return total  # the shard's own report says why
+    if split.manifest.extra.get("pairs") != total:
+        split.errors.append(f"{where}: pairs {split.manifest.extra.get('pairs')} != sum over the shards' metadata {total}")
+    if not split.manifest.masked:
+        split.errors.append(f"{where}: preference: true without masked: true; each side of a pair needs its loss mask")
+    return total
+
+
 def describe_inner_eos(docs: int, inner: int, first_docs: list[int], num_docs: int) -> str:
     """What readers see of documents that hold EOS before their end (shared with the registration's report)."""
     shown = ", ".join(map(str, first_docs)) + (", ..." if docs > len(first_docs) else "")
@@ -500,5 +603,6 @@ def format_report(report: Report) -> str:
     bad = sum(not s.ok for s in report.shards)
     status = "OK" if report.ok else f"FAIL ({bad} bad shards, {len(report.errors)} other problems)"
     trained = f", {report.trained_tokens:,} trained (loss mask)" if report.trained_tokens is not None else ""
+    trained += f", {report.pairs:,} preference pairs" if report.pairs is not None else ""
     lines.append(f"total: {status}: {len(report.shards)} shards, {report.num_docs:,} docs, {report.num_tokens:,} tokens{trained}")
     return "\n".join(lines)

@@ -272,7 +272,8 @@ def load_source(spec: str, tokenizer, *, max_tokens: int | None = None, text_fie
         path = path / "val"
     if path.is_dir() and (path / shards.MANIFEST).exists():
         tokens = _shard_tokens(path, tokenizer, max_tokens)
-        kind = "conversations" if shards.Manifest.load(path).masked else "shards"
+        manifest = shards.Manifest.load(path)
+        kind = "preference" if manifest.preference else "conversations" if manifest.masked else "shards"
         default_name = path.parent.name if path.name == "val" else path.name
     elif path.is_file() and path.name.endswith(JSONL_SUFFIXES):
         tokens = _jsonl_tokens(path, tokenizer, max_tokens, text_field)

@@ -52,11 +52,13 @@ def versions() -> dict[str, str]:
 
 
 def build_results(*, target: dict, perplexity: dict[str, dict], tasks: dict[str, dict], stats: dict, config: dict,
-                  suites: dict[str, dict] | None = None) -> dict:
-    """The results.json document (see the module docstring)."""
+                  suites: dict[str, dict] | None = None, preference: dict[str, dict] | None = None) -> dict:
+    """The results.json document (see the module docstring); `preference`: per preference source, the metrics of
+    `olmo_ds.eval.preference` (loss, rewards/*, logps/*, pairs) and where its reference came from."""
     return {
         **target,
         "perplexity": perplexity,
+        "preference": preference or {},
         "tasks": tasks,
         "suites": suites or {},
         "stats": stats,
@@ -89,6 +91,12 @@ def _finite(obj):
     if isinstance(obj, (list, tuple)):
         return [_finite(v) for v in obj]
     return obj
+
+
+def preference_scalars(preference: dict[str, dict]) -> dict[str, float]:
+    """`eval/<source>/<metric>` of each preference source, the tags in-loop evaluation writes for its pairs."""
+    return {f"eval/{source}/{metric}": float(v) for source, r in preference.items() for metric, v in r.items()
+            if metric == "loss" or metric == "pairs" or metric.startswith(("rewards/", "logps/"))}
 
 
 def scalars(perplexity: dict[str, dict], tasks: dict[str, dict]) -> dict[str, float]:
@@ -167,6 +175,10 @@ def markdown(results: dict) -> str:
         rows = [[name, r["tokens"], r["ce_loss"], r["perplexity"], r["bits_per_byte"], round(r["tokens_per_second"]),
                  round(r["rows_per_second"]), round(r["forward_tokens_per_second"])] for name, r in results["perplexity"].items()]
         parts.append(_table(["source", "tokens", "ce_loss", "perplexity", "bits/byte", "tokens/s", "rows/s", "forward tokens/s"], rows))
+    if results.get("preference"):
+        rows = [[name, r["pairs"], r["loss"], r["rewards/accuracy"], r["rewards/margin"], r["rewards/chosen"], r["rewards/rejected"],
+                 r["reference"]] for name, r in results["preference"].items()]
+        parts.append(_table(["pairs source", "pairs", "loss", "accuracy", "margin", "chosen reward", "rejected reward", "reference"], rows))
     alone = {name: r for name, r in results["tasks"].items() if not _in_suite(r) and not _generative(r)}
     if alone:
         rows = []

@@ -23,16 +23,19 @@ import torch.distributed as dist
 from olmo_ds import checkpoint as ckpt
 from olmo_ds import weights
 from olmo_ds.chat import ChatEncoder
+from olmo_ds.checkpoint.reference import load_reference, reference_dir, reference_exists
+from olmo_ds.data.dataset import TokenSource
+from olmo_ds.data.loader import validation_batches
 from olmo_ds.eval import olmes_suite
 from olmo_ds.eval import results as res
 from olmo_ds.eval.generative import GenerativeTask, evaluate_generative, is_generative, load_generative
 from olmo_ds.eval.multiple_choice import PreparedTasks, evaluate_tasks, prepare_tasks
 from olmo_ds.eval.perplexity import TextSource, conversation_batches, evaluate_perplexity, load_source, token_byte_lengths, window_batches
+from olmo_ds.eval.preference import compute_pair_logprobs, evaluate_preference
 from olmo_ds.eval.scoring import DistContext, check_batching
 from olmo_ds.eval.tasks import Task, load_task, resolve_task
 from olmo_ds.model import OLMo
 from olmo_ds.ranks import check_host, rendezvous
-
 
 
 @dataclass
@@ -56,6 +59,7 @@ class EvalOptions:
     tensorboard: bool = True
     batching: str = "packed"  # packed | exact (olmo_ds.eval.loglikelihood)
     gen_batch_size: int | None = None  # sequences generated at once (generative tasks); default 64 on GPU, 8 on CPU
+    reference: str | None = None  # preference sources: the starting model to compare with (default: the run's cache)
 
 
 def _init_distributed(device_name: str | None) -> tuple[DistContext, torch.device]:
@@ -188,14 +192,19 @@ def _evaluate(loaded: weights.LoadedModel, inputs: _Inputs, options: EvalOptions
     seq_len = options.seq_len or max_len
     if seq_len > max_len:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's window {max_len}")
-    ppl = {}
+    ppl, pref = {}, {}
     for source in inputs.sources:
         rows = max(1, batch_tokens // seq_len)
+        if source.kind == "preference":  # at the run's row length: the pairs its reference pass kept
+            trained = (loaded.provenance.train_config or {}).get("batch", {}).get("seq_len")
+            pair_len = options.seq_len or min(trained or seq_len, max_len)
+            pref[source.name] = _preference(loaded, source, pair_len, max(1, batch_tokens // pair_len), options, dist_ctx)
+            continue
         batches = (conversation_batches(source.path, seq_len, rows, options.max_tokens) if source.kind == "conversations"
                    else window_batches(source.tokens, seq_len, rows))
         r = evaluate_perplexity(loaded.model, batches, inputs.token_bytes, dist_ctx=dist_ctx, batching=options.batching).to_dict()
         ppl[source.name] = {**r, "path": str(source.path), "kind": source.kind, "documents": source.documents, "seq_len": seq_len}
-    task_metrics, stats, outputs = {}, {}, {}
+    task_metrics, stats, outputs = {}, {"preference": pref}, {}
     if inputs.tasks is not None:
         mc = evaluate_tasks(loaded.model, loaded.tokenizer, inputs.tasks, dist_ctx.rank, dist_ctx.world, max_len=max_len,
                             batch_tokens=batch_tokens, batching=options.batching)
@@ -203,7 +212,7 @@ def _evaluate(loaded: weights.LoadedModel, inputs: _Inputs, options: EvalOptions
             per_task = ", ".join(f"{name} {r['truncated_contexts']}" for name, r in mc.tasks.items() if r["truncated_contexts"])
             print(f"eval: warning: {mc.stats['truncated_contexts']} contexts longer than the model's window of {max_len} tokens "
                   f"were cut from the left ({per_task})", file=sys.stderr, flush=True)
-        task_metrics, stats = mc.tasks, {"tasks": mc.stats}
+        task_metrics, stats = mc.tasks, {**stats, "tasks": mc.stats}
     if inputs.generative:
         template = weights.chat_template_of(loaded.provenance, loaded.tokenizer)
         chat = ChatEncoder(template, loaded.tokenizer) if template is not None else None
@@ -213,6 +222,47 @@ def _evaluate(loaded: weights.LoadedModel, inputs: _Inputs, options: EvalOptions
                                   batch_size=batch, limit=options.limit)
         task_metrics, stats, outputs = {**task_metrics, **gen.tasks}, {**stats, "generation": gen.stats}, gen.outputs
     return ppl, task_metrics, stats, outputs
+
+
+def _preference(loaded: weights.LoadedModel, source: TextSource, seq_len: int, rows: int, options: EvalOptions,
+                dist_ctx: DistContext) -> dict:
+    """A preference source's metrics (`olmo_ds.eval.preference`), its pairs packed whole into rows of `seq_len` (longer
+    pairs dropped and counted), against `--reference` (a starting model's pass over the same pairs) or else the
+    run's cache of this source (`RUN/reference/`, written by the run's reference pass). The loss's settings are the
+    run's `dpo:` section's (dpo, beta 0.1 for a model that has none)."""
+    target = loaded.provenance
+    dpo = (target.train_config or {}).get("dpo") or {}
+    settings = {"loss": dpo.get("loss", "dpo"), "beta": dpo.get("beta", 0.1), "label_smoothing": dpo.get("label_smoothing", 0.0),
+                "simpo_gamma": dpo.get("simpo_gamma", 0.0)}
+    device = next(loaded.model.parameters()).device
+
+    def batches():
+        return validation_batches(str(source.path), seq_len, rows, dist_ctx.rank, dist_ctx.world, long_pairs="drop")
+
+    num_pairs = TokenSource(source.path).num_pairs
+    if settings["loss"] == "simpo":
+        reference, origin = None, "none (simpo)"
+    elif options.reference:
+        starting = weights.load_model(options.reference, device=device, dtype=next(loaded.model.parameters()).dtype,
+                                      tokenizer=loaded.tokenizer)  # the pairs' ids are the evaluated model's
+        reference, _ = compute_pair_logprobs(starting.model, batches(), num_pairs, device)
+        origin = f"{options.reference} (a pass of it)"
+        del starting
+    else:
+        cache_dir = reference_dir(target.run_dir) if target.run_dir is not None else None
+        if cache_dir is None or not reference_exists(cache_dir):
+            raise ValueError(f"--data {source.name}={source.path}: a preference source needs a reference: {target.directory} "
+                             f"has no run's reference cache{f' ({cache_dir})' if cache_dir else ''}; pass --reference PATH "
+                             f"(the model it started from)")
+        cache = load_reference(cache_dir)
+        if source.name not in cache.val or cache.val[source.name].num_pairs != num_pairs:
+            raise ValueError(f"{cache_dir}: no reference for {num_pairs} pairs of {source.name} (it has: "
+                             f"{', '.join(f'{k} ({v.num_pairs} pairs)' for k, v in cache.val.items()) or 'none'}); the run's "
+                             f"cache holds its validation sources only: pass --reference PATH for other pairs")
+        reference, origin = cache.val[source.name], str(cache_dir)
+    metrics = evaluate_preference(loaded.model, batches(), reference.lookup if reference is not None else None, device=device,
+                                  **settings)
+    return {**metrics, "dpo": settings, "reference": origin, "path": str(source.path), "kind": "preference", "seq_len": seq_len}
 
 
 def _load_tasks(options: EvalOptions) -> tuple[list[Task], list[GenerativeTask], list[str]]:
@@ -273,6 +323,7 @@ def run(options: EvalOptions) -> list[dict]:
             inputs_for[tokenizer.fingerprint] = _prepare_inputs(options, target, tokenizer, tasks, generative)
         loaded = _load_model(target, device, dtype, options.backend, dist_ctx)
         ppl, task_metrics, stats, outputs = _evaluate(loaded, inputs_for[tokenizer.fingerprint], options, dist_ctx, batch_tokens)
+        preference = stats.pop("preference")
         suites = _suites(tasks, task_metrics)
 
         labels = {"path": str(target.directory), "kind": target.kind, "run_dir": str(target.run_dir) if target.run_dir else None,
@@ -281,11 +332,13 @@ def run(options: EvalOptions) -> list[dict]:
         config = {"eval": {**asdict(options), "device": str(device), "dtype": str(dtype).replace("torch.", ""), "world_size": dist_ctx.world,
                            "batch_tokens": batch_tokens, "tasks": task_sources},
                   "model": target.cfg.to_dict(), "train": target.train_config}
-        document = res.build_results(target=labels, perplexity=ppl, tasks=task_metrics, stats=stats, config=config, suites=suites)
+        document = res.build_results(target=labels, perplexity=ppl, tasks=task_metrics, stats=stats, config=config, suites=suites,
+                                     preference=preference)
         if is_main:
             path = res.write_results(_out_dir(options, kind, directory, len(targets) > 1), document, outputs)
             if options.tensorboard and target.run_dir is not None and target.step is not None:
-                res.write_tensorboard(target.run_dir / res.TB_DIR, target.step, res.scalars(ppl, task_metrics) | res.suite_scalars(suites))
+                res.write_tensorboard(target.run_dir / res.TB_DIR, target.step, res.scalars(ppl, task_metrics) | res.suite_scalars(suites)
+                                      | res.preference_scalars(preference))
             print(res.markdown(document), flush=True)
             print(f"\nresults: {path}", flush=True)
         documents.append(document)

@@ -22,11 +22,19 @@ and `token_mean_divisor` give that N, and the N to pass under DeepSpeed, which d
 its accumulation steps and averages gradients over ranks. `labels_from_mask` turns OLMo-core's
 per-token bool `label_mask` into these labels. Without `divisor` nothing changes: pretraining's
 loss and gradients are bit for bit what they were.
+
+Preference tuning (DPO and its kin) needs another quantity: each packed document's summed log-probability of its
+labels, differentiable (`document_logprobs`, chunked like the loss above, the head run on labelled positions
+only), and the per-pair losses built from those sums and the reference's (`preference_loss`: `dpo`, `dpo_norm`,
+`ipo`, `simpo`, with the published formulas in its docstring).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 CHUNK_SIZE = 2048  # tokens per chunk: 2048 x 100,352 fp32 logits = 0.8 GB at a time
@@ -153,3 +161,126 @@ def token_mean_divisor(global_targets: int | torch.Tensor, world_size: int = 1, 
         return global_targets.clamp(min=1).double() / (world_size * accumulation_steps)
     return max(int(global_targets), 1) / (world_size * accumulation_steps)
 
+
+
+# --- preference tuning: per-document log-probabilities and the preference losses -----------------
+
+
+class _LabelLogprobs(torch.autograd.Function):
+    """log p(target) of each row of `hidden` under the head `weight`, a chunk of rows at a time.
+
+    The cross-entropy above can finish its gradients inside the forward because its upstream gradient is one
+    number. A preference loss weighs each document's log-probability by a factor that depends on the whole pair,
+    known only after the forward, so here the forward keeps only the per-row logsumexp (fp32, one number a row)
+    and the backward recomputes each chunk's logits once: one more head matmul than the cross-entropy, on the
+    trained positions only, and still never more than one chunk of fp32 logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size: int):
+        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        logprob = hidden.new_empty(hidden.shape[0], dtype=acc_dtype)
+        lse = hidden.new_empty(hidden.shape[0], dtype=acc_dtype)
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = start + chunk_size
+            logits = (hidden[start:end] @ weight.t()).to(acc_dtype)
+            lse[start:end] = torch.logsumexp(logits, dim=-1)
+            logprob[start:end] = logits.gather(1, targets[start:end, None]).squeeze(1) - lse[start:end]
+        ctx.chunk_size, ctx.acc_dtype = chunk_size, acc_dtype
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        return logprob
+
+    @staticmethod
+    def backward(ctx, grad_logprob):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = start + ctx.chunk_size
+            h, g = hidden[start:end], grad_logprob[start:end].to(ctx.acc_dtype)
+            # d log p(y) / d logits = onehot(y) - softmax, times the row's upstream gradient.
+            dlogits = (h @ weight.t()).to(ctx.acc_dtype).sub_(lse[start:end, None]).exp_().mul_(-g[:, None])
+            dlogits.scatter_add_(1, targets[start:end, None], g[:, None])
+            dlogits = dlogits.to(hidden.dtype)
+            if grad_hidden is not None:
+                torch.matmul(dlogits, weight, out=grad_hidden[start:end])
+            if grad_weight is not None:
+                grad_weight += dlogits.t() @ h
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def document_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor,
+                      num_documents: int, chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob [S] float32, tokens [S] int64): the summed log-probability of each document's labels and how many
+    there are, for `hidden @ weight.T` against `labels`; `logprob` carries gradients to `hidden` and `weight`.
+
+    hidden [..., d], weight [V, d], labels [...] (-100 ignored), documents [...] int64 in [0, num_documents): the
+    document each position belongs to (`olmo_ds.model.masking.document_ids` over a row's `doc_lens`, offset per
+    row). Only positions with a label go through the head, in chunks of `chunk_size` (`_LabelLogprobs`: no full
+    fp32 logits, the softmax statistics in fp32). This is DPO's log pi(y|x) = sum_t log pi(y_t | x, y_<t) over the
+    reply's tokens (Rafailov et al. 2023, eq. 7), for every packed document of a batch at once."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels, documents = labels.reshape(-1), documents.reshape(-1)
+    if labels.shape[0] != hidden.shape[0] or documents.shape[0] != hidden.shape[0]:
+        raise ValueError(f"labels ({labels.shape[0]}) and documents ({documents.shape[0]}) must have the hidden "
+                         f"states' {hidden.shape[0]} positions")
+    where = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+    logprob = _LabelLogprobs.apply(hidden.index_select(0, where), weight, labels.index_select(0, where), int(chunk_size))
+    docs = documents.index_select(0, where).long()
+    sums = logprob.new_zeros(num_documents).index_add(0, docs, logprob).float()
+    tokens = torch.zeros(num_documents, dtype=torch.int64, device=hidden.device).index_add_(0, docs, torch.ones_like(docs))
+    return sums, tokens
+
+
+PREFERENCE_LOSSES = ("dpo", "dpo_norm", "ipo", "simpo")
+
+
+class PreferenceTerms(NamedTuple):
+    """Per pair [P]: `losses` (differentiable), and the detached `chosen_rewards`, `rejected_rewards`."""
+
+    losses: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+
+
+def preference_loss(kind: str, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
+                    reference_chosen: torch.Tensor | None, reference_rejected: torch.Tensor | None,
+                    chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor, *, beta: float,
+                    label_smoothing: float = 0.0, simpo_gamma: float = 0.0) -> PreferenceTerms:
+    """The per-pair preference loss from summed log-probabilities of each pair's chosen and rejected reply [P]
+    (the policy's, differentiable; the reference's, fixed) and the replies' token counts [P].
+
+    With h = beta * ((pi_c - pi_r) - (ref_c - ref_r)):
+    - `dpo`: -(1 - eps) log sigmoid(h) - eps log sigmoid(-h) (Rafailov et al. 2023, eq. 7; eps = `label_smoothing`
+      is conservative DPO, Mitchell 2023); eps = 0 is plain DPO.
+    - `dpo_norm`: the same on log-probabilities divided by each reply's token count, policy and reference alike
+      (open-instruct's `dpo_norm`, OLMo 3 Instruct's DPO: `average_log_prob` for its `is_average_loss` types).
+    - `ipo`: (h / beta - 1 / (2 beta))^2 (Azar et al. 2023, eq. 17, on summed log-probabilities).
+    - `simpo`: no reference; h = beta * (pi_c / |y_c| - pi_r / |y_r|) - gamma, the sigmoid loss with label
+      smoothing as `dpo` (Meng et al. 2024, eq. 6; gamma = `simpo_gamma`, the absolute margin, open-instruct's
+      gamma_beta_ratio * beta).
+    Rewards (as open-instruct reports them): beta * (pi - ref) on the log-probabilities the loss uses, beta * pi
+    for `simpo`."""
+    if kind not in PREFERENCE_LOSSES:
+        raise ValueError(f"preference loss {kind!r} is not one of {', '.join(PREFERENCE_LOSSES)}")
+    if kind in ("dpo_norm", "simpo"):
+        policy_chosen = policy_chosen / chosen_tokens.clamp(min=1)
+        policy_rejected = policy_rejected / rejected_tokens.clamp(min=1)
+        if kind == "dpo_norm":
+            reference_chosen = reference_chosen / chosen_tokens.clamp(min=1)
+            reference_rejected = reference_rejected / rejected_tokens.clamp(min=1)
+    if kind == "simpo":
+        chosen_reward, rejected_reward = beta * policy_chosen, beta * policy_rejected
+        h = chosen_reward - rejected_reward - simpo_gamma
+    else:
+        chosen_reward = beta * (policy_chosen - reference_chosen)
+        rejected_reward = beta * (policy_rejected - reference_rejected)
+        h = chosen_reward - rejected_reward
+    if kind == "ipo":
+        losses = (h / beta - 1.0 / (2.0 * beta)).square()
+    else:
+        losses = -(1.0 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
+    return PreferenceTerms(losses, chosen_reward.detach(), rejected_reward.detach())

@@ -48,7 +48,8 @@ from torch.utils.checkpoint import checkpoint
 from olmo_ds.model import float8 as fp8
 from olmo_ds.model.attention import _SDPA_KERNELS, AttentionMask, attend, kernel_attention, resolve_backend
 from olmo_ds.model.config import ModelConfig, YarnConfig
-from olmo_ds.model.loss import CHUNK_SIZE, fused_linear_cross_entropy
+from olmo_ds.model.loss import CHUNK_SIZE, document_logprobs, fused_linear_cross_entropy
+from olmo_ds.model.masking import document_ids
 from olmo_ds.model.sequence_parallel import SequenceParallel, ulysses_attention
 
 
@@ -58,6 +59,13 @@ class ModelOutput(NamedTuple):
     loss: torch.Tensor
     ce_loss: torch.Tensor
     z_loss: torch.Tensor
+
+
+class DocumentLogprobs(NamedTuple):
+    """What a forward with `per_document=True` returns (preference tuning), one entry per `doc_lens` entry."""
+
+    logprob: torch.Tensor  # float32 [B, D]: the summed log-probability of document d's labels in row b (differentiable)
+    tokens: torch.Tensor  # int64 [B, D]: how many labels document d of row b has
 
 
 class Scores(NamedTuple):
@@ -422,11 +430,17 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, z_loss_coef: float = 0.0,
                 chunk_size: int = CHUNK_SIZE, score: tuple[torch.Tensor, torch.Tensor] | None = None, compiled: bool = False,
-                divisor: float | torch.Tensor | None = None):
+                divisor: float | torch.Tensor | None = None, documents: tuple[torch.Tensor, int] | None = None):
         if score is not None:
             return score_targets(hidden, self.weight, *score, compiled=compiled)
         if labels is None:
             return F.linear(hidden, self.weight)
+        if documents is not None:  # ([B, T] each position's document index within its row, D documents a row)
+            documents, d = documents
+            b = documents.shape[0]
+            flat = documents.long() + torch.arange(b, device=documents.device)[:, None] * d
+            logprob, tokens = document_logprobs(hidden, self.weight, labels, flat, b * d, chunk_size)
+            return DocumentLogprobs(logprob.view(b, d), tokens.view(b, d))
         return ModelOutput(*fused_linear_cross_entropy(hidden, self.weight, labels, z_loss_coef, chunk_size, divisor=divisor))
 
 
@@ -450,6 +464,10 @@ class OLMo(nn.Module):
     makes `input_ids` and `labels` this rank's slice [B, T/N] of each row, while `doc_lens` and `positions` still
     describe whole rows ([B, T]): the masks are those of the whole rows, RoPE takes this slice's positions, and the
     loss (over `loss_divisor`) is this slice's share of the step's.
+
+    Preference tuning: `per_document=True` (with `labels` and `doc_lens`) returns `DocumentLogprobs`, each packed
+    document's summed label log-probability (differentiable) and label count, [B, D] in `doc_lens`' layout,
+    instead of the loss (`olmo_ds.model.loss.document_logprobs`: the head on the labelled positions only).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -488,7 +506,7 @@ class OLMo(nn.Module):
                 doc_lens: torch.Tensor | None = None, z_loss_coef: float = 0.0, cache: KVCache | None = None, *,
                 positions: torch.Tensor | None = None, branches: torch.Tensor | None = None,
                 score: tuple[torch.Tensor, torch.Tensor] | None = None, loss_divisor: float | torch.Tensor | None = None,
-                sequence_parallel: SequenceParallel | None = None):
+                sequence_parallel: SequenceParallel | None = None, per_document: bool = False):
         sp = sequence_parallel
         b, t = input_ids.shape
         row = t * sp.size if sp else t  # the whole row's length; this rank holds `t` of it
@@ -499,6 +517,8 @@ class OLMo(nn.Module):
             raise ValueError("sequence parallelism is for training forwards: no KV cache, branches or score")
         if score is not None and labels is not None:
             raise ValueError("pass labels (training loss) or score (evaluation), not both")
+        if per_document and (labels is None or doc_lens is None or sp is not None):
+            raise ValueError("per_document needs labels and doc_lens, and no sequence parallelism (a document's sum needs its whole row)")
         # RoPE would extrapolate past what the model was built for; refuse rather than degrade silently.
         if positions is None and start + row > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start + row} tokens exceeds model.max_seq_len {self.cfg.max_seq_len}")
@@ -518,7 +538,10 @@ class OLMo(nn.Module):
             tables = {kind: (cos[mine], sin[mine]) for kind, (cos, sin) in full.items()}
         mask = None
         if cache is None:
-            mask = AttentionMask(b, row, input_ids.device, doc_lens, branches, positions, static_shapes=score is not None)
+            # Scoring and per-document forwards keep to a few batch shapes (the loader's rows), so their no-grad
+            # forwards (evaluation, DPO's reference pass) may run compiled blocks too.
+            mask = AttentionMask(b, row, input_ids.device, doc_lens, branches, positions,
+                                 static_shapes=score is not None or per_document)
         checkpointing = torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.blocks):
             cos, sin = tables[self.cfg.layer_is_sliding(i)]
@@ -531,6 +554,8 @@ class OLMo(nn.Module):
         x = self.norm(x)
         if score is not None:
             return self.head(x, score=score, compiled=self.cfg.compiles_blocks(x.device.type))
+        if per_document:
+            return self.head(x, labels, documents=(document_ids(doc_lens.to(x.device), t), doc_lens.shape[1]))
         return self.head(x, labels, z_loss_coef, divisor=loss_divisor)
 
 

@@ -43,6 +43,7 @@ import logging
 import math
 import resource
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,7 +57,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import olmo_ds.model.model as model_mod
 from olmo_ds.data import shards
 from olmo_ds.data.dataset import TokenSource
-from olmo_ds.data.loader import DataLoader
+from olmo_ds.data.loader import DataLoader, validation_batches
 from olmo_ds.model import OLMo
 from olmo_ds.model.config import preset as model_preset
 from olmo_ds.model.model import BLOCK_CALLS
@@ -64,13 +65,15 @@ from olmo_ds.ranks import LaunchError
 from olmo_ds.tools import package_env
 from olmo_ds.tools.harness import (BenchOptions, Experiments, block_counts, build_train_config, current_device, dynamo_graphs,
                                    environment, gpu_identity, sync, write_bench_shards)
-from olmo_ds.train.config import ConfigError
+from olmo_ds.train.config import ConfigError, DPOConfig, InitFromConfig
 from olmo_ds.train.ds_config import resolve_ds_config
 from olmo_ds.train.launch import normalize_cuda_arch_list
 from olmo_ds.train.memory import estimate_peak_memory
 from olmo_ds.train.metrics import memory_gib, peak_tflops, setup_console_logging
 from olmo_ds.train.optim import param_groups
 from olmo_ds.train.preflight import check_float8
+from olmo_ds.eval.preference import compute_pair_logprobs
+from olmo_ds.weights import MODEL_CONFIG_FILE, save_model_dir
 from olmo_ds.train.trainer import Trainer
 
 log = logging.getLogger("olmo_ds")
@@ -301,8 +304,10 @@ def run_deepspeed(cfg, opts: BenchOptions, flops: dict, peak: float | None) -> d
             return m["loss"]
 
         result = _time_steps(step, trainer.loader, opts, flops, peak, cfg.batch.global_batch_size * cfg.batch.seq_len, "deepspeed")
-        if trainer.objective.masked:
+        if getattr(trainer.objective, "masked", False):
             result.update(seen)
+        if cfg.dpo is not None:
+            result["reference_pass"] = _time_reference_pass(trainer, cfg)
     finally:
         trainer.loader.close()
     result["init_s"] = init_s
@@ -364,7 +369,84 @@ def run_sft(opts: BenchOptions, work: Path, vocab: int, flops: dict, peak: float
     return result
 
 
-def run_bench(opts: BenchOptions, sft: bool = False) -> dict:
+def write_pair_shards(opts: BenchOptions, directory: Path, vocab_size: int, *, preference: bool, seed: int = 0) -> Path:
+    """Synthetic preference data for `--dpo`: random-id pairs (never zeros) of one prompt and two replies, each side
+    masked to its reply; prompt and replies log-normal around an eighth of a row, a pair at most one row. With
+    `preference=False` the same documents as a plain masked source: the SFT step on the same data shape."""
+    meta_file = directory / shards.MANIFEST
+    rows = (opts.warmup + opts.steps + 2) * opts.micro_batch_size * opts.grad_accum
+    if meta_file.exists() and shards.Manifest.load(directory).extra.get("bench_rows") == rows:
+        return directory
+    rng = np.random.default_rng(seed)
+    docs, total = [], 0
+    while total < rows * opts.seq_len * 1.05:
+        prompt, chosen, rejected = (int(np.clip(rng.lognormal(np.log(opts.seq_len / 8), 0.7), 4, opts.seq_len // 4)) for _ in range(3))
+        ids = rng.integers(1, vocab_size - 2, prompt + chosen + rejected)
+        for reply in (ids[prompt:prompt + chosen], ids[prompt + chosen:]):
+            docs.append((np.concatenate([ids[:prompt], reply]), np.arange(prompt + len(reply)) >= prompt))
+        total += 2 * prompt + chosen + rejected
+    directory.mkdir(parents=True, exist_ok=True)
+    writer = shards.ShardedWriter(directory, max(total, 1), vocab_size=vocab_size, eos_id=vocab_size - 2, masked=True, preference=preference)
+    writer.add(np.concatenate([d[0] for d in docs]).astype(shards.dtype_for_vocab(vocab_size)), np.array([len(d[0]) for d in docs]),
+               mask=np.concatenate([d[1] for d in docs]))
+    writer.finish()
+
+    class _Ids:  # what write_manifest reads of a tokenizer
+        fingerprint, eos_id, pad_id = "sha256:random-ids", vocab_size - 2, vocab_size - 1
+
+    _Ids.vocab_size = vocab_size
+    shards.write_manifest(directory, _Ids, "train", {"bench_rows": rows, "generated_by": "olmo_ds.tools.bench_train --dpo"})
+    return directory
+
+
+def _starting_model(opts: BenchOptions, directory: Path, model_cfg) -> Path:
+    """The DPO run's init_from (and so its reference): the preset's randomly initialised weights, saved once."""
+    if not (directory / MODEL_CONFIG_FILE).exists():
+        torch.manual_seed(0)
+        save_model_dir(directory, model_cfg, OLMo(model_cfg).state_dict())
+    return directory
+
+
+def _time_reference_pass(trainer, cfg) -> dict:
+    """The reference pass again, timed after the one the trainer ran at start (which absorbed compilation): the
+    engine over every training pair, forward only, as `olmo_ds.train.reference` runs it."""
+    stream = validation_batches(cfg.data.sources[0], cfg.batch.seq_len, cfg.batch.micro_batch_size, 0, 1,
+                                long_pairs=cfg.data.long_pairs)
+    batches = list(stream)
+    sync()
+    t0 = time.perf_counter()
+    _, forwarded = compute_pair_logprobs(trainer.engine, batches, trainer.loader.num_pairs, trainer.device)
+    sync()
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "row_tokens": forwarded, "tokens_per_s": forwarded / seconds, "batches": len(batches),
+            "first_pass": trainer.objective.reference.stats}
+
+
+def run_dpo(opts: BenchOptions, work: Path, vocab: int, flops: dict, peak: float | None) -> dict:
+    """`--dpo`: the trainer's DPO step (dpo_norm, both sides of each pair, reference cached), its reference pass, and
+    the SFT step on the same documents packed into rows of the same length."""
+    pairs = write_pair_shards(opts, work / f"dpo-shards-v{vocab}-t{opts.seq_len}", vocab, preference=True)
+    docs = write_pair_shards(opts, work / f"dpo-sft-shards-v{vocab}-t{opts.seq_len}", vocab, preference=False)
+    cfg = build_train_config(opts, pairs, work)
+    init = _starting_model(opts, work / f"dpo-init-{opts.preset}", cfg.model.build(vocab_size=vocab))
+    out = {}
+    for name, data in (("dpo", pairs), ("sft", docs)):
+        cfg = build_train_config(opts, data, work)
+        cfg.data.document_masking = None  # masked data turns it on
+        cfg.run_dir = str(work / f"run-{name}")
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a fresh run each time: the reference pass runs at start
+        cfg.init_from = InitFromConfig(path=str(init))
+        if name == "dpo":
+            cfg.dpo = DPOConfig(loss="dpo_norm", beta=5.0)
+        log.info("DeepSpeed trainer, %s step on %s (seq %d): %d warm-up + %d timed steps", name.upper(), data, opts.seq_len,
+                 opts.warmup, opts.steps)
+        out[name] = run_deepspeed(cfg, opts, flops, peak)
+    out["ratio_dpo_to_sft"] = out["dpo"]["tokens_per_s"] / out["sft"]["tokens_per_s"]
+    out["ratio_reference_pass_to_dpo_step"] = out["dpo"]["reference_pass"]["tokens_per_s"] / out["dpo"]["tokens_per_s"]
+    return out
+
+
+def run_bench(opts: BenchOptions, sft: bool = False, dpo: bool = False) -> dict:
     """Reference step first (it needs the device to itself), then the DeepSpeed trainer; one result dict."""
     setup_console_logging(0)
     normalize_cuda_arch_list()
@@ -417,6 +499,8 @@ def run_bench(opts: BenchOptions, sft: bool = False) -> dict:
         result["deepspeed_sft"] = run_sft(opts, work, vocab, flops, peak)
         if opts.deepspeed:
             result["ratio_sft_to_pretraining"] = result["deepspeed_sft"]["tokens_per_s"] / result["deepspeed"]["tokens_per_s"]
+    if dpo:
+        result["dpo"] = run_dpo(opts, work, vocab, flops, peak)
     if opts.reference and opts.deepspeed:
         result["ratio_deepspeed_to_reference"] = result["deepspeed"]["tokens_per_s"] / result["reference"]["tokens_per_s"]
     if opts.reference_fp32_master and opts.deepspeed:
@@ -490,6 +574,12 @@ def format_report(r: dict) -> str:
                      f"{sft['tokens_per_s'] * sft['trained_fraction']:,.0f} trained tokens/s; packing efficiency {pk['efficiency']:.4f} "
                      f"({pk['documents']:,} conversations in {pk['rows']:,} rows of {pk['seq_len']}), trained fraction {sft['trained_fraction']:.3f}"
                      + (f"; SFT / pretraining tokens/s at seq {pk['seq_len']}: {ratio:.3f}" if ratio is not None else ""))
+    if r.get("dpo"):
+        d = r["dpo"]
+        lines.append(f"DPO (--dpo, dpo_norm, reference cached): DPO step {d['dpo']['tokens_per_s']:,.0f} row tokens/s, SFT step on the "
+                     f"same documents {d['sft']['tokens_per_s']:,.0f}: DPO / SFT {d['ratio_dpo_to_sft']:.3f} (target >= 0.95); "
+                     f"reference pass {d['dpo']['reference_pass']['tokens_per_s']:,.0f} row tokens/s, "
+                     f"{d['ratio_reference_pass_to_dpo_step']:.2f}x the DPO step (target >= 2)")
     ds = r.get("deepspeed", {})
     if ds.get("estimated_peak_gib") is not None:
         lines.append(f"DeepSpeed peak memory: {ds['peak_alloc_gib']:.1f} GiB measured, {ds['estimated_peak_gib']:.1f} GiB estimated "
@@ -675,6 +765,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft", action="store_true",
                    help="also time the trainer on fine-tuning data (synthetic masked conversations packed into rows of the same "
                         "--seq-len: packing, document masking, the global token-mean loss) and print SFT vs pretraining tokens/s")
+    p.add_argument("--dpo", action="store_true",
+                   help="also time the trainer's DPO step (synthetic pairs packed whole into rows of --seq-len, dpo_norm, reference "
+                        "cached), its reference pass, and the SFT step on the same documents; print DPO vs SFT tokens/s")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
@@ -714,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
                                     engine_compile=args.engine_compile, compile_backend=args.compile_backend,
                                     cuda_graphs=args.cuda_graphs),
         )
-        result = run_bench(opts, sft=args.sft)
+        result = run_bench(opts, sft=args.sft, dpo=args.dpo)
     except (ConfigError, LaunchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

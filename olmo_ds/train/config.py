@@ -21,6 +21,7 @@ import yaml
 from olmo_ds.data.config import DataConfig
 from olmo_ds.data.order import BatchSizeSchedule
 from olmo_ds.model.config import INIT_CHANGEABLE, PRESETS, ModelConfig, preset
+from olmo_ds.model.loss import PREFERENCE_LOSSES
 from olmo_ds.model.sequence_parallel import sequence_parallel_problems
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -144,6 +145,36 @@ class InitFromConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Preference tuning (`olmo_ds/model/loss.py: preference_loss` has the formulas). A run on preference data needs
+    this section, and this section needs preference data (`olmo_ds/train/plan.py`)."""
+
+    loss: str = "dpo"  # dpo | dpo_norm (length-normalised, OLMo 3 Instruct's) | ipo | simpo (no reference pass)
+    beta: float = 0.1  # the KL penalty's inverse temperature: > 0
+    label_smoothing: float = 0.0  # conservative DPO's eps, in [0, 0.5): the chance a preference label is flipped
+    simpo_gamma: float = 0.0  # simpo only: the target reward margin gamma (>= 0)
+
+    def validate(self, where: str) -> None:
+        if self.loss not in PREFERENCE_LOSSES:
+            raise ConfigError(f"{where}: dpo.loss {self.loss!r} is not one of {', '.join(PREFERENCE_LOSSES)}")
+        if not self.beta > 0:
+            raise ConfigError(f"{where}: dpo.beta must be > 0, got {self.beta} (it scales the reward; OLMo 3 Instruct used 5 with dpo_norm)")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"{where}: dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss == "ipo":
+            raise ConfigError(f"{where}: dpo.label_smoothing {self.label_smoothing} has no meaning for dpo.loss ipo (a squared loss)")
+        if self.simpo_gamma < 0:
+            raise ConfigError(f"{where}: dpo.simpo_gamma must be >= 0, got {self.simpo_gamma}")
+        if self.simpo_gamma and self.loss != "simpo":
+            raise ConfigError(f"{where}: dpo.simpo_gamma {self.simpo_gamma} is used by dpo.loss simpo only (loss is {self.loss!r})")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss compares against the starting model (every kind but simpo)."""
+        return self.loss != "simpo"
+
+
+@dataclass
 class TrainConfig:
     run_dir: str = "runs/default"
     seed: int = 0
@@ -165,6 +196,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dpo: DPOConfig | None = None  # preference tuning; required with (and only with) preference data
     source: str = field(default="<defaults>", metadata={"internal": True})  # where it was read from, for messages
     path: str | None = field(default=None, metadata={"internal": True})  # the YAML file, when read from one
 
@@ -266,6 +298,11 @@ class TrainConfig:
         sp = self.parallel.sequence_parallel_size
         if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
             raise ConfigError(f"{where}: parallel.sequence_parallel_size must be a positive integer, got {sp!r}")
+        if self.dpo is not None:
+            self.dpo.validate(where)
+            if sp > 1:
+                raise ConfigError(f"{where}: dpo with parallel.sequence_parallel_size {sp}: a reply's log-probability is a sum over "
+                                  f"its whole row, which sequence parallelism splits over ranks; use 1")
         problems = sequence_parallel_problems(sp, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, seq_len=b.seq_len)
         if problems:
             raise ConfigError(f"{where}: parallel.sequence_parallel_size {sp}: " + "; ".join(problems))

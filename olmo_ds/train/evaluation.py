@@ -19,10 +19,11 @@ from olmo_ds.data.config import SourceConfig
 from olmo_ds.data.loader import validation_batches
 from olmo_ds.eval.multiple_choice import evaluate_tasks, prepare_tasks
 from olmo_ds.eval.perplexity import evaluate_perplexity, token_byte_lengths
+from olmo_ds.eval.preference import evaluate_preference
 from olmo_ds.eval.tasks import load_task, resolve_task
 from olmo_ds.train.config import ConfigError, TrainConfig
 
-def _val_sources(cfg: TrainConfig) -> list[SourceConfig]:
+def val_sources(cfg: TrainConfig) -> list[SourceConfig]:
     """`data.val_sources`, else each training source's `val/` split where prepare_data wrote one."""
     if cfg.data.val_sources:
         return cfg.data.val_sources
@@ -43,11 +44,13 @@ class InLoopEvaluator:
         # Without a tokenizer there are no byte lengths: bits-per-byte is then not reported.
         self.token_bytes = token_byte_lengths(tokenizer) if tokenizer is not None else np.zeros(vocab_size, dtype=np.int64)
         self.val: list[tuple[str, list[dict]]] = []
-        for src in _val_sources(cfg):
+        # Preference pairs (a `dpo:` run): the preference metrics, against the reference the trainer hands over.
+        self.preference: tuple[object, dict] | None = None
+        for src in val_sources(cfg):
             name = src.name or Path(src.path).name
             try:
                 stream = validation_batches(src, self.seq_len, cfg.batch.micro_batch_size, rank, world_size,
-                                            long_docs=cfg.data.long_conversations)
+                                            long_docs=cfg.data.long_conversations, long_pairs=cfg.data.long_pairs)
             except (FileNotFoundError, ValueError) as err:
                 raise ConfigError(f"{cfg.source}: eval: validation source {src.path}: {err}") from None
             # Every rank gets the same number of batches from validation_batches; a prefix keeps that.
@@ -74,6 +77,9 @@ class InLoopEvaluator:
         validation source, `eval/tasks/{requests_per_s,request_tokens_per_s,forward_tokens_per_s,seconds}`."""
         metrics: dict[str, float] = {}
         for name, batches in self.val:
+            if self.preference is not None:
+                metrics.update(self._preference_metrics(engine, name, batches))
+                continue
             r = evaluate_perplexity(engine, batches, self.token_bytes, split=False, batching=self.batching)
             metrics[f"eval/{name}/loss"] = r.ce_loss
             metrics[f"eval/{name}/ppl"] = r.perplexity
@@ -94,3 +100,19 @@ class InLoopEvaluator:
             metrics["eval/tasks/forward_tokens_per_s"] = st["forward_tokens_per_second"]
             metrics["eval/tasks/seconds"] = st["score_seconds"]
         return metrics
+
+    def use_reference(self, cache, settings: dict) -> None:
+        """Score the validation pairs with the preference metrics (`olmo_ds.eval.preference`): `cache` is the run's
+        `ReferenceCache` (None for simpo), `settings` the loss's (kind, beta, label smoothing, simpo gamma)."""
+        self.preference = (cache, settings)
+
+    def _preference_metrics(self, engine, name: str, batches: list[dict]) -> dict[str, float]:
+        cache, settings = self.preference
+        reference = None
+        if cache is not None:
+            if name not in cache.val:
+                raise ConfigError(f"eval: validation source {name!r} has no reference in the run's cache (it has: "
+                                  f"{', '.join(cache.val) or 'none'}); the validation sources changed since the reference pass")
+            reference = cache.val[name].lookup
+        r = evaluate_preference(engine, batches, reference, device=getattr(engine, "device", None), **settings)
+        return {f"eval/{name}/{k}": v for k, v in r.items()}

@@ -237,6 +237,8 @@ def console_line(step: int, max_steps: int, m: dict[str, float], eta_s: float) -
     ]
     if m.get("train/trained_tokens") is not None:  # fine-tuning
         parts.append(f"trained {m['train/trained_tokens']:,} tok, packing {100 * m['data/packing_efficiency']:.1f}%")
+    if m.get("rewards/accuracy") is not None:  # preference tuning
+        parts.append(f"{m['train/pairs']} pairs, acc {m['rewards/accuracy']:.3f}, margin {m['rewards/margin']:.3f}")
     if m.get("perf/mfu") is not None:
         parts.append(f"MFU {100 * m['perf/mfu']:.1f}%")
     parts.append(f"data {100 * m['perf/data_wait_fraction']:.1f}%")

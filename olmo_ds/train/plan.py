@@ -40,7 +40,9 @@ from olmo_ds.train.launch import DistEnv, detect_environment, normalize_cuda_arc
 from olmo_ds.train.memory import MicroBatchChoice, choose_micro_batch
 from olmo_ds.train.metrics import roll_back_metrics, setup_console_logging
 from olmo_ds.train.parallel import ParallelLayout
+from olmo_ds.train.preference import reference_identity
 from olmo_ds.train.preflight import check_launch
+from olmo_ds.checkpoint.reference import ReferenceCacheError, load_reference, reference_dir, reference_exists
 from olmo_ds.train.run_lock import RunDirLock, lock_run_dir
 
 log = logging.getLogger("olmo_ds")
@@ -137,6 +139,7 @@ def _plan(cfg: TrainConfig, env: DistEnv, run_dir: Path, run_lock: RunDirLock | 
     elif load_optimizer:  # the optimizer state must fit as a resume's would
         check_resume(init_from.train_state, model, env.world_size, init_from.directory, deepspeed.zero,
                      frozenset(cfg.init_from.allow_changes))
+    check_preference(cfg, loader, run_dir, resume_dir, resume_state)
     evaluator = InLoopEvaluator(cfg, tokenizer, vocab, env.rank, env.world_size) if cfg.eval.every else None
     if env.rank == 0 and resume not in (None, "none"):  # last: a refused resume moves nothing
         continue_metrics(run_dir, resume_state["step"] if resume_state else 0, resume_dir)
@@ -146,6 +149,41 @@ def _plan(cfg: TrainConfig, env: DistEnv, run_dir: Path, run_lock: RunDirLock | 
                    resume_dir=resume_dir, resume_state=resume_state, init_from=init_from,
                    init_state_fingerprint=_file_fingerprint(init_from.directory / ckpt.TRAIN_STATE) if load_optimizer else None,
                    evaluator=evaluator, run_lock=run_lock)
+
+
+def check_preference(cfg: TrainConfig, loader: DataLoader, run_dir: Path, resume_dir: Path | None, resume_state: dict | None) -> None:
+    """Preference data and the `dpo:` section come together, and the reference is decided: a resume reuses the run's
+    cache, verified here against the data and the starting model its checkpoint records (never recomputed); a new
+    run needs `init_from` (the starting model is the reference) and computes it once its weights are loaded
+    (`olmo_ds.train.preference.prepare_reference`, which reuses a cache it verifies, e.g. of a start that stopped
+    before its first checkpoint)."""
+    where = cfg.source
+    sources = ", ".join(s.path for s in cfg.data.sources)
+    if loader.preference and cfg.dpo is None:
+        raise ConfigError(f"{where}: data.sources ({sources}) are preference pairs, which train with DPO: add a dpo: section "
+                          f"(e.g. dpo: {{loss: dpo, beta: 0.1}}; docs/training.md, 'Preference-tune a fine-tuned model')")
+    if cfg.dpo is None:
+        return
+    if not loader.preference:
+        raise ConfigError(f"{where}: the dpo: section needs preference data, but data.sources ({sources}) are "
+                          f"{'fine-tuning conversations' if loader.masked else 'pretraining text'}; prepare pairs with "
+                          f"prepare_data.py --format preference, or remove dpo:")
+    if not cfg.dpo.needs_reference:
+        return
+    cache = reference_dir(run_dir)
+    if resume_state is not None:
+        if not reference_exists(cache):
+            raise ConfigError(f"{cache}: missing, but {resume_dir} continues a dpo.loss {cfg.dpo.loss} run; a resume never recomputes "
+                              f"the reference (the weights are no longer the starting model's): restore {cache}")
+        started = (resume_state.get("init_from") or {}).get("fingerprint") or ""
+        try:
+            load_reference(cache, reference_identity(cfg, loader.fingerprint, started))
+        except ReferenceCacheError as e:
+            raise ConfigError(f"{cfg.source}: resuming {resume_dir}: {e}") from None
+        log.info("reference: %s verified against %s; the resume reuses it", cache, resume_dir)
+    elif not cfg.init_from.path:
+        raise ConfigError(f"{where}: dpo.loss {cfg.dpo.loss} compares the policy with the model it starts from: set init_from.path "
+                          f"to an SFT checkpoint or released weights (or use dpo.loss simpo, which has no reference)")
 
 
 def claim_run_dir(run_dir: Path, resume: str | None, start_over: bool, rank: int) -> RunDirLock | None:

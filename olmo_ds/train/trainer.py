@@ -53,6 +53,7 @@ from olmo_ds.train.objective import NextTokenLoss
 from olmo_ds.train.optim import param_groups, set_lr
 from olmo_ds.train.parallel import sequence_group
 from olmo_ds.train.plan import RunPlan, plan_run
+from olmo_ds.train.preference import PreferenceLoss
 from olmo_ds.train.schedule import lr_at
 
 log = logging.getLogger("olmo_ds")
@@ -116,8 +117,11 @@ class Trainer:
 
         self.step = 0
         self.tokens_seen = 0
-        self.objective = NextTokenLoss(masked=bool(getattr(self.loader, "masked", False)), sp=self.sp, layout=self.layout,
-                                       z_loss_coef=cfg.optim.z_loss, device=self.device)
+        if cfg.dpo is not None:  # preference pairs (the plan checked they come together)
+            self.objective = PreferenceLoss(cfg, world_size=self.world_size, device=self.device)
+        else:
+            self.objective = NextTokenLoss(masked=bool(getattr(self.loader, "masked", False)), sp=self.sp, layout=self.layout,
+                                           z_loss_coef=cfg.optim.z_loss, device=self.device)
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
         self.last_finite_step: int | None = None  # this process's last step with a finite loss and gradient norm
@@ -131,6 +135,9 @@ class Trainer:
                 load_engine_state(self.engine, self.init_info.directory, self.init_info.train_state, self.rank, self.world_size)
                 self.init_record = init_record(cfg.init_from, self.init_info, plan.init_state_fingerprint)
             seed_everything(cfg.seed + self.rank)  # per-rank streams for anything stochastic after init
+        if cfg.dpo is not None:  # the engine holds the starting weights (a new run) or the cache exists (a resume)
+            self.objective.prepare(plan, self.engine, model_fingerprint=(self.init_record or {}).get("fingerprint"),
+                                   resumed=self.resume_state is not None)
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, resume: str | None = None, start_over: bool = False) -> Trainer:
@@ -473,7 +480,7 @@ class Trainer:
         metrics = self.evaluator(self.engine)
         logger.log(self.step, metrics)
         shown = " | ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in metrics.items()
-                           if k.endswith(("/loss", "/ppl", "/bpb", "/acc_per_char", "/request_tokens_per_s")))
+                           if k.endswith(("/loss", "/ppl", "/bpb", "/acc_per_char", "/request_tokens_per_s", "/rewards/accuracy")))
         log.info("eval step %d | %s | %.1fs", self.step, shown, time.perf_counter() - t0)
         return metrics
 
@@ -517,7 +524,7 @@ class Trainer:
         metrics = {
             "train/loss": loss,
             "train/ppl": float(np.exp(min(loss, 50.0))),
-            "train/z_loss": m["z_loss"],
+            "train/z_loss": m.get("z_loss"),
             "train/lr": m["lr"],
             "train/grad_norm": m["grad_norm"],
             "train/global_batch_size": m["global_batch_size"],

@@ -45,9 +45,11 @@ def resume_point(next_record: int, state: dict) -> dict:
 class SplitWriter:
     """The shards of one split (train or val), skipping documents already in complete shards."""
 
-    def __init__(self, directory: Path, shard_tokens: int, vocab_size: int, eos_id: int, next_index: int, resume_pos: int, masked: bool = False):
+    def __init__(self, directory: Path, shard_tokens: int, vocab_size: int, eos_id: int, next_index: int, resume_pos: int, masked: bool = False,
+                 preference: bool = False):
         self.directory = directory
-        self.sharded = shards.ShardedWriter(directory, shard_tokens, vocab_size=vocab_size, eos_id=eos_id, next_index=next_index, masked=masked)
+        self.sharded = shards.ShardedWriter(directory, shard_tokens, vocab_size=vocab_size, eos_id=eos_id, next_index=next_index, masked=masked,
+                                            preference=preference)
         self.resume_pos = resume_pos  # documents before this input position are already in complete shards
 
     @property

@@ -219,16 +219,21 @@ def _prepare_output(out: Path, ident: dict) -> str:
 
 def _copy_split(sources: list[tuple[Path, shards.Manifest]], directory: Path, shard_tokens: int, m: shards.Manifest) -> None:
     """Feed every document of `sources`, in order, to one `ShardedWriter`, checking each source
-    shard's sha256 (and its loss mask's, for conversations: the masks are re-cut with the ids) as it is read."""
+    shard's sha256 (and its loss mask's, for conversations: the masks are re-cut with the ids) as it is read.
+    Preference pairs are fed whole (a block ends between pairs), so the writer cuts shards as the single run did."""
     directory.mkdir(parents=True, exist_ok=True)
     masked = any(manifest.masked for _, manifest in sources)
-    writer = shards.ShardedWriter(directory, shard_tokens, vocab_size=m.vocab_size, eos_id=m.eos_id, masked=masked)
+    pairs = any(manifest.preference for _, manifest in sources)
+    writer = shards.ShardedWriter(directory, shard_tokens, vocab_size=m.vocab_size, eos_id=m.eos_id, masked=masked, preference=pairs)
     try:
         for src_dir, manifest in sources:
             for name in manifest.shards:
                 meta = shards.ShardMeta.load((src_dir / name).with_suffix(".json"))
                 if meta.masked != masked:
                     raise MergeError(f"{src_dir / name}: {'has' if meta.masked else 'lacks'} a loss mask, unlike the other parts' shards; the parts are not of one run")
+                if meta.is_preference != pairs or (pairs and meta.num_docs % 2):
+                    raise MergeError(f"{src_dir / name}: preference {meta.preference} for {meta.num_docs} documents, unlike the other parts' "
+                                     "shards of whole pairs; the parts are not of one run")
                 tokens = shards.open_tokens(src_dir / meta.bin, meta)
                 loss_mask = shards.open_mask(src_dir / meta.mask, meta) if masked else None
                 offsets = np.asarray(shards.load_offsets(src_dir / meta.offsets))
@@ -236,6 +241,8 @@ def _copy_split(sources: list[tuple[Path, shards.Manifest]], directory: Path, sh
                 d = 0
                 while d < meta.num_docs:
                     e = max(int(np.searchsorted(offsets, offsets[d] + BLOCK_TOKENS, side="right")) - 1, d + 1)
+                    if pairs:
+                        e = min(e + e % 2, meta.num_docs)  # whole pairs (d is even)
                     block = np.asarray(tokens[offsets[d] : offsets[e]])
                     digest.update(block.tobytes())
                     block_mask = None
@@ -263,7 +270,7 @@ def _merged_logs(parts: list[Part], key: str) -> SkipLog:
 
 def _extra(template: dict, parts: list[Part], skipped: SkipLog, noted: SkipLog) -> dict:
     extra = copy.deepcopy(template)
-    for key in ("partition", "split", "pad_id", "val", "masked", "trained_tokens"):  # written anew by the merge or by write_manifest
+    for key in ("partition", "split", "pad_id", "val", "masked", "trained_tokens", "preference", "pairs"):  # written anew by the merge or by write_manifest
         extra.pop(key, None)
     extra["skipped"], extra["noted"] = skipped.to_dict(), noted.to_dict()
     backends = [p.manifest.extra.get("tokenizer_backend") for p in parts]

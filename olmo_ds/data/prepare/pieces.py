@@ -116,6 +116,7 @@ class ShardJob:
     segments: list[tuple[str, int, int, np.ndarray]]  # (piece file, first id, end id, its documents' lengths)
     extra: dict | None  # the resume point, stored in the shard's metadata, on the part that closes it; None: more parts follow
     masked: bool = False  # conversations: each piece has its loss mask beside it (`mask_piece`)
+    preference: bool = False  # preference pairs: the shard's documents are (chosen, rejected) pairs
 
     @property
     def shard(self) -> tuple[str, int]:
@@ -161,7 +162,7 @@ def write_shard_job(job: ShardJob) -> ShardJob:
     """Append the part's piece ranges to its shard through `ShardWriter` (opened by the first part,
     kept open in this worker for the next), in blocks of whole documents; close it on the last part."""
     writer = _writers.pop(job.shard, None) or shards.ShardWriter(Path(job.directory), job.index, vocab_size=job.vocab_size, eos_id=job.eos_id,
-                                                                 masked=job.masked)
+                                                                 masked=job.masked, preference=job.preference)
     try:
         for path, first, end, lens in job.segments:
             ids = np.memmap(path, dtype=writer.dtype, mode="r", offset=first * writer.dtype.itemsize, shape=(end - first,))
@@ -191,9 +192,11 @@ class PieceSplit:
     Each piece's share of a shard is a `ShardJob` at once, so a shard is written while it fills,
     and what is left when the last file is tokenized is that file's share and the closing."""
 
-    def __init__(self, directory: Path, shard_tokens: int, vocab_size: int, eos_id: int, next_index: int, resume_pos: int, masked: bool = False):
+    def __init__(self, directory: Path, shard_tokens: int, vocab_size: int, eos_id: int, next_index: int, resume_pos: int, masked: bool = False,
+                 preference: bool = False):
         self.directory = directory
         self.masked = masked
+        self.preference = preference  # cut only between pairs (`ShardCutter.feed_pairs`)
         self.cutter = shards.ShardCutter(shard_tokens)
         self.vocab_size, self.eos_id = vocab_size, eos_id
         self.next_index = next_index
@@ -209,7 +212,7 @@ class PieceSplit:
         base = int(ends[first - 1]) if first else 0
         lens, positions, ends = lens[first:], positions[first:], ends[first:]
         jobs, start = [], 0
-        for k in [*self.cutter.feed(lens), len(lens)]:
+        for k in [*(self.cutter.feed_pairs(lens) if self.preference else self.cutter.feed(lens)), len(lens)]:
             if k > start:
                 self.open.append((piece, int(ends[start - 1]) if start else base, int(ends[k - 1]), lens[start:k]))
             if k < len(lens):
@@ -223,7 +226,7 @@ class PieceSplit:
 
     def _part(self, extra: dict | None) -> ShardJob:
         """The open segments as the next part of shard `next_index`; `extra`: it closes with them."""
-        job = ShardJob(str(self.directory), self.next_index, self.vocab_size, self.eos_id, self.open, extra, self.masked)
+        job = ShardJob(str(self.directory), self.next_index, self.vocab_size, self.eos_id, self.open, extra, self.masked, self.preference)
         self.open = []
         self.opened = extra is None
         self.next_index += extra is not None

@@ -29,6 +29,10 @@ each followed by EOS, whatever the number of workers. Hence the design:
 - Conversations (`format="chat"`, `conversations`): each record's `messages` rendered with a chat
   template into one document ending in its EOS, with a loss mask that travels beside the ids
   through every writer above (blocks, pieces, the partition merge) into masked shards.
+- Preference pairs (`format="preference"`, `preferences`): each record's `chosen` and `rejected`
+  conversations rendered so, each masked to its final reply, as two adjacent documents of one input
+  position; the writers cut shards only between pairs (`shards.ShardCutter.feed_pairs`). A pair longer
+  than `max_tokens` stops the run here (`long_pairs="refuse"`) or is skipped (`drop`).
 
 This module is the coordinating process; what a worker process does (parse, tokenize, check the
 fast backend) is `worker`.
@@ -53,9 +57,10 @@ import olmo_ds
 from olmo_ds.atomic import atomic_write_json
 from olmo_ds.chat import MASKS, ChatEncoder, load_chat_template
 from olmo_ds.data import shards
+from olmo_ds.data.packing import LONG_PAIRS
 from olmo_ds.data.prepare import partition, readers
 from olmo_ds.data.prepare.backend import check_texts, choose, early_parse, fast_candidate
-from olmo_ds.data.prepare.conversations import LONG_CONVERSATIONS, POLICY_REASONS, template_sha256
+from olmo_ds.data.prepare.conversations import LONG_CONVERSATIONS, POLICY_REASONS, TOO_LONG, template_sha256
 from olmo_ds.data.prepare.output import (
     STATE_FILE,
     VAL_DIR,
@@ -132,13 +137,15 @@ class PrepareConfig:
     # workers' pieces, `pieces`), "blocks" (~1 MiB blocks handed out by this process, which
     # decompresses compressed files itself), or "auto": files when there are many (`work_unit`).
     work_unit: str = "auto"
-    # "text" (documents) or "chat" (conversations → masked shards, `conversations`). The chat options
-    # are None unless given, so that one given with --format text can be refused by name.
+    # "text" (documents), "chat" (conversations → masked shards, `conversations`) or "preference" (pairs of
+    # conversations → preference shards, `preferences`). The chat and pair options are None unless given,
+    # so that one given with a format it means nothing for can be refused by name.
     format: str = "text"
     chat_template: str | None = None  # built-in name, tokenizer_config.json, directory or Jinja file; None: the one beside the tokenizer
     chat_mask: str | None = None  # "assistant" (default) | "all" | "last"
     max_tokens: int | None = None
     long_conversations: str | None = None  # "drop" (default) | "truncate"
+    long_pairs: str | None = None  # "refuse" (default) | "drop": a pair longer than max_tokens (both sides) stops the run or is skipped
     _chat: dict | None = dataclasses.field(default=None, repr=False)  # settled by `_resolve_chat` before any work
 
     def validate(self) -> None:
@@ -163,24 +170,38 @@ class PrepareConfig:
                 raise PrepareError(f"--partition {i}/{m}: expected I/M with 0 <= I < M")
 
     def _validate_format(self) -> None:
-        if self.format not in ("text", "chat"):
-            raise PrepareError(f"--format must be text or chat, got {self.format!r}")
+        if self.format not in ("text", "chat", "preference"):
+            raise PrepareError(f"--format must be text, chat or preference, got {self.format!r}")
         given = {"--chat-template": self.chat_template, "--mask": self.chat_mask, "--max-tokens": self.max_tokens,
                  "--long-conversations": self.long_conversations}
+        if self.long_pairs is not None and self.format != "preference":
+            raise PrepareError(f"--long-pairs is for preference pairs: it needs --format preference (this run prepares {self.format} data)")
         if self.format == "text":
             for flag, value in given.items():
                 if value is not None:
-                    raise PrepareError(f"{flag} is for conversations: it needs --format chat (this run prepares text documents)")
+                    also = " or --format preference" if flag in ("--chat-template", "--max-tokens") else ""
+                    raise PrepareError(f"{flag} is for conversations: it needs --format chat{also} (this run prepares text documents)")
             return
+        what = "each record's 'chosen' and 'rejected' lists" if self.format == "preference" else "each record's 'messages' list"
         if self.text_field != "text":
-            raise PrepareError(f"--text-field {self.text_field!r}: --format chat reads each record's 'messages' list, not a text field")
+            raise PrepareError(f"--text-field {self.text_field!r}: --format {self.format} reads {what}, not a text field")
         if self.eos_token is not None:
-            raise PrepareError("--eos-token: --format chat ends each conversation with the chat template's own EOS, appends none")
+            raise PrepareError(f"--eos-token: --format {self.format} ends each conversation with the chat template's own EOS, appends none")
         if self.match_special_tokens:
-            raise PrepareError("--match-special-tokens: with --format chat only the template's own markers become special ids; "
+            raise PrepareError(f"--match-special-tokens: with --format {self.format} only the template's own markers become special ids; "
                                "special-token text inside content always stays text")
         if self.tokenizer_backend == "fast":
-            raise PrepareError("--tokenizer-backend fast: --format chat encodes with HF tokenizers (it needs their offsets); use auto or hf")
+            raise PrepareError(f"--tokenizer-backend fast: --format {self.format} encodes with HF tokenizers (it needs their offsets); use auto or hf")
+        if self.format == "preference":
+            if self.chat_mask is not None:
+                raise PrepareError("--mask: --format preference trains each side's final assistant reply only (--mask is for --format chat)")
+            if self.long_conversations is not None:
+                raise PrepareError("--long-conversations: a pair is never cut (its replies are what is compared); with --format preference "
+                                   "--long-pairs refuse|drop says what a pair longer than --max-tokens does")
+            if self.long_pairs is not None and self.long_pairs not in LONG_PAIRS:
+                raise PrepareError(f"--long-pairs must be one of {', '.join(LONG_PAIRS)}, got {self.long_pairs!r}")
+            if self.long_pairs is not None and self.max_tokens is None:
+                raise PrepareError("--long-pairs needs --max-tokens N (the length of a pair, both sides together, that is refused or dropped)")
         if self.chat_mask is not None and self.chat_mask not in MASKS:
             raise PrepareError(f"--mask must be one of {', '.join(MASKS)}, got {self.chat_mask!r}")
         if self.long_conversations is not None and self.long_conversations not in LONG_CONVERSATIONS:
@@ -291,8 +312,12 @@ def _settings(cfg: PrepareConfig) -> dict:
     settings = {"text_field": cfg.text_field, "shard_tokens": cfg.shard_tokens, "val_fraction": cfg.val_fraction}
     if cfg.partition is not None:
         settings["partition"] = list(cfg.partition)
-    if cfg.format == "chat":
-        settings["chat"] = {k: v for k, v in _chat_record(cfg).items() if k != "template"}  # the template by content, wherever it lies
+    if cfg.format in ("chat", "preference"):
+        # The template by content, wherever it lies. `long_pairs` is not here: `refuse` stops at the first long
+        # pair, so the shards it completed are those `drop` writes, and a rerun with `drop` resumes them.
+        settings["chat"] = {k: v for k, v in _chat_record(cfg).items() if k != "template"}
+    if cfg.format == "preference":  # else a chat run with --mask last would share its identity (chat's own keys stay as they were)
+        settings["format"] = "preference"
     return settings if cfg.match_special_tokens else settings | {"special_tokens": "as_text"}
 
 
@@ -302,6 +327,11 @@ def _chat_record(cfg: PrepareConfig) -> dict:
     return dict(cfg._chat)
 
 
+def _pair_length(cfg: PrepareConfig) -> dict:
+    """What a run of preference pairs records beside `_chat_record`: the length rule of a pair (both sides together)."""
+    return {"max_tokens": cfg.max_tokens, "long_pairs": (cfg.long_pairs or "refuse") if cfg.max_tokens else None}
+
+
 def _resolve_chat(cfg: PrepareConfig, tok) -> object:
     """Load the chat template (checked against the tokenizer before any work) and settle the chat
     options; returns the template."""
@@ -309,19 +339,21 @@ def _resolve_chat(cfg: PrepareConfig, tok) -> object:
     if spec is None:
         beside = Path(tok.path).parent / "tokenizer_config.json"
         if not (beside.is_file() and "chat_template" in json.loads(beside.read_text(encoding="utf-8"))):
-            raise PrepareError(f"--format chat needs a chat template and {tok.path} has no tokenizer_config.json with a 'chat_template' beside it; "
+            raise PrepareError(f"--format {cfg.format} needs a chat template and {tok.path} has no tokenizer_config.json with a 'chat_template' beside it; "
                                "pass --chat-template olmo3 (OLMo 3's, built in), a tokenizer_config.json, a directory or a Jinja file")
         spec = str(beside)
     elif Path(spec).exists():
         spec = str(Path(spec).resolve())
+    pairs = cfg.format == "preference"
+    mask = "last" if pairs else cfg.chat_mask or "assistant"  # a pair's side trains its final reply only
     try:
         template = load_chat_template(spec, tok)
-        ChatEncoder(template, tok, mask=cfg.chat_mask or "assistant")
+        ChatEncoder(template, tok, mask=mask)
     except (OSError, ValueError) as e:
         raise PrepareError(f"--chat-template {cfg.chat_template or spec}: {e}") from e
     cfg._chat = {"template": spec, "template_sha256": template_sha256(template), "template_tokens": dict(template.tokens),
-                 "mask": cfg.chat_mask or "assistant", "max_tokens": cfg.max_tokens,
-                 "long_conversations": (cfg.long_conversations or "drop") if cfg.max_tokens else None, "special_token_text": "escape"}
+                 "mask": mask, "max_tokens": cfg.max_tokens,
+                 "long_conversations": (cfg.long_conversations or "drop") if cfg.max_tokens and not pairs else None, "special_token_text": "escape"}
     return template
 
 
@@ -332,14 +364,14 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     try:
         files = readers.resolve_inputs(list(cfg.inputs))
         for f in files:
-            readers.check_input(f, cfg.text_field, chat=cfg.format == "chat")
+            readers.check_input(f, cfg.text_field, chat=cfg.format == "chat", preference=cfg.format == "preference")
         lo, hi = partition.file_range(files, cfg.partition) if cfg.partition else (0, len(files))
     except (OSError, ValueError) as e:
         raise PrepareError(str(e)) from e
     if all(f.stat().st_size == 0 for f in files):
         raise PrepareError(f"no documents to prepare: every input file is empty (0 bytes): {_some(files)}; nothing was written")
     clock.mark("inputs")
-    chat = cfg.format == "chat"
+    chat = cfg.format in ("chat", "preference")
     _single_threaded()
     threads_before = _thread_count()
     try:
@@ -351,7 +383,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     tok.split_special_tokens = not cfg.match_special_tokens
     if chat:
         if tok.kind != "hf":
-            raise PrepareError(f"--tokenizer {cfg.tokenizer}: --format chat needs an HF tokenizer.json (its special tokens and offsets), not a {tok.kind} model")
+            raise PrepareError(f"--tokenizer {cfg.tokenizer}: --format {cfg.format} needs an HF tokenizer.json (its special tokens and offsets), not a {tok.kind} model")
         _resolve_chat(cfg, tok)
     clock.mark("tokenizer")
     out = Path(cfg.output)
@@ -370,7 +402,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
                 not cfg.match_special_tokens, special_token_texts(tok))
     if chat:
         c = cfg._chat
-        spec = dataclasses.replace(spec, format="chat", chat_template=c["template"], chat_mask=c["mask"], max_tokens=c["max_tokens"],
+        spec = dataclasses.replace(spec, format=cfg.format, chat_template=c["template"], chat_mask=c["mask"], max_tokens=c["max_tokens"],
                                    long_conversations=c["long_conversations"] or "drop")
     loaded_tokenizers[spec] = fast or tok
     loaded_tokenizers[dataclasses.replace(spec, backend="hf")] = tok  # the check's reference; forked workers inherit both
@@ -401,6 +433,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
         result.layout = workers.layout()
         if chat:
             result.conversations = True
+            result.pairs = cfg.format == "preference"
     clock.mark("stop workers")
     result.check_seconds, result.total_seconds, result.phases = check_seconds, sum(clock.seconds.values()), clock.seconds
     return result
@@ -602,8 +635,8 @@ class _Run:
         """Blocks of ~1 MiB handed out in order; this process writes the shards (`SplitWriter`)."""
         lo, hi = self.part
         tok = self.tok
-        masked = self.cfg.format == "chat"
-        splits = {name: SplitWriter(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos, masked) for name, (d, k, pos) in resume.items()}
+        masked, pairs = self.cfg.format != "text", self.cfg.format == "preference"
+        splits = {name: SplitWriter(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos, masked, pairs) for name, (d, k, pos) in resume.items()}
         next_line = 1  # the file line where the next block of the current file starts
         try:
             for (fi, first_line, consumed), res in _ordered_results(_tasks(self.files, start, hi, self.cfg.chunk_bytes, self.train_from), workers):
@@ -631,8 +664,8 @@ class _Run:
         lo, hi = self.part
         tok, workers = self.tok, len(pool.procs)
         pieces = None if self.cfg.dry_run else Pieces(Path(self.cfg.output) / PIECES_DIR)
-        masked = self.cfg.format == "chat"
-        splits = {name: PieceSplit(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos, masked) for name, (d, k, pos) in resume.items()}
+        masked, pairs = self.cfg.format != "text", self.cfg.format == "preference"
+        splits = {name: PieceSplit(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos, masked, pairs) for name, (d, k, pos) in resume.items()}
         tasks = deque(plan_tasks(self.files, start, hi, workers, self.cfg.chunk_bytes, pieces.directory if pieces else None, self.train_from))
         by_index = {t.index: t for t in tasks}
         done: dict[int, PieceResult] = {}  # tokenized, waiting for the tasks before them
@@ -692,8 +725,15 @@ class _Run:
         """Hand a block's or a piece's documents to the split writers and count its skips and notes,
         in input order. `ids(split, sel)`: the split's ids and loss mask (or where they are) as the
         writer's keyword arguments, `sel` selecting the split's documents (None: all)."""
+        if self.cfg.format == "preference" and self.cfg.max_tokens and (self.cfg.long_pairs or "refuse") == "refuse":
+            long = [s for s in res.skips if s[1] == TOO_LONG]
+            if long:
+                pos, _, detail = long[0]
+                fi, line = split_position(pos)
+                raise PrepareError(f"{self.files[fi]}:{line}: a pair of {detail} (--long-pairs refuse). A pair is never cut: rerun "
+                                   "with --long-pairs drop to skip such pairs (counted; the complete shards are kept and the run resumes), "
+                                   "or with a larger --max-tokens (at most the training seq_len)")
         if self.cfg.strict:
-
             bad = [s for s in res.skips if s[1] not in POLICY_REASONS]
             if bad:
                 pos, reason, *detail = bad[0]
@@ -781,10 +821,12 @@ def _write_manifest(setup: _Setup, directory: Path, state: dict, split: str, val
         **state,
         "tokenizer_backend": setup.backend,
     }
-    if cfg.format == "chat":
-        extra["arguments"]["format"] = "chat"
-        extra["format"] = "chat"
+    if cfg.format in ("chat", "preference"):
+        extra["arguments"]["format"] = cfg.format
+        extra["format"] = cfg.format
         extra["chat"] = _chat_record(cfg)
+    if cfg.format == "preference":
+        extra["pair_length"] = _pair_length(cfg)
     if cfg.partition is not None:
         extra["partition"] = partition.record(files, cfg.partition)
     if val is not None:

@@ -45,6 +45,9 @@ EMPTY = "empty_document"
 SKIP_REASONS = (MALFORMED_JSON, MISSING_FIELD, NOT_A_STRING, INVALID_UTF8, EMPTY)
 MISSING_MESSAGES = "missing_messages"  # a conversation record (`--format chat`) without its `messages` field
 CHAT_FIELD = "messages"  # where a conversation record keeps its turns (open-instruct / Tulu 3 SFT data)
+PREFERENCE_FIELDS = ("chosen", "rejected")  # where a preference record (`--format preference`) keeps its two conversations
+NOT_AN_OBJECT = "not_an_object"  # a preference line that parses as JSON but is no object
+MISSING_SIDE = {"chosen": "missing_chosen", "rejected": "missing_rejected"}
 
 CHUNK_BYTES = 1 << 20
 
@@ -73,10 +76,14 @@ def _pyarrow_parquet(path: Path):
     return pq
 
 
-def check_input(path: Path, text_field: str, chat: bool = False) -> None:
+def check_input(path: Path, text_field: str, chat: bool = False, preference: bool = False) -> None:
     """Checks that need the text field, done for every file before any work: a Parquet file must be
-    readable and hold `text_field` as a string column (`chat`: a `messages` list column)."""
+    readable and hold `text_field` as a string column (`chat`: a `messages` list column; `preference`:
+    `chosen` and `rejected` list columns)."""
     if not is_parquet(path):
+        if preference and is_text_file(path):
+            raise ValueError(f"{path}: a .txt file holds no preference pairs; --format preference reads JSON lines or Parquet with "
+                             f"{' and '.join(map(repr, PREFERENCE_FIELDS))} fields")
         if chat and is_text_file(path):
             raise ValueError(f"{path}: a .txt file holds no conversations; --format chat reads JSON lines or Parquet with a {CHAT_FIELD!r} field")
         return
@@ -87,6 +94,15 @@ def check_input(path: Path, text_field: str, chat: bool = False) -> None:
         schema = pq.ParquetFile(path).schema_arrow
     except (OSError, pa.ArrowException) as e:
         raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+    if preference:
+        for name in PREFERENCE_FIELDS:
+            if name not in schema.names:
+                raise ValueError(f"{path}: no column {name!r} (columns: {', '.join(schema.names)}); --format preference reads pairs from "
+                                 f"{' and '.join(map(repr, PREFERENCE_FIELDS))}")
+            kind = schema.field(name).type
+            if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+                raise ValueError(f"{path}: column {name!r} holds {kind}, not lists of messages")
+        return
     if chat:
         if CHAT_FIELD not in schema.names:
             raise ValueError(f"{path}: no column {CHAT_FIELD!r} (columns: {', '.join(schema.names)}); --format chat reads conversations from it")
@@ -438,6 +454,36 @@ def load_chat_block(block: "Block") -> tuple[list[tuple[int, object, str | None]
         return records, len(rows), column.nbytes
     data = block.data if isinstance(block, InMemory) else read_range(block.path, block.start, block.end)
     records, newlines = _parse_chat(data)
+    return records, newlines, len(data)
+
+
+def _parse_preference(data: bytes) -> tuple[list[tuple[int, object, str | None]], int]:
+    """A block of preference records: `(line, (chosen, rejected), None)` per object holding both fields
+    (whatever they hold: `prepare.preferences` judges them), `(line, None, reason)` per skip."""
+    out = []
+    lines = data.split(b"\n")
+    for lineno, record, reason in _json_records(lines, 0):
+        if reason is None and not isinstance(record, dict):
+            reason = NOT_AN_OBJECT
+        if reason is None:
+            reason = next((MISSING_SIDE[k] for k in PREFERENCE_FIELDS if k not in record), None)
+        out.append((lineno, None, reason) if reason is not None else (lineno, tuple(record[k] for k in PREFERENCE_FIELDS), None))
+    return out, len(lines) - 1
+
+
+def load_preference_block(block: "Block") -> tuple[list[tuple[int, object, str | None]], int, int]:
+    """`load_chat_block` for preference pairs (`--format preference`): records `(line, (chosen, rejected), reason)`."""
+    if isinstance(block, RowGroup):
+        pq = _pyarrow_parquet(Path(block.path))
+        table = pq.ParquetFile(block.path).read_row_group(block.index, columns=list(PREFERENCE_FIELDS)).slice(block.skip)
+        sides = [table.column(k).to_pylist() for k in PREFERENCE_FIELDS]
+        records = []
+        for i, pair in enumerate(zip(*sides)):
+            missing = next((MISSING_SIDE[k] for k, v in zip(PREFERENCE_FIELDS, pair) if v is None), None)
+            records.append((i, None, missing) if missing else (i, pair, None))
+        return records, table.num_rows, table.nbytes
+    data = block.data if isinstance(block, InMemory) else read_range(block.path, block.start, block.end)
+    records, newlines = _parse_preference(data)
     return records, newlines, len(data)
 
 

@@ -74,6 +74,7 @@ class PrepareResult:
     total_seconds: float = 0.0  # the whole of `prepare`, from checking the inputs to the last manifest
     run_docs: int = 0  # documents written by this run (less than the totals after a resume)
     conversations: bool = False  # `--format chat`: the documents are conversations (the summary says conversations/s)
+    pairs: bool = False  # `--format preference`: documents 2i, 2i + 1 are a pair (the summary counts pairs too)
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds of each step of `prepare`, in order (`Phases`)
 
 
@@ -91,6 +92,10 @@ class Phases:
         now = time.perf_counter()
         self.seconds[step] = self.seconds.get(step, 0.0) + now - self.last
         self.last = now
+
+
+def _pairs(r: PrepareResult, docs: int) -> str:
+    return f" ({docs // 2:,} preference pairs)" if r.pairs else ""
 
 
 class Progress:
@@ -164,10 +169,10 @@ def format_summary(r: PrepareResult, dry_run: bool = False) -> str:
             lines.append(f"resumed from    {r.resumed_from}")
         lines += [
             f"input files     {len(r.files):,} ({sum(s.bytes for s in r.files) / 1e6:,.1f} MB on disk)",
-            f"train           {r.num_docs:,} docs, {r.num_tokens:,} tokens",
+            f"train           {r.num_docs:,} docs{_pairs(r, r.num_docs)}, {r.num_tokens:,} tokens",
         ]
         if r.val_docs or r.val_tokens:
-            lines.append(f"val             {r.val_docs:,} docs, {r.val_tokens:,} tokens")
+            lines.append(f"val             {r.val_docs:,} docs{_pairs(r, r.val_docs)}, {r.val_tokens:,} tokens")
         lines.append(f"shards          {r.num_shards:,}")
     lines.append(f"tokenizer       {r.backend}" + (f", run by {r.layout}" if r.layout else ""))
     lines.append(f"skipped         {sum(r.skipped.counts.values()):,} records")

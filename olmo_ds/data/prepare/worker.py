@@ -23,6 +23,7 @@ from olmo_ds.data.prepare.conversations import encode_records
 from olmo_ds.data.prepare.long_docs import encode_documents
 from olmo_ds.data.prepare.output import position, split_position
 from olmo_ds.data.prepare.pieces import PieceResult, ShardJob, Task, mask_piece, write_shard_job
+from olmo_ds.data.prepare.preferences import encode_pairs
 from olmo_ds.tokenizer import first_difference, load_tokenizer
 
 # Per worker process: the loaded tokenizer for a `Spec`, so each worker loads it once.
@@ -40,8 +41,9 @@ class Spec:
     val_fraction: float
     split_special_tokens: bool
     special_texts: tuple[str, ...]  # the special tokens' text, to count the documents holding any
-    # Conversations (`--format chat`, `prepare.conversations`); the defaults are the text path's.
-    format: str = "text"  # "text" | "chat"
+    # Conversations (`--format chat`, `prepare.conversations`) and preference pairs (`--format preference`,
+    # `prepare.preferences`); the defaults are the text path's.
+    format: str = "text"  # "text" | "chat" | "preference"
     chat_template: str | None = None  # what `load_chat_template` loads: a built-in name or a path
     chat_mask: str = "assistant"
     max_tokens: int | None = None
@@ -136,7 +138,7 @@ def process_chunk(spec: Spec, file_index: int, block: readers.Block, train_done:
     split's; `train_lines_done`). Those documents are not tokenized and not in the result; their
     skips and special-token notes are, since the counts a shard records start from the re-read."""
     tok = tokenizer_for(spec)
-    if spec.format == "chat":
+    if spec.format in ("chat", "preference"):
         return _chat_chunk(spec, tok, file_index, block, train_done)
     records, n_lines, text_bytes = readers.load_block(block, spec.text_field)
     base = position(file_index, 0)
@@ -166,18 +168,25 @@ def _split_and_keep(spec: Spec, texts: list[str], lines: np.ndarray, train_done:
 
 
 def _chat_chunk(spec: Spec, tok, file_index: int, block: readers.Block, train_done: int) -> ChunkResult:
-    """`process_chunk` for conversations: every record is encoded (its skip or note counts even where
-    its document is already in a complete shard), then the documents before `train_done` are left out."""
-    records, n_lines, text_bytes = readers.load_chat_block(block)
+    """`process_chunk` for conversations (and preference pairs): every record is encoded (its skip or note
+    counts even where its documents are already in a complete shard), then the records before `train_done`
+    are left out. A pair is one record of two documents (chosen, rejected): both carry its input position
+    and its split, so nothing downstream can separate them."""
+    pairs = spec.format == "preference"
+    load, encode = (readers.load_preference_block, encode_pairs) if pairs else (readers.load_chat_block, encode_records)
+    records, n_lines, text_bytes = load(block)
     base = position(file_index, 0)
     dtype = shards.dtype_for_vocab(tok.vocab_size)
-    lines, tokens, doc_lens, mask, skips, special, notes, texts = encode_records(spec, tok, records, base, dtype)
-    is_val, keep = _split_and_keep(spec, texts, lines, train_done)
+    lines, tokens, doc_lens, mask, skips, special, notes, texts = encode(spec, tok, records, base, dtype)
+    is_val, keep = _split_and_keep(spec, texts, lines, train_done)  # per record
+    per_record = 2 if pairs else 1
     if keep is not None:
-        token_keep = np.repeat(keep, doc_lens)
-        tokens, mask, doc_lens, lines = tokens[token_keep], mask[token_keep], doc_lens[keep], lines[keep]
+        doc_keep = np.repeat(keep, per_record)
+        token_keep = np.repeat(doc_keep, doc_lens)
+        tokens, mask, doc_lens, lines = tokens[token_keep], mask[token_keep], doc_lens[doc_keep], lines[keep]
         is_val = None if is_val is None else is_val[keep]
-    return ChunkResult(file_index, tokens, doc_lens, base + lines, is_val, skips, base + special, text_bytes, n_lines, mask, notes)
+    positions, is_val = np.repeat(base + lines, per_record), None if is_val is None else np.repeat(is_val, per_record)
+    return ChunkResult(file_index, tokens, doc_lens, positions, is_val, skips, base + special, text_bytes, n_lines, mask, notes)
 
 
 def _tokenize_task(spec: Spec, task: Task) -> PieceResult:
