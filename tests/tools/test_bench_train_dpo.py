@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from tests.train.train_testlib import ROOT, run
 
 SCRIPT = ROOT / "scripts" / "bench_train.py"
@@ -14,6 +16,7 @@ TINY = ["--preset", "tiny", "--seq-len", "128", "--micro-batch-size", "2", "--gr
         "--model-set", "d_model=32", "--model-set", "n_heads=2", "--model-set", "n_kv_heads=1", "--model-set", "mlp_hidden=64"]
 
 
+@pytest.mark.slow
 def test_dpo_mode_times_the_dpo_step_the_reference_pass_and_sft_on_the_same_data(tmp_path):
     out = tmp_path / "r.json"
     proc = run([sys.executable, str(SCRIPT), *TINY, "--work-dir", str(tmp_path), "--no-reference", "--no-deepspeed", "--dpo",

@@ -112,6 +112,12 @@ def encode_records(spec, tokenizer, records: list, base: int, dtype: np.dtype):
             special.append(line)
         if spec.val_fraction > 0:
             texts.append(conversation_text(messages))
+    return block_result(lines, ids, masks, skips, special, notes, texts, dtype)
+
+
+def block_result(lines: list[int], ids: list, masks: list, skips: list, special: list[int], notes: list, texts: list, dtype):
+    """A block's documents as the pipeline takes them: (kept lines, their ids and lengths, their loss mask, skips in
+    line order, lines with special-token text, notes, texts for the validation split's hash)."""
     skips.sort(key=lambda s: s[0])
     if ids:
         tokens = np.concatenate(ids).astype(dtype, copy=False)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from olmo_ds.chat import ChatError
-from olmo_ds.data.prepare.conversations import TOO_LONG, conversation_text, encoder_for, reason_of
+from olmo_ds.data.prepare.conversations import TOO_LONG, block_result, conversation_text, encoder_for, reason_of
 from olmo_ds.data.prepare.readers import PREFERENCE_FIELDS as SIDES
 
 # Reasons of this module, beside the reader's (`readers.load_preference_block`) and the chat encoder's.
@@ -117,11 +117,4 @@ def encode_pairs(spec, tokenizer, records: list, base: int, dtype: np.dtype):
             special.append(line)
         if spec.val_fraction > 0:
             texts.append(conversation_text({"chosen": chosen, "rejected": rejected}))
-    skips.sort(key=lambda s: s[0])
-    if ids:
-        tokens = np.concatenate(ids).astype(dtype, copy=False)
-        mask = np.concatenate(masks).astype(bool, copy=False)
-        lens = np.array([len(t) for t in ids], dtype=np.int64)
-    else:
-        tokens, mask, lens = np.zeros(0, dtype), np.zeros(0, bool), np.zeros(0, np.int64)
-    return np.array(lines, dtype=np.int64), tokens, lens, mask, skips, np.array(special, dtype=np.int64), [], texts
+    return block_result(lines, ids, masks, skips, special, [], texts, dtype)
