@@ -80,10 +80,10 @@ def triton_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
     out = torch.empty_like(q)
     kernels.split_kernel[(rows, kv_heads, splits)](
         q, keys, values, slots, lengths, ms, ls, accs, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), scale * math.log2(math.e), H=heads, SPLITS=splits, CHUNK=chunk,
+        values.stride(0), values.stride(1), values.stride(2), scale * math.log2(math.e), splits, chunk, H=heads,
         G=group, GP=max(16, triton_next_pow2(group)), D=dim, BLOCK=BLOCK_N, IEEE=q.dtype == torch.float32,
         DYNAMIC=not _interpreting())
-    kernels.combine_kernel[(rows, heads)](ms, ls, accs, out, out.stride(0), out.stride(1), H=heads, SPLITS=splits,
+    kernels.combine_kernel[(rows, heads)](ms, ls, accs, out, out.stride(0), out.stride(1), splits, H=heads,
                                   SP=max(2, triton_next_pow2(splits)), D=dim)
     return out
 

@@ -37,7 +37,7 @@ if AVAILABLE:
 
     @triton.jit
     def split_kernel(Q, K, V, Slots, Lengths, Ms, Ls, Accs, stride_qa, stride_qh, stride_ks, stride_kh, stride_kn,
-                     stride_vs, stride_vh, stride_vn, scale_log2, H: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+                     stride_vs, stride_vh, stride_vn, scale_log2, SPLITS, CHUNK, H: tl.constexpr,
                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
                      DYNAMIC: tl.constexpr):
         a = tl.program_id(0)
@@ -71,7 +71,7 @@ if AVAILABLE:
 
 
     @triton.jit
-    def combine_kernel(Ms, Ls, Accs, Out, stride_oa, stride_oh, H: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
+    def combine_kernel(Ms, Ls, Accs, Out, stride_oa, stride_oh, SPLITS, H: tl.constexpr, SP: tl.constexpr,
                        D: tl.constexpr):
         a = tl.program_id(0)
         h = tl.program_id(1)
