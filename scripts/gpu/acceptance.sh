@@ -5,6 +5,7 @@
 #   bash scripts/gpu/acceptance.sh tiers    # the GPU tier and the CPU tier of the test suite, with wall times
 #                                           # (gpu-tier or cpu-tier: one of them)
 #   bash scripts/gpu/acceptance.sh bench-checkpoint|bench-prepare|bench-eval   # the benchmarks of issues 25, 28, 26
+#   bash scripts/gpu/acceptance.sh bench-prepare-50|generate|rl   # issues 50, 51, 52
 #   bash scripts/gpu/acceptance.sh bench-fp8|bench-fp8-mb8   # issue 24: bf16 and FP8 side by side through the trainer
 #   bash scripts/gpu/acceptance.sh bench-boundary   # issue 24: attempts at the host gap between micro-batches
 #   bash scripts/gpu/acceptance.sh parity   # issue 24: FP8's loss against bf16's, 300 steps each
@@ -69,6 +70,21 @@ bench-prepare)  # 2 GB of .json.gz in 128 files, 1 and 16 workers end to end, 16
   t bench-prepare python scripts/bench_prepare.py --many-files --workers 1 16 \
       --tokenizer "$OLMO_DS_SHARED/tokenizers/dolma2-tokenizer.json" --dir /tmp/bpm --json "$OUT/bench-prepare.json"
   tail -n 20 "$OUT/bench-prepare.log"
+  ;;
+bench-prepare-50)  # issue 50: the 96-file corpus (768 MB of .json.gz), 1 and 16 workers, validation in the writers (~3 min)
+  t bench-prepare-50 python scripts/bench_prepare.py --many-files --gz-mb 768 --files 96 --workers 1 16 \
+      --tokenizer "$OLMO_DS_SHARED/tokenizers/dolma2-tokenizer.json" --dir /tmp/bpm50 --json "$OUT/bench-prepare-50.json"
+  tail -n 20 "$OUT/bench-prepare-50.log"
+  ;;
+generate)  # issue 51: the decode kernel's GPU tests, then the step table, transformers' static cache and a profile (~8 min)
+  t decode-gpu-tests env OLMO_DS_TEST_DEVICE=cuda timeout 150 python -m pytest -q -m gpu tests/model/test_decode.py
+  t bench-generate timeout 390 python scripts/bench_generate.py --batch-sizes 1,64,256 --hf-batch-sizes 64 --kernels sdpa,triton \
+      --no-before-46 --batch1-prompts 2 --profile "$OUT/profile" --out "$OUT/bench-generate.json"
+  tail -n 40 "$OUT/bench-generate.log"
+  ;;
+rl)  # issue 52: one GRPO step of the 1B, 64 prompts x 8 samples, up to 1,024 new tokens, against generation and SFT (~6 min)
+  t bench-rl timeout 540 python scripts/bench_rl.py ${RL_ARGS:-} --out "$OUT/bench-rl.json"
+  tail -n 30 "$OUT/bench-rl.log"
   ;;
 bench-fp8)  # issue 24: the 1B at micro-batch 4 x 8, bf16 and FP8 tensorwise, each beside its plain-PyTorch step (~6 min)
   t bench-fp8 python scripts/bench_train.py --grad-accum 8 --warmup 3 --steps 8 --work-dir /tmp/bench --sweep-timeout 280 \
@@ -167,7 +183,7 @@ multi-fp8-sft)  # issue 47.5: at the largest size, FP8 against bf16 and SFT agai
   tail -n 3 "$OUT/multi-bf16.log" "$OUT/multi-fp8.log" "$OUT/multi-sft.log"
   ;;
 *)
-  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers|gpu-tier|cpu-tier|bench-checkpoint|bench-prepare|bench-eval|bench-fp8|bench-fp8-mb8|parity|multi-scaling|multi-sp|multi-resume|multi-faults|multi-fp8-sft" >&2; exit 2;;
+  echo "usage: bash scripts/gpu/acceptance.sh launch|chain|tiers|gpu-tier|cpu-tier|bench-checkpoint|bench-prepare|bench-prepare-50|generate|rl|bench-eval|bench-fp8|bench-fp8-mb8|parity|multi-scaling|multi-sp|multi-resume|multi-faults|multi-fp8-sft" >&2; exit 2;;
 esac
 echo "--- step, exit code, seconds"
 cat "$OUT/table"
