@@ -106,11 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=None, help="row length (default: the longest prompt + new tokens)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--steps", type=int, default=1, help="timed steps")
+    p.add_argument("--warmup-prompts", type=int, default=None, help="prompts of each warm-up step (default: a quarter of "
+                   "--prompts: enough to compile and capture every shape, at a quarter of a step's time)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the numbers and the environment as JSON here")
     args = p.parse_args(argv)
     if not 1 <= args.min_len <= args.max_len or min(args.prompts, args.new_tokens, args.generation_batch, args.steps) < 1 or args.samples < 2:
         p.error("need 1 <= --min-len <= --max-len, --prompts, --new-tokens, --generation-batch, --steps >= 1, --samples >= 2")
+    warmup_prompts = max(1, args.warmup_prompts or args.prompts // 4)
     seq_len = args.seq_len or args.max_len + args.new_tokens
     cfg = preset(args.preset, max_seq_len=max(preset(args.preset).max_seq_len, seq_len))
     device, dtype = current_device(), torch.bfloat16 if gpu else torch.float32
@@ -126,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.generation_batch}, rows of {seq_len}, micro-batch {args.micro_batch}", flush=True)
 
     def batch_of(step: int) -> dict:
-        part = prompts[step * args.prompts:(step + 1) * args.prompts]
-        return {"prompt_ids": part, "prompt_index": torch.arange(step * args.prompts, (step + 1) * args.prompts),
+        n = args.prompts if step >= args.warmup else warmup_prompts
+        part = prompts[step * args.prompts:step * args.prompts + n]
+        return {"prompt_ids": part, "prompt_index": torch.arange(step * args.prompts, step * args.prompts + n),
                 "verifier": ["coin"] * len(part), "ground_truth": [None] * len(part)}
 
     timings = []
