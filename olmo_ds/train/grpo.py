@@ -39,7 +39,7 @@ from olmo_ds.train.config import ConfigError, RLConfig
 from olmo_ds.train.evaluation import val_sources
 from olmo_ds.train.memory import estimate_rollout_memory
 from olmo_ds.data.dataset import Prompt
-from olmo_ds.train.rollout import gathered_policy, pack_rows, rows_needed, sample_groups, score_groups
+from olmo_ds.train.rollout import gathered_policy, group_advantages, pack_rows, rows_needed, sample_groups, score_samples
 from olmo_ds.weights import load_model
 
 log = logging.getLogger("olmo_ds")
@@ -86,9 +86,9 @@ class RLObjective:
                                     tokenizer=self.tokenizer, batch_size=rl.generation_batch_size)
             timings["generation"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        groups = score_groups(samples, prompts, self.reward_fn, samples_per_prompt=rl.samples_per_prompt,
-                              normalize_std=rl.normalize_advantage_std)
+        score_samples(samples, prompts, self.reward_fn)
         timings["reward"] = time.perf_counter() - t0
+        groups = group_advantages(samples, prompts, samples_per_prompt=rl.samples_per_prompt, normalize_std=rl.normalize_advantage_std)
         need = torch.tensor(rows_needed(groups.kept, prompts, self.seq_len), device=self.device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX)

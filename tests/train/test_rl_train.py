@@ -18,7 +18,7 @@ from olmo_ds.model import OLMo
 from olmo_ds.model.config import preset
 from olmo_ds.model.loss import IGNORE_INDEX
 from olmo_ds.data.dataset import Prompt
-from olmo_ds.train.rollout import Sample, pack_rows, sample_key, score_groups
+from olmo_ds.train.rollout import Sample, group_advantages, group_share, pack_rows, sample_key, score_samples
 from olmo_ds.weights import save_model_dir
 
 from train_testlib import ROOT, read_metrics, run, tiny_config, torchrun_cmd, write_config
@@ -106,10 +106,11 @@ def test_advantages_are_centred_per_group_and_equal_groups_are_dropped():
     texts = ["a", "x", "a", "a", "y", "y", "y", "y", "c", "c", "c", "z"]
     samples = [Sample(prompt=k // 4, tokens=[5, 6], logprobs=[-1.0, -2.0], finish="eos", text=t) for k, t in enumerate(texts)]
     exact = lambda verifier, text, truth: float(text == truth)  # noqa: E731
-    groups = score_groups(samples, prompts, exact, samples_per_prompt=4, normalize_std=False)
+    score_samples(samples, prompts, exact)
+    groups = group_advantages(samples, prompts, samples_per_prompt=4, normalize_std=False)
     assert groups.dropped == 1 and groups.groups == 3 and len(groups.kept) == 8  # prompt 1: every reward 0
     assert [s.advantage for s in groups.kept] == [0.25, -0.75, 0.25, 0.25, 0.25, 0.25, 0.25, -0.75]
-    std = score_groups(samples, prompts, exact, samples_per_prompt=4, normalize_std=True)
+    std = group_advantages(samples, prompts, samples_per_prompt=4, normalize_std=True)
     a = torch.tensor([s.advantage for s in std.kept[:4]])
     assert abs(float(a.mean())) < 1e-12 and abs(float(a.std(unbiased=False)) - 1.0) < 1e-6
     assert groups.by_verifier["exact_match"] == [s.reward for s in samples]
@@ -139,3 +140,10 @@ def test_sample_keys_depend_on_step_prompt_and_sample_only():
     keys = {sample_key(0, step, p, j) for step in range(3) for p in range(5) for j in range(8)}
     assert len(keys) == 120 and all(0 <= k < 2**32 for k in keys)
     assert sample_key(1, 2, 3, 4) == sample_key(1, 2, 3, 4) != sample_key(2, 2, 3, 4)
+
+
+def test_a_sequence_groups_shares_of_the_samples_are_even_and_join_in_order():
+    for pairs, size in ((16, 2), (12, 8), (3, 4), (0, 2)):
+        shares = [group_share(pairs, size, r) for r in range(size)]
+        assert [k for s in shares for k in s] == list(range(pairs))
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
