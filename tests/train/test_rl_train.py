@@ -58,8 +58,8 @@ def rl_config(tmp_path, data, init, **sections) -> dict:
                                           **sections})
 
 
-def pretrain(tmp_path, cfg, name, *extra):
-    result = run(torchrun_cmd(PRETRAIN, "--config", str(write_config(tmp_path / f"{name}.yaml", cfg)), *extra, nproc=1))
+def pretrain(tmp_path, cfg, name, *extra, nproc=1):
+    result = run(torchrun_cmd(PRETRAIN, "--config", str(write_config(tmp_path / f"{name}.yaml", cfg)), *extra, nproc=nproc))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result.stdout + result.stderr
 
@@ -99,6 +99,28 @@ def test_an_rl_run_logs_each_step_and_resumes_exactly(tmp_path, prompts_and_mode
     for step in (3, 4):
         for key in LOGGED:
             assert got[step][key] == steps[step][key], (step, key, got[step][key], steps[step][key])
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_an_rl_run_over_a_sequence_group_steps_as_over_data_parallel_ranks(tmp_path, prompts_and_model):
+    """2 ranks through pretrain.py as 1 data-parallel x 2 sequence-parallel and as 2 x 1: the same prompts a step,
+    so the same samples, rewards, loss and KL (with the default importance weight, whose decode log-probabilities
+    differ across batchings by ~1e-7), each sample counted once; in-loop evaluation over both ranks' prompts."""
+    data, init = prompts_and_model
+    runs = {}
+    for sp in (1, 2):
+        cfg = rl_config(tmp_path / f"sp{sp}", data, init, max_steps=2, eval={"every": 2}, parallel={"sequence_parallel_size": sp},
+                        checkpoint={"every": 0, "save_final": False})
+        log = pretrain(tmp_path, cfg, f"sp{sp}", nproc=2)
+        runs[sp] = read_metrics(tmp_path / f"sp{sp}" / "run")
+    assert "1 data-parallel x 2 sequence-parallel" in log
+    first = [{r["step"]: r for r in runs[sp] if "train/loss" in r}[1] for sp in (1, 2)]
+    for key in LOGGED:
+        assert abs(first[1][key] - first[0][key]) <= 1e-5 * max(1.0, abs(first[0][key])), (key, first[1][key], first[0][key])
+    assert first[1]["rl/samples_seen"] == 16 and first[1]["rl/kl"] == 0.0
+    evals = [[r for r in runs[sp] if "eval/data/solve_rate" in r] for sp in (1, 2)]
+    assert [r["step"] for r in evals[1]] == [2] and evals[1][0]["eval/data/reward_mean"] == evals[0][0]["eval/data/reward_mean"]
 
 
 def test_advantages_are_centred_per_group_and_equal_groups_are_dropped():
