@@ -369,9 +369,6 @@ class TrainConfig:
             if self.rl.max_new_tokens >= b.seq_len:
                 raise ConfigError(f"{where}: rl.max_new_tokens {self.rl.max_new_tokens} leaves no room for a prompt in batch.seq_len "
                                   f"{b.seq_len} (a prompt plus its sample is one training row): raise batch.seq_len or lower rl.max_new_tokens")
-            if sp > 1:
-                raise ConfigError(f"{where}: rl with parallel.sequence_parallel_size {sp}: not supported in this version (who "
-                                  f"generates for a sequence group is not decided); use 1")
             if not self.init_from.path:
                 raise ConfigError(f"{where}: rl needs init_from.path: RL starts from a model that can already answer (an SFT or "
                                   f"DPO run's checkpoint, or released weights), not from random weights")

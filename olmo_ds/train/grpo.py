@@ -9,18 +9,25 @@ One optimizer step:
    without a reward spread dropped (counted), the rest packed into rows. With `rl.beta > 0` the reference model
    (init_from's weights, frozen, on every rank) scores each sampled token there too ("cached": once per rollout,
    no gradient). Every rank ends with the same number of rows, a multiple of the micro-batch.
+   With sequence parallelism (N ranks a row) the ranks of a sequence group hold the same prompts: each draws and
+   scores its 1/N of the group's samples, the group all-gathers them, and every rank of it packs the same rows
+   (`olmo_ds.train.rollout`); the reference scores each rank's slice of them.
 2. `begin(rows, n_micro)`: the step's generated tokens over every rank (one all-reduce, before the first forward)
    give the divisor: each micro-batch's summed token loss is divided by `token_mean_divisor(N, world, n_micro)`,
    which undoes DeepSpeed's division by the accumulation steps and its average over ranks, so the gradient is the
    token mean over ALL generated tokens of the step (open-instruct's `loss_denominator: token` over the
    accumulation group, grpo_fast.py l.655-719) and equal for 1 x 8, 8 x 1 or 2 ranks x 4 micro-batches.
+   With sequence parallelism each rank keeps its 1/N slice of every row's per-token tensors (`local_rows`) and counts
+   the generated tokens of its slices, so the count holds each token once, as the fine-tuning loss's does.
 3. `forward(engine, mb)`: the training forward's logits at the sampled positions, their log-probabilities at the
    sampling temperature (`olmo_ds.model.loss.sampled_logprobs`), `grpo_loss` (PPO-clip with clip-higher, truncated
    importance sampling, optional KL). The old policy is the one that generated: with one update per rollout its
    log-probabilities are this forward's own, detached (open-instruct's `resolve_old_logprob` with one mini-batch,
    grpo_utils.py l.475-502), so the ratio is 1 in value and the importance weight exp(old - sampled) measures the
    decode/training mismatch alone. The forward returns the micro-batch's whole logits (the head is not fused with
-   this loss yet) and the log-probabilities are taken on the generated positions only.
+   this loss yet) and the log-probabilities are taken on the generated positions only. With sequence parallelism
+   the forward is spread over the group (`sequence_parallel=`) and returns this rank's slice's logits, whose labels
+   are the slice of the rows' labels (a position's label is the next token already, so no shift crosses a slice).
 """
 
 from __future__ import annotations
@@ -35,11 +42,14 @@ from olmo_ds.data.loader import validation_prompts
 from olmo_ds.eval.verifiers import reward
 from olmo_ds.model.decode import Request, generate
 from olmo_ds.model.loss import IGNORE_INDEX, grpo_loss, sampled_logprobs, token_mean_divisor
+from olmo_ds.model.sequence_parallel import SequenceParallel
 from olmo_ds.train.config import ConfigError, RLConfig
 from olmo_ds.train.evaluation import val_sources
 from olmo_ds.train.memory import estimate_rollout_memory
 from olmo_ds.data.dataset import Prompt
-from olmo_ds.train.rollout import gathered_policy, pack_rows, rows_needed, sample_groups, score_groups
+from olmo_ds.train.parallel import local_rows
+from olmo_ds.train.rollout import (gather_samples, gathered_policy, group_advantages, group_share, pack_rows, rows_needed,
+                                   sample_groups, score_samples)
 from olmo_ds.weights import load_model
 
 log = logging.getLogger("olmo_ds")
@@ -56,13 +66,14 @@ class RLObjective:
 
     def __init__(self, rl: RLConfig, *, seq_len: int, micro_batch: int, world_size: int, vocab_size: int,
                  device: torch.device, tokenizer=None, stop_ids=(), reward_fn: Callable | None = None,
-                 reference=None, decode_dtype: torch.dtype | None = None):
+                 reference=None, decode_dtype: torch.dtype | None = None, sp: SequenceParallel | None = None):
         self.rl, self.seq_len, self.micro, self.world_size = rl, seq_len, micro_batch, world_size
         self.vocab_size, self.device, self.tokenizer = vocab_size, device, tokenizer
         self.stop_ids = list(stop_ids) or ([tokenizer.eos_id] if tokenizer is not None else [])
         self.reward_fn = reward_fn or default_reward
         self.reference = reference  # a frozen plain OLMo (beta > 0), else None
         self.decode_dtype = decode_dtype
+        self.sp = sp  # this rank's sequence group (None without sequence parallelism)
         self.samples_seen = 0
         self._divisor = None
         self.last_rollout: dict = {}  # this rank's counts and times of the step's rollout (`rollout`), for `end`
@@ -79,16 +90,23 @@ class RLObjective:
         timings: dict = {}
         module = engine.module if hasattr(engine, "module") else engine
         dtype = self.decode_dtype or (torch.bfloat16 if self.device.type == "cuda" else next(module.parameters()).dtype)
+        sp = self.sp
+        pairs = len(prompts) * rl.samples_per_prompt
+        mine = group_share(pairs, sp.size, sp.rank) if sp is not None else range(pairs)  # a sequence group splits its samples
         with gathered_policy(module, dtype, timings) as policy:
             t0 = time.perf_counter()
             samples = sample_groups(policy, prompts, samples_per_prompt=rl.samples_per_prompt, max_new_tokens=rl.max_new_tokens,
                                     temperature=rl.temperature, seed=rl.seed, step=step, stop_ids=self.stop_ids,
-                                    tokenizer=self.tokenizer, batch_size=rl.generation_batch_size)
+                                    tokenizer=self.tokenizer, batch_size=rl.generation_batch_size, pairs=mine)
             timings["generation"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        groups = score_groups(samples, prompts, self.reward_fn, samples_per_prompt=rl.samples_per_prompt,
-                              normalize_std=rl.normalize_advantage_std)
+        score_samples(samples, prompts, self.reward_fn)
         timings["reward"] = time.perf_counter() - t0
+        if sp is not None:
+            t0 = time.perf_counter()
+            samples = gather_samples(samples, sp.group)
+            timings["generation"] += time.perf_counter() - t0
+        groups = group_advantages(samples, prompts, samples_per_prompt=rl.samples_per_prompt, normalize_std=rl.normalize_advantage_std)
         need = torch.tensor(rows_needed(groups.kept, prompts, self.seq_len), device=self.device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX)
@@ -97,34 +115,47 @@ class RLObjective:
         if self.reference is not None:
             rows["reference"] = self.reference_logprobs(rows)
         lengths = [len(s.tokens) for s in samples]
-        self.last_rollout = {
+        counts = {
             "samples": len(samples), "reward_sum": sum(s.reward for s in samples),
             "solved": sum(s.reward >= 1.0 for s in samples), "groups": groups.groups, "dropped": groups.dropped,
             "reward_errors": groups.reward_errors, "length_sum": sum(lengths), "length_max": max(lengths, default=0),
             "truncated": sum(s.finish == "length" for s in samples),
-            "by_verifier": {v: (sum(r), len(r)) for v, r in groups.by_verifier.items()}, "time": timings,
+            "by_verifier": {v: (sum(r), len(r)) for v, r in groups.by_verifier.items()},
         }
+        # every rank of a sequence group holds all of the group's samples: its first rank counts them, once
+        self.last_rollout = {**(counts if sp is None or sp.rank == 0 else {}), "time": timings}
         return rows
 
     @torch.no_grad()
     def reference_logprobs(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The reference model's log-probability (at the sampling temperature) of every labelled position [R, T]."""
+        """The reference model's log-probability (at the sampling temperature) of every labelled position [R, T].
+        With sequence parallelism the group spreads the reference's forward as the training forward's (collective
+        over the group): each rank fills its slice of every row, the one `begin` keeps, and leaves the rest 0."""
         out = torch.zeros(rows["labels"].shape, dtype=torch.float32)
+        sp = self.sp
+        kwargs = {"sequence_parallel": sp} if sp is not None else {}
         for r in range(0, rows["labels"].shape[0], self.micro):
-            part = {k: v[r:r + self.micro].to(self.device) for k, v in rows.items()}
-            keep = part["labels"] != IGNORE_INDEX
-            if not keep.any():
+            part = {k: v[r:r + self.micro] for k, v in rows.items()}
+            if not (part["labels"] != IGNORE_INDEX).any():  # whole rows: the ranks of a group skip the same forwards
                 continue
-            logits = self.reference(part["input_ids"], doc_lens=part["doc_lens"], positions=part["positions"])
+            mine = out[r:r + self.micro]
+            if sp is not None:
+                part, mine = local_rows(part, sp), sp.local(mine)
+            part = {k: v.to(self.device) for k, v in part.items()}
+            keep = part["labels"] != IGNORE_INDEX
+            logits = self.reference(part["input_ids"], doc_lens=part["doc_lens"], positions=part["positions"], **kwargs)
             lp, _ = sampled_logprobs(logits[keep], part["labels"][keep], temperature=self.rl.temperature, vocab_size=self.vocab_size)
-            out[r:r + self.micro][keep.cpu()] = lp.float().cpu()
+            mine[keep.cpu()] = lp.float().cpu()
         return out
 
     # --- the training phase ---------------------------------------------------------------------
 
     def begin(self, batch: dict[str, torch.Tensor], n_micro: int) -> dict[str, torch.Tensor]:
-        """The rows on the device; the step's generated tokens over every rank give the loss divisor (one all-reduce)."""
+        """The rows on the device (with sequence parallelism this rank's slice of them); the step's generated tokens over
+        every rank give the loss divisor (one all-reduce)."""
         self._t_train = time.perf_counter()
+        if self.sp is not None:
+            batch = local_rows(batch, self.sp)
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         count = (batch["labels"] != IGNORE_INDEX).sum()
         torch.distributed.all_reduce(count)
@@ -134,7 +165,8 @@ class RLObjective:
 
     def forward(self, engine, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(the micro-batch's summed token loss over the step's divisor, its float64 `stats` sums)."""
-        logits = engine(mb["input_ids"], doc_lens=mb["doc_lens"], positions=mb["positions"])
+        kwargs = {"sequence_parallel": self.sp} if self.sp is not None else {}
+        logits = engine(mb["input_ids"], doc_lens=mb["doc_lens"], positions=mb["positions"], **kwargs)
         keep = mb["labels"] != IGNORE_INDEX
         logprob, entropy = sampled_logprobs(logits[keep], mb["labels"][keep], temperature=self.rl.temperature,
                                             vocab_size=self.vocab_size)
@@ -217,8 +249,8 @@ def stop_ids(tokenizer) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def rl_objective(plan, *, device: torch.device) -> RLObjective:
-    """The RL objective of a planned run: its tokenizer (the verifiers read the samples' text), and with `rl.beta > 0`
+def rl_objective(plan, *, sp: SequenceParallel | None, device: torch.device) -> RLObjective:
+    """The RL objective of a planned run (`sp`: this rank's sequence group, or None): its tokenizer (the verifiers read the samples' text), and with `rl.beta > 0`
     the reference: init_from's weights, frozen, in the decode dtype on every rank (a resume reads them from
     init_from.path again: they never change)."""
     cfg = plan.cfg
@@ -230,20 +262,22 @@ def rl_objective(plan, *, device: torch.device) -> RLObjective:
         for p in reference.parameters():
             p.requires_grad_(False)
     estimate = estimate_rollout_memory(plan.model, generation_batch=rl.generation_batch_size, max_len=cfg.batch.seq_len,
-                                       precision=cfg.precision, zero_stage=plan.deepspeed.zero.stage, dp_world_size=plan.layout.dp_size,
+                                       precision=cfg.precision, zero_stage=plan.deepspeed.zero.stage, dp_world_size=plan.world_size,
                                        decode_bytes=2 if dtype == torch.bfloat16 else 4)
     log.info("rl: a rollout's peak per rank ~%s; %d samples of %d prompts a step, up to %d new tokens each",
              estimate.describe(), rl.samples_per_prompt * cfg.batch.global_batch_size, cfg.batch.global_batch_size, rl.max_new_tokens)
     return RLObjective(rl, seq_len=cfg.batch.seq_len, micro_batch=cfg.batch.micro_batch_size, world_size=plan.world_size,
                        vocab_size=plan.model.vocab_size, device=device, tokenizer=plan.tokenizer,
-                       stop_ids=stop_ids(plan.tokenizer), reference=reference, decode_dtype=dtype)
+                       stop_ids=stop_ids(plan.tokenizer), reference=reference, decode_dtype=dtype, sp=sp)
 
 
 class RLEvaluator:
     """In-loop evaluation of an RL run: each validation source's prompts (`data.val_sources`, else each training
     source's val/ split) answered greedily by the current weights (gathered as for a rollout) and scored by the same
     verifiers. Returns `eval/<source>/solve_rate` (the share of prompts whose answer scores 1) and
-    `eval/<source>/reward_mean`, over every rank's prompts. Collective: every rank calls it."""
+    `eval/<source>/reward_mean`, over every rank's prompts. Each rank answers every world-size-th prompt, the ranks
+    of a sequence group different ones (the evaluation generates per rank, never spread over a group). Collective:
+    every rank calls it."""
 
     def __init__(self, cfg, tokenizer, rank: int, world_size: int, reward_fn: Callable | None = None):
         self.rl, self.tokenizer, self.reward_fn = cfg.rl, tokenizer, reward_fn or default_reward

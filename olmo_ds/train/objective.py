@@ -45,7 +45,7 @@ def build_objective(plan, *, sp: SequenceParallel | None, device: torch.device):
     if cfg.dpo is not None:
         return PreferenceLoss(cfg, world_size=plan.world_size, device=device)
     if cfg.rl is not None:
-        return rl_objective(plan, device=device)
+        return rl_objective(plan, sp=sp, device=device)
     return NextTokenLoss(masked=bool(getattr(plan.loader, "masked", False)), sp=sp, layout=plan.layout,
                          z_loss_coef=cfg.optim.z_loss, device=device)
 

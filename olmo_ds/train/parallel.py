@@ -76,6 +76,9 @@ def sequence_group(layout: ParallelLayout) -> SequenceParallel | None:
 
 
 def local_rows(batch: dict[str, torch.Tensor], sp: SequenceParallel) -> dict[str, torch.Tensor]:
-    """This rank's slice of every row's `input_ids` and `labels`; `doc_lens` and `positions` stay whole (the masks
-    are the whole rows'). Cut on the host, before the copy to the device, which then moves 1/N of the tokens."""
-    return {**batch, "input_ids": sp.local(batch["input_ids"]), "labels": sp.local(batch["labels"])}
+    """This rank's slice of every per-position tensor of the rows (shaped as `input_ids`: the tokens, the labels, an
+    RL row's per-token log-probabilities and advantages); `doc_lens` and `positions` stay whole (the masks are the
+    whole rows'), and so does anything not per position (`row_tokens`). Cut on the host, before the copy to the
+    device, which then moves 1/N of the tokens."""
+    shape = batch["input_ids"].shape
+    return {k: v if k in ("doc_lens", "positions") or v.shape != shape else sp.local(v) for k, v in batch.items()}

@@ -144,7 +144,8 @@ def _plan(cfg: TrainConfig, env: DistEnv, run_dir: Path, run_lock: RunDirLock | 
     check_preference(cfg, loader, run_dir, resume_dir, resume_state)
     evaluator = None
     if cfg.eval.every:  # RL prompts: greedy answers scored by the verifiers
-        evaluator = (RLEvaluator(cfg, tokenizer, layout.dp_rank, layout.dp_size) if cfg.rl is not None
+        # every rank its own validation prompts, the ranks of a sequence group too (generation is per rank)
+        evaluator = (RLEvaluator(cfg, tokenizer, env.rank, env.world_size) if cfg.rl is not None
                      else InLoopEvaluator(cfg, tokenizer, vocab, env.rank, env.world_size))
     if env.rank == 0 and resume not in (None, "none"):  # last: a refused resume moves nothing
         continue_metrics(run_dir, resume_state["step"] if resume_state else 0, resume_dir)

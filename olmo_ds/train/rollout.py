@@ -2,8 +2,9 @@
 
     with gathered_policy(engine.module, dtype) as policy:          # whole weights, once per rollout
         samples = sample_groups(policy, prompts, rl, step=step, stop_ids=..., tokenizer=tok)
-    groups = score_groups(samples, prompts, reward_fn, normalize_std=rl.normalize_advantage_std)
-    rows = pack_rows(groups, seq_len, rows=...)
+    score_samples(samples, prompts, reward_fn)
+    groups = group_advantages(samples, prompts, normalize_std=rl.normalize_advantage_std)
+    rows = pack_rows(groups.kept, prompts, seq_len, rows=...)
 
 Generation needs whole weights, which ZeRO-3 keeps partitioned over the ranks. `gathered_policy` gathers them once
 per rollout, one module's parameters at a time (`deepspeed.zero.GatheredParameters`), into a plain `OLMo` in the
@@ -11,6 +12,12 @@ decode dtype (bf16 on a GPU, the training dtype on CPU), and frees it when the r
 (2 bytes a parameter) plus one gathered module. Each rank then generates for its own prompts with the project's
 decode engine (`olmo_ds.model.decode.generate`), G samples each (`rl.samples_per_prompt`), so a prompt's group
 stays on its rank and its statistics need no communication.
+
+With sequence parallelism the N ranks of a sequence group hold the same prompts (the data-parallel rank's) and
+train on the same rows, 1/N of each. They split the generation instead of repeating it: rank r draws and scores
+its contiguous share of the group's prompt-major (prompt, sample) pairs (`group_share`), and the group all-gathers
+the scored samples (`gather_samples`), so that every rank of it computes the same advantages and packs the same
+rows.
 
 Sampling is seeded per sample: `sample_key(seed, step, prompt_index, j)` keys sample j of the global prompt
 `prompt_index` at optimizer step `step` (`Request.seed`), so a resumed run or another rank layout draws the same
@@ -114,30 +121,50 @@ def gathered_policy(module: OLMo, dtype: torch.dtype, timings: dict | None = Non
 
 def sample_groups(policy: OLMo, prompts: Sequence[Prompt], *, samples_per_prompt: int, max_new_tokens: int,
                   temperature: float, seed: int, step: int, stop_ids: Sequence[int], tokenizer,
-                  batch_size: int) -> list[Sample]:
-    """G samples of every prompt (prompt-major: prompt 0's G samples, then prompt 1's ...)."""
-    requests = [Request(list(p.ids), max_new_tokens, seed=sample_key(seed, step, p.index, j))
-                for p in prompts for j in range(samples_per_prompt)]
+                  batch_size: int, pairs: range | None = None) -> list[Sample]:
+    """G samples of every prompt (prompt-major: prompt 0's G samples, then prompt 1's ...), or only the (prompt,
+    sample) pairs `pairs` of that order (a rank's share of its sequence group's, `group_share`): pair k is sample
+    k % G of prompt k // G, keyed as it would be wherever it is drawn."""
+    g = samples_per_prompt
+    pairs = range(len(prompts) * g) if pairs is None else pairs
+    requests = [Request(list(prompts[k // g].ids), max_new_tokens, seed=sample_key(seed, step, prompts[k // g].index, k % g))
+                for k in pairs]
     if not requests:
         return []
     done = generate(policy, requests, batch_size=batch_size, sampling=Sampling(temperature=temperature, seed=seed),
                     stop_ids=stop_ids, tokenizer=tokenizer)
-    return [Sample(prompt=k // samples_per_prompt, tokens=list(c.tokens), logprobs=[float(x) for x in c.logprobs],
-                   finish=c.finish, text=c.text or "") for k, c in enumerate(done.completions)]
+    return [Sample(prompt=k // g, tokens=list(c.tokens), logprobs=[float(x) for x in c.logprobs], finish=c.finish,
+                   text=c.text or "") for k, c in zip(pairs, done.completions)]
 
 
-def score_groups(samples: list[Sample], prompts: Sequence[Prompt], reward_fn: Callable[[str, str, Any], Any], *,
-                 samples_per_prompt: int, normalize_std: bool) -> Groups:
-    """Rewards (`reward_fn(verifier, text, ground_truth)` -> an object with `score` and `error`, or a float),
-    advantages per group, and the groups with a reward spread kept (module docstring)."""
-    errors = 0
-    by_verifier: dict[str, list[float]] = {}
+def group_share(pairs: int, size: int, rank: int) -> range:
+    """Rank `rank`'s contiguous share of a sequence group's `pairs` (prompt, sample) pairs over its `size` ranks: as
+    even as can be (the first pairs % size ranks one more), in order, so the shares joined are the whole list."""
+    return range(rank * pairs // size, (rank + 1) * pairs // size)
+
+
+def gather_samples(samples: list[Sample], group) -> list[Sample]:
+    """Every rank's `samples` of the process group `group`, joined in rank order (collective over the group)."""
+    parts: list = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(parts, samples, group=group)
+    return [s for part in parts for s in part]
+
+
+def score_samples(samples: list[Sample], prompts: Sequence[Prompt], reward_fn: Callable[[str, str, Any], Any]) -> None:
+    """Each sample's reward (and the verifier's error, if any): `reward_fn(verifier, text, ground_truth)` -> an object
+    with `score` and `error`, or a float."""
     for s in samples:
         p = prompts[s.prompt]
         r = reward_fn(p.verifier, s.text, p.ground_truth)
         s.reward, s.error = (float(r), None) if isinstance(r, (int, float)) else (float(r.score), r.error)
-        errors += s.error is not None
-        by_verifier.setdefault(p.verifier, []).append(s.reward)
+
+
+def group_advantages(samples: list[Sample], prompts: Sequence[Prompt], *, samples_per_prompt: int, normalize_std: bool) -> Groups:
+    """The scored samples' (`score_samples`) advantages per group, and the groups with a reward spread kept (module
+    docstring)."""
+    by_verifier: dict[str, list[float]] = {}
+    for s in samples:
+        by_verifier.setdefault(prompts[s.prompt].verifier, []).append(s.reward)
     kept, dropped = [], 0
     for g in range(0, len(samples), samples_per_prompt):
         group = samples[g:g + samples_per_prompt]
@@ -150,6 +177,7 @@ def score_groups(samples: list[Sample], prompts: Sequence[Prompt], reward_fn: Ca
         for s, a in zip(group, advantages.tolist()):
             s.advantage = a
         kept.extend(group)
+    errors = sum(s.error is not None for s in samples)
     return Groups(kept, samples, dropped, len(samples) // max(samples_per_prompt, 1), errors, by_verifier)
 
 

@@ -1,14 +1,16 @@
 """Run by test_rl_multirank.py under torchrun: one GRPO step (rollout + update) on a real DeepSpeed ZeRO-3 engine,
 the full gradients captured.
 
-    python -m torch.distributed.run --nproc_per_node N rl_grad_worker.py MICRO OUT.pt
+    python -m torch.distributed.run --nproc_per_node N rl_grad_worker.py MICRO OUT.pt [SP [BETA]]
 
 Every rank builds the same tiny OLMo (same seed: ZeRO-3 initialises each weight whole, then partitions it) with the
-dolma2 tokenizer's vocabulary, takes its share of 4 prompts, and runs `RLObjective.rollout` (the weights gathered
+dolma2 tokenizer's vocabulary, takes its data-parallel rank's share of 4 prompts (SP ranks a row: the ranks of a
+sequence group the same prompts, as the loader hands them), and runs `RLObjective.rollout` (the weights gathered
 into a plain model, 4 samples a prompt keyed by (step, prompt, sample), rewards, advantages, packing), then the
-trainer's micro-batch loop (`begin`, `forward`, `engine.backward`, `engine.step`). At the accumulation boundary,
-before the update, every parameter's full gradient is gathered (`safe_get_full_grad`); rank 0 saves them with the
-step's metrics and every rank's samples and rows.
+trainer's micro-batch loop (`begin`, `forward`, `engine.backward`, `engine.step`). With BETA > 0 the reference is
+the starting weights plus seeded noise (the same on every rank), so that the KL term has a gradient. At the
+accumulation boundary, before the update, every parameter's full gradient is gathered (`safe_get_full_grad`); rank
+0 saves them with the step's metrics and every rank's rows and the samples it drew itself.
 """
 
 import sys
@@ -21,16 +23,21 @@ from olmo_ds.model import OLMo
 from olmo_ds.model.config import preset
 from olmo_ds.tokenizer import load_tokenizer
 from olmo_ds.train.config import RLConfig
+import olmo_ds.train.grpo as grpo
 from olmo_ds.train.grpo import RLObjective
 from olmo_ds.train.launch import init_distributed
+from olmo_ds.train.parallel import ParallelLayout, sequence_group
 
 TOKENIZER = "/work/shared/tokenizers/dolma2-tokenizer.json"
 PROMPTS = ["What is 2 + 3?", "Name a colour.", "Count to three:", "The capital of France is"]
 SEQ = 64
 
 micro, out = int(sys.argv[1]), sys.argv[2]
+sp_size, beta = (int(sys.argv[3]) if len(sys.argv) > 3 else 1), (float(sys.argv[4]) if len(sys.argv) > 4 else 0.0)
 init_distributed()
 rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+layout = ParallelLayout(world_size=world, sp_size=sp_size, rank=rank)
+sp = sequence_group(layout)
 tok = load_tokenizer(TOKENIZER)
 cfg = preset("tiny", d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, mlp_hidden=64, max_seq_len=SEQ, vocab_size=tok.vocab_size,
              init_std=0.5)  # large weights: peaked distributions, so float rounding of another batch never moves a draw
@@ -53,10 +60,27 @@ def reward(verifier, text, ground_truth):
 # into the gradient, and those are not bit for bit the same across processes on CPU (the same tokens, log-
 # probabilities ~1e-7 apart, from MKL's alignment-dependent kernels): ~2e-6 in the gradient, over this test's 1e-6.
 # The weight's own exactness is test_grpo_loss.py's. A decode batch holds one prompt's group in every layout.
-rl = RLConfig(samples_per_prompt=4, max_new_tokens=8, temperature=1.0, generation_batch_size=4, seed=11, tis_cap=None)
+rl = RLConfig(samples_per_prompt=4, max_new_tokens=8, temperature=1.0, generation_batch_size=4, seed=11, tis_cap=None,
+              beta=beta)
+reference = None
+if beta:
+    torch.manual_seed(1)
+    reference = OLMo(cfg).eval()
+    reference.load_state_dict({k: v + 0.05 * torch.randn_like(v) for k, v in start.items()})
 objective = RLObjective(rl, seq_len=SEQ, micro_batch=micro, world_size=world, vocab_size=cfg.vocab_size,
-                        device=engine.device, tokenizer=tok, reward_fn=reward)
-mine = range(rank * len(PROMPTS) // world, (rank + 1) * len(PROMPTS) // world)
+                        device=engine.device, tokenizer=tok, reward_fn=reward, reference=reference, sp=sp)
+drawn = []  # (prompt, tokens) of the samples this rank drew itself
+
+
+def sample_groups(policy, prompts, **kwargs):
+    samples = real_sample_groups(policy, prompts, **kwargs)
+    drawn.extend((prompts[s.prompt].index, tuple(s.tokens)) for s in samples)
+    return samples
+
+
+real_sample_groups, grpo.sample_groups = grpo.sample_groups, sample_groups
+dp_rank, dp_size = layout.dp_rank, layout.dp_size
+mine = range(dp_rank * len(PROMPTS) // dp_size, (dp_rank + 1) * len(PROMPTS) // dp_size)
 batch = {"prompt_ids": [tok.encode(PROMPTS[i]) for i in mine], "prompt_index": torch.tensor(list(mine)),
          "verifier": ["exact_match"] * len(mine), "ground_truth": ["x"] * len(mine)}
 rows = objective.rollout(engine, batch, step=3)
@@ -78,7 +102,7 @@ for i in range(n_micro):
 torch.distributed.all_reduce(sums)
 metrics = objective.end(sums, n_micro=n_micro, world_size=world, tokens=0)
 gathered = [None] * world
-torch.distributed.all_gather_object(gathered, {"rows": rows, "prompts": list(mine)})
+torch.distributed.all_gather_object(gathered, {"rows": rows, "prompts": list(mine), "drawn": drawn})
 if rank == 0:
     torch.save({"start": start, "cfg": cfg, "grads": grads, "metrics": metrics, "ranks": gathered, "n_micro": n_micro}, out)
 torch.distributed.barrier()

@@ -54,6 +54,17 @@ def test_rl_and_dpo_together_are_refused(tmp_path):
         config(tmp_path, {"max_new_tokens": 16}, dpo={"loss": "dpo"})
 
 
+def test_rl_with_sequence_parallelism_is_accepted_where_the_rows_can_be_spread(tmp_path):
+    cfg = config(tmp_path, {"max_new_tokens": 16}, parallel={"sequence_parallel_size": 2})
+    assert cfg.parallel.sequence_parallel_size == 2 and cfg.rl is not None
+    # what sequence parallelism cannot split is still refused: 2 heads over 4 ranks, rows of 30 tokens over 4
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel_size 4: the model's 2 attention heads"):
+        config(tmp_path, {"max_new_tokens": 16}, parallel={"sequence_parallel_size": 4})
+    with pytest.raises(ConfigError, match=r"batch.seq_len 30 is not a multiple of 4"):
+        config(tmp_path, {"max_new_tokens": 16}, parallel={"sequence_parallel_size": 4},
+               model={"n_heads": 4, "n_kv_heads": 2}, batch={"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 30})
+
+
 def test_the_defaults_are_open_instructs_olmo3_settings():
     rl = RLConfig()
     assert (rl.clip_low, rl.clip_high, rl.tis_cap, rl.beta, rl.kl_estimator, rl.temperature) == (0.2, 0.272, 2.0, 0.0, "k3", 1.0)

@@ -18,7 +18,7 @@ from olmo_ds.model import OLMo
 from olmo_ds.model.config import preset
 from olmo_ds.model.loss import IGNORE_INDEX
 from olmo_ds.data.dataset import Prompt
-from olmo_ds.train.rollout import Sample, pack_rows, sample_key, score_groups
+from olmo_ds.train.rollout import Sample, group_advantages, group_share, pack_rows, sample_key, score_samples
 from olmo_ds.weights import save_model_dir
 
 from train_testlib import ROOT, read_metrics, run, tiny_config, torchrun_cmd, write_config
@@ -58,8 +58,8 @@ def rl_config(tmp_path, data, init, **sections) -> dict:
                                           **sections})
 
 
-def pretrain(tmp_path, cfg, name, *extra):
-    result = run(torchrun_cmd(PRETRAIN, "--config", str(write_config(tmp_path / f"{name}.yaml", cfg)), *extra, nproc=1))
+def pretrain(tmp_path, cfg, name, *extra, nproc=1):
+    result = run(torchrun_cmd(PRETRAIN, "--config", str(write_config(tmp_path / f"{name}.yaml", cfg)), *extra, nproc=nproc))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result.stdout + result.stderr
 
@@ -101,15 +101,38 @@ def test_an_rl_run_logs_each_step_and_resumes_exactly(tmp_path, prompts_and_mode
             assert got[step][key] == steps[step][key], (step, key, got[step][key], steps[step][key])
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_an_rl_run_over_a_sequence_group_steps_as_over_data_parallel_ranks(tmp_path, prompts_and_model):
+    """2 ranks through pretrain.py as 1 data-parallel x 2 sequence-parallel and as 2 x 1: the same prompts a step,
+    so the same samples, rewards, loss and KL (with the default importance weight, whose decode log-probabilities
+    differ across batchings by ~1e-7), each sample counted once; in-loop evaluation over both ranks' prompts."""
+    data, init = prompts_and_model
+    runs = {}
+    for sp in (1, 2):
+        cfg = rl_config(tmp_path / f"sp{sp}", data, init, max_steps=2, eval={"every": 2}, parallel={"sequence_parallel_size": sp},
+                        checkpoint={"every": 0, "save_final": False})
+        log = pretrain(tmp_path, cfg, f"sp{sp}", nproc=2)
+        runs[sp] = read_metrics(tmp_path / f"sp{sp}" / "run")
+    assert "1 data-parallel x 2 sequence-parallel" in log
+    first = [{r["step"]: r for r in runs[sp] if "train/loss" in r}[1] for sp in (1, 2)]
+    for key in LOGGED:
+        assert abs(first[1][key] - first[0][key]) <= 1e-5 * max(1.0, abs(first[0][key])), (key, first[1][key], first[0][key])
+    assert first[1]["rl/samples_seen"] == 16 and first[1]["rl/kl"] == 0.0
+    evals = [[r for r in runs[sp] if "eval/data/solve_rate" in r] for sp in (1, 2)]
+    assert [r["step"] for r in evals[1]] == [2] and evals[1][0]["eval/data/reward_mean"] == evals[0][0]["eval/data/reward_mean"]
+
+
 def test_advantages_are_centred_per_group_and_equal_groups_are_dropped():
     prompts = [Prompt([1, 2], "exact_match", "a", 0), Prompt([3], "exact_match", "b", 1), Prompt([4], "exact_match", "c", 2)]
     texts = ["a", "x", "a", "a", "y", "y", "y", "y", "c", "c", "c", "z"]
     samples = [Sample(prompt=k // 4, tokens=[5, 6], logprobs=[-1.0, -2.0], finish="eos", text=t) for k, t in enumerate(texts)]
     exact = lambda verifier, text, truth: float(text == truth)  # noqa: E731
-    groups = score_groups(samples, prompts, exact, samples_per_prompt=4, normalize_std=False)
+    score_samples(samples, prompts, exact)
+    groups = group_advantages(samples, prompts, samples_per_prompt=4, normalize_std=False)
     assert groups.dropped == 1 and groups.groups == 3 and len(groups.kept) == 8  # prompt 1: every reward 0
     assert [s.advantage for s in groups.kept] == [0.25, -0.75, 0.25, 0.25, 0.25, 0.25, 0.25, -0.75]
-    std = score_groups(samples, prompts, exact, samples_per_prompt=4, normalize_std=True)
+    std = group_advantages(samples, prompts, samples_per_prompt=4, normalize_std=True)
     a = torch.tensor([s.advantage for s in std.kept[:4]])
     assert abs(float(a.mean())) < 1e-12 and abs(float(a.std(unbiased=False)) - 1.0) < 1e-6
     assert groups.by_verifier["exact_match"] == [s.reward for s in samples]
@@ -139,3 +162,10 @@ def test_sample_keys_depend_on_step_prompt_and_sample_only():
     keys = {sample_key(0, step, p, j) for step in range(3) for p in range(5) for j in range(8)}
     assert len(keys) == 120 and all(0 <= k < 2**32 for k in keys)
     assert sample_key(1, 2, 3, 4) == sample_key(1, 2, 3, 4) != sample_key(2, 2, 3, 4)
+
+
+def test_a_sequence_groups_shares_of_the_samples_are_even_and_join_in_order():
+    for pairs, size in ((16, 2), (12, 8), (3, 4), (0, 2)):
+        shares = [group_share(pairs, size, r) for r in range(size)]
+        assert [k for s in shares for k in s] == list(range(pairs))
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
