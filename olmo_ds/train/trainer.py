@@ -197,7 +197,8 @@ class Trainer:
     # --- one optimizer step ----------------------------------------------------------------------
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """One optimizer step on this rank's rows of a global batch. Returns loss, lr, grad norm, tokens.
+        """One optimizer step on this rank's rows of a global batch (RL: a rollout's `rl.updates_per_rollout` updates,
+        the objective's `updates`). Returns loss, lr, grad norm, tokens.
 
         Collective: every rank calls it with its own rows of the same global step.
         """
