@@ -184,7 +184,7 @@ class RLConfig:
     samples_per_prompt: int = 8  # G samples per prompt (>= 2: the advantage is a reward minus its group's mean)
     max_new_tokens: int = 512  # a sample's generated tokens at most; a prompt plus these must fit batch.seq_len
     temperature: float = 1.0  # sampling temperature (> 0); the training forward's log-probabilities use it too
-    updates_per_rollout: int = 1  # optimizer updates per rollout (only 1 in this version: see docs/training.md)
+    updates_per_rollout: int = 1  # optimizer updates per rollout, each on 1/K of its prompts (open-instruct's num_mini_batches)
     clip_low: float | None = 0.2  # PPO clip: the ratio is kept >= 1 - clip_low, in [0, 1); null with clip_high: no clip
     clip_high: float | None = 0.272  # ... and <= 1 + clip_high, > 0 (DAPO's clip-higher: above clip_low)
     tis_cap: float | None = 2.0  # truncated importance sampling's cap on pi_train_old / pi_decode (> 1); null or 0: off
@@ -205,9 +205,6 @@ class RLConfig:
         if self.samples_per_prompt < 2:
             raise bad("samples_per_prompt", f"must be >= 2, got {self.samples_per_prompt}: a sample's advantage is its reward "
                       f"minus its group's mean, which one sample alone makes 0 (OLMo 3 used 8)")
-        if self.updates_per_rollout != 1:
-            raise bad("updates_per_rollout", f"{self.updates_per_rollout}: this version makes one optimizer update per rollout "
-                      f"(OLMo 3 Instruct's num_epochs 1); set 1")
         if not self.temperature > 0:
             raise bad("temperature", f"must be > 0, got {self.temperature} (a rollout samples; OLMo 3 used 1.0)")
         if (self.clip_low is None) != (self.clip_high is None):
@@ -366,6 +363,11 @@ class TrainConfig:
             self.rl.validate(where)
             if self.dpo is not None:
                 raise ConfigError(f"{where}: rl and dpo are both set: a run trains one objective; keep the one its data is for")
+            fewest = min([b.global_batch_size] + [r.global_batch_size for r in b.schedule])
+            if self.rl.updates_per_rollout > fewest:
+                raise ConfigError(f"{where}: rl.updates_per_rollout {self.rl.updates_per_rollout} exceeds the {fewest} prompts of a "
+                                  f"step (batch.global_batch_size{' schedule' if b.schedule else ''}): each update trains 1/K of "
+                                  f"the step's prompts, so some would have none; lower it or raise the batch")
             if self.rl.max_new_tokens >= b.seq_len:
                 raise ConfigError(f"{where}: rl.max_new_tokens {self.rl.max_new_tokens} leaves no room for a prompt in batch.seq_len "
                                   f"{b.seq_len} (a prompt plus its sample is one training row): raise batch.seq_len or lower rl.max_new_tokens")

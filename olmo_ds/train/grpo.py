@@ -2,29 +2,39 @@
 loss, the step's metrics (`olmo_ds.train.objective`'s interface: `rollout`, `begin`, `forward`, `end`,
 `log_metrics`, `state_dict`).
 
-One optimizer step:
+One step (a rollout, then one optimizer update, or `rl.updates_per_rollout` of them):
 1. `rollout(engine, batch, step=...)`: this rank's prompts (the loader's prompt batch) -> G samples each from the
    current policy (`olmo_ds.train.rollout`: the ZeRO-3 weights gathered once into a plain model, the decode engine,
    each sample keyed by (step, prompt, sample)), rewards from each prompt's verifier, advantages per group, groups
    without a reward spread dropped (counted), the rest packed into rows. With `rl.beta > 0` the reference model
    (init_from's weights, frozen, on every rank) scores each sampled token there too ("cached": once per rollout,
-   no gradient). Every rank ends with the same number of rows, a multiple of the micro-batch.
+   no gradient). Every rank ends with the same number of rows, a multiple of the micro-batch. With
+   `rl.updates_per_rollout` K > 1 the rows are K blocks, one per optimizer update (`olmo_ds.train.rollout.pack_rows`:
+   update k trains the groups of the rank's prompts k, k + K, ...), each a multiple of the micro-batch, and the old
+   policy's log-probabilities are scored here (`old_logprobs`, below).
    With sequence parallelism (N ranks a row) the ranks of a sequence group hold the same prompts: each draws and
    scores its 1/N of the group's samples, the group all-gathers them, and every rank of it packs the same rows
-   (`olmo_ds.train.rollout`); the reference scores each rank's slice of them.
-2. `begin(rows, n_micro)`: the step's generated tokens over every rank (one all-reduce, before the first forward)
+   (`olmo_ds.train.rollout`); the reference (and the old policy) scores each rank's slice of them.
+2. `updates(rows)`: the rows cut into the step's K updates; the trainer runs steps 3-4 once for each, each its own
+   optimizer update (its accumulation boundary at the update's last micro-batch).
+3. `begin(rows, n_micro)`: the update's generated tokens over every rank (one all-reduce, before the first forward)
    give the divisor: each micro-batch's summed token loss is divided by `token_mean_divisor(N, world, n_micro)`,
    which undoes DeepSpeed's division by the accumulation steps and its average over ranks, so the gradient is the
    token mean over ALL generated tokens of the step (open-instruct's `loss_denominator: token` over the
-   accumulation group, grpo_fast.py l.655-719) and equal for 1 x 8, 8 x 1 or 2 ranks x 4 micro-batches.
+   accumulation group, grpo_fast.py l.655-719) and equal for 1 x 8, 8 x 1 or 2 ranks x 4 micro-batches. With K
+   updates, each update's own tokens (open-instruct's accumulation group is a mini-batch: grpo_utils.py l.651-671).
    With sequence parallelism each rank keeps its 1/N slice of every row's per-token tensors (`local_rows`) and counts
    the generated tokens of its slices, so the count holds each token once, as the fine-tuning loss's does.
-3. `forward(engine, mb)`: the training forward's logits at the sampled positions, their log-probabilities at the
+4. `forward(engine, mb)`: the training forward's logits at the sampled positions, their log-probabilities at the
    sampling temperature (`olmo_ds.model.loss.sampled_logprobs`), `grpo_loss` (PPO-clip with clip-higher, truncated
    importance sampling, optional KL). The old policy is the one that generated: with one update per rollout its
    log-probabilities are this forward's own, detached (open-instruct's `resolve_old_logprob` with one mini-batch,
    grpo_utils.py l.475-502), so the ratio is 1 in value and the importance weight exp(old - sampled) measures the
-   decode/training mismatch alone. The forward returns the micro-batch's whole logits (the head is not fused with
+   decode/training mismatch alone. With K > 1 updates, updates 2..K must see the policy before update 1: the rollout
+   scores their rows once with a no-grad forward of the engine, micro-batch by micro-batch as they will train, before
+   any update (`rows["old_logprobs"]`; open-instruct's old-logprob pass with several mini-batches, grpo_fast.py
+   l.618-636), and update 1 keeps its own forward's, detached, which are the same numbers without the extra forward
+   (1/K of it saved). The forward returns the micro-batch's whole logits (the head is not fused with
    this loss yet) and the log-probabilities are taken on the generated positions only. With sequence parallelism
    the forward is spread over the group (`sequence_parallel=`) and returns this rank's slice's logits, whose labels
    are the slice of the rows' labels (a position's label is the next token already, so no shift crosses a slice).
@@ -62,7 +72,7 @@ def default_reward(verifier: str, text: str, ground_truth: Any):
 class RLObjective:
     """GRPO's step (module docstring)."""
 
-    stats = ("loss", "tokens", "clipped", "ratio", "capped", "tis", "entropy", "kl")
+    stats = ("loss", "tokens", "clipped", "ratio", "capped", "tis", "entropy", "kl", "policy_ratio")
 
     def __init__(self, rl: RLConfig, *, seq_len: int, micro_batch: int, world_size: int, vocab_size: int,
                  device: torch.device, tokenizer=None, stop_ids=(), reward_fn: Callable | None = None,
@@ -78,7 +88,7 @@ class RLObjective:
         self._divisor = None
         self.last_rollout: dict = {}  # this rank's counts and times of the step's rollout (`rollout`), for `end`
         self._ratio_max = None
-        self._t_train = 0.0
+        self._t_train: float | None = None  # when the step's first update began
 
     # --- the rollout phase --------------------------------------------------------------------
 
@@ -107,13 +117,18 @@ class RLObjective:
             samples = gather_samples(samples, sp.group)
             timings["generation"] += time.perf_counter() - t0
         groups = group_advantages(samples, prompts, samples_per_prompt=rl.samples_per_prompt, normalize_std=rl.normalize_advantage_std)
-        need = torch.tensor(rows_needed(groups.kept, prompts, self.seq_len), device=self.device)
+        k = rl.updates_per_rollout
+        need = torch.tensor(rows_needed(groups.kept, prompts, self.seq_len, updates=k), device=self.device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX)
-        n_rows = max(1, -(-int(need.item()) // self.micro)) * self.micro
-        rows = pack_rows(groups.kept, prompts, self.seq_len, rows=n_rows)
+        n_rows = max(1, -(-int(need.item()) // self.micro)) * self.micro  # per update: whole micro-batches
+        rows = pack_rows(groups.kept, prompts, self.seq_len, rows=n_rows, updates=k)
         if self.reference is not None:
-            rows["reference"] = self.reference_logprobs(rows)
+            rows["reference"] = self.logprobs(self.reference, rows)
+        if k > 1:  # updates 2..K's old policy: the weights before this step's first update (module docstring)
+            t0 = time.perf_counter()
+            rows["old_logprobs"] = self.logprobs(engine, rows, first_row=n_rows)
+            timings["old_logprobs"] = time.perf_counter() - t0
         lengths = [len(s.tokens) for s in samples]
         counts = {
             "samples": len(samples), "reward_sum": sum(s.reward for s in samples),
@@ -127,40 +142,55 @@ class RLObjective:
         return rows
 
     @torch.no_grad()
-    def reference_logprobs(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The reference model's log-probability (at the sampling temperature) of every labelled position [R, T].
-        With sequence parallelism the group spreads the reference's forward as the training forward's (collective
-        over the group): each rank fills its slice of every row, the one `begin` keeps, and leaves the rest 0."""
+    def logprobs(self, model, rows: dict[str, torch.Tensor], first_row: int = 0) -> torch.Tensor:
+        """`model`'s log-probability (at the sampling temperature) of every labelled position of rows `first_row` on,
+        [R, T] (0 elsewhere), a micro-batch at a time: the reference model, or the engine itself (collective). With
+        sequence parallelism the group spreads the forward as the training forward's (collective over the group):
+        each rank fills its slice of every row, the one `begin` keeps, and leaves the rest 0."""
         out = torch.zeros(rows["labels"].shape, dtype=torch.float32)
         sp = self.sp
         kwargs = {"sequence_parallel": sp} if sp is not None else {}
-        for r in range(0, rows["labels"].shape[0], self.micro):
+        for r in range(first_row, rows["labels"].shape[0], self.micro):
             part = {k: v[r:r + self.micro] for k, v in rows.items()}
-            if not (part["labels"] != IGNORE_INDEX).any():  # whole rows: the ranks of a group skip the same forwards
+            # the reference skips rows without samples, decided on whole rows so a group's ranks skip the same
+            # forwards; the engine forwards on every rank alike (ZeRO-3 gathers its weights in the forward)
+            if model is self.reference and not (part["labels"] != IGNORE_INDEX).any():
                 continue
             mine = out[r:r + self.micro]
             if sp is not None:
                 part, mine = local_rows(part, sp), sp.local(mine)
             part = {k: v.to(self.device) for k, v in part.items()}
             keep = part["labels"] != IGNORE_INDEX
-            logits = self.reference(part["input_ids"], doc_lens=part["doc_lens"], positions=part["positions"], **kwargs)
+            logits = model(part["input_ids"], doc_lens=part["doc_lens"], positions=part["positions"], **kwargs)
             lp, _ = sampled_logprobs(logits[keep], part["labels"][keep], temperature=self.rl.temperature, vocab_size=self.vocab_size)
             mine[keep.cpu()] = lp.float().cpu()
         return out
 
     # --- the training phase ---------------------------------------------------------------------
 
+    def updates(self, rows: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """The rollout's rows as the step's `rl.updates_per_rollout` optimizer updates: K equal blocks (`rollout`).
+        The first update's old policy is its own forward's (module docstring): its block has no `old_logprobs`."""
+        k = self.rl.updates_per_rollout
+        if k == 1:
+            return [rows]
+        n = rows["input_ids"].shape[0] // k
+        parts = [{key: v[u * n:(u + 1) * n] for key, v in rows.items()} for u in range(k)]
+        del parts[0]["old_logprobs"]
+        return parts
+
     def begin(self, batch: dict[str, torch.Tensor], n_micro: int) -> dict[str, torch.Tensor]:
-        """The rows on the device (with sequence parallelism this rank's slice of them); the step's generated tokens over
-        every rank give the loss divisor (one all-reduce)."""
-        self._t_train = time.perf_counter()
+        """An update's rows on the device (with sequence parallelism this rank's slice of them); its generated tokens
+        over every rank give the loss divisor (one all-reduce)."""
+        if self._t_train is None:  # the step's first update (`end` closes the step)
+            self._t_train = time.perf_counter()
+            self._ratio_max = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.sp is not None:
             batch = local_rows(batch, self.sp)
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         count = (batch["labels"] != IGNORE_INDEX).sum()
         torch.distributed.all_reduce(count)
         self._divisor = token_mean_divisor(count, self.world_size, n_micro)
-        self._ratio_max = torch.zeros((), dtype=torch.float64, device=self.device)
         return batch
 
     def forward(self, engine, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +201,8 @@ class RLObjective:
         logprob, entropy = sampled_logprobs(logits[keep], mb["labels"][keep], temperature=self.rl.temperature,
                                             vocab_size=self.vocab_size)
         rl = self.rl
-        terms = grpo_loss(logprob, logprob.detach(), mb["sampled"][keep], mb["advantages"][keep],
+        old = mb["old_logprobs"][keep] if "old_logprobs" in mb else logprob.detach()
+        terms = grpo_loss(logprob, old, mb["sampled"][keep], mb["advantages"][keep],
                           mb["reference"][keep] if "reference" in mb else None, clip_low=rl.clip_low, clip_high=rl.clip_high,
                           tis_cap=rl.cap, beta=rl.beta, kl_estimator=rl.kl_estimator)
         total = terms.loss.sum()
@@ -179,19 +210,21 @@ class RLObjective:
             self._ratio_max = torch.maximum(self._ratio_max, terms.importance.max().double())
         stats = torch.stack([total.detach().double(), keep.sum().double(), terms.clipped.sum().double(),
                              terms.importance.sum().double(), terms.capped.sum().double(), terms.tis.sum().double(),
-                             entropy.sum().double(), terms.kl.sum().double()])
+                             entropy.sum().double(), terms.kl.sum().double(), terms.ratio.sum().double()])
         return total / self._divisor, stats
 
     def end(self, sums: torch.Tensor, *, n_micro: int, world_size: int, tokens: int) -> dict:
-        """The step's metrics (collective: the ratio's max and the rollout's counts over every rank)."""
-        train_s = time.perf_counter() - self._t_train
-        loss, n, clipped, ratio, capped, tis, entropy, kl = sums.tolist()
+        """The step's metrics, over all its updates (collective: the ratio's max and the rollout's counts over every rank)."""
+        train_s, self._t_train = time.perf_counter() - self._t_train, None
+        loss, n, clipped, ratio, capped, tis, entropy, kl, policy_ratio = sums.tolist()
         t = max(n, 1.0)
         metrics = {"loss": loss / t, "generated_tokens": int(n), "clip_fraction": clipped / t,
                    "importance_ratio_mean": ratio / t, "tis_capped_fraction": capped / t, "tis_weight_mean": tis / t,
                    "entropy": entropy / t}
         if self.rl.beta:
             metrics["kl"] = kl / t
+        if self.rl.updates_per_rollout > 1:  # exp(lp - old): 1 on the first update, moved by the earlier ones after
+            metrics["policy_ratio_mean"] = policy_ratio / t
         ratio_max = self._ratio_max.clone()
         rollouts = [None] * (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
         if torch.distributed.is_initialized():
@@ -222,14 +255,15 @@ class RLObjective:
                 acc[0] += s
                 acc[1] += c
         out.update({f"rollout/reward_mean/{v}": s / max(c, 1) for v, (s, c) in sorted(verifiers.items())})
-        for phase in ("gather", "generation", "reward"):
+        old = ("old_logprobs",) if any("old_logprobs" in r.get("time", {}) for r in rollouts) else ()
+        for phase in ("gather", "generation", "reward", *old):
             out[f"time/{phase}_s"] = max(r.get("time", {}).get(phase, 0.0) for r in rollouts)
         out["time/training_s"] = max(r.get("train_s", 0.0) for r in rollouts)
         return out
 
     def log_metrics(self, m: dict) -> dict:
         keys = ("clip_fraction", "importance_ratio_mean", "importance_ratio_max", "tis_capped_fraction", "entropy", "kl",
-                "generated_tokens")
+                "policy_ratio_mean", "generated_tokens")
         return {**{f"rl/{k}": m[k] for k in keys if k in m}, **{k: v for k, v in m.items() if k.startswith(("rollout/", "time/"))},
                 "rl/samples_seen": self.samples_seen}
 

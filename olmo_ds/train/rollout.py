@@ -34,6 +34,12 @@ samples, as packed fine-tuning rows). Per position t, whose label is token t + 1
 generated token), `sampled` (the decode engine's log-probability of that token), `advantages`. Every rank gets
 the same number of rows, a multiple of the micro-batch (empty rows: all labels -100), so that the ranks run the
 same number of forwards and backwards under ZeRO-3.
+
+Several optimizer updates per rollout (`rl.updates_per_rollout` K): update k trains the groups of this rank's
+prompts k, k + K, k + 2K, ... (`update_of`), packed into a block of rows of its own, and the K blocks are laid out
+one after the other, each as many rows as the fullest update needs over all ranks. A group never spans two updates,
+each update gets the same number of prompts (+-1), and when every rank's prompts are a multiple of K an update holds
+the same prompts however many ranks share the step (rank r's prompt j is the global batch's prompt r x B + j).
 """
 
 from __future__ import annotations
@@ -181,9 +187,15 @@ def group_advantages(samples: list[Sample], prompts: Sequence[Prompt], *, sample
     return Groups(kept, samples, dropped, len(samples) // max(samples_per_prompt, 1), errors, by_verifier)
 
 
-def rows_needed(samples: list[Sample], prompts: Sequence[Prompt], seq_len: int) -> int:
-    """How many rows of `seq_len` first-fit packing gives `samples` (`pack_rows` without building them)."""
-    return len(_placement(samples, prompts, seq_len))
+def update_of(sample: Sample, updates: int) -> int:
+    """Which of a rollout's `updates` optimizer updates trains `sample`: its prompt's position on the rank, mod K."""
+    return sample.prompt % updates
+
+
+def rows_needed(samples: list[Sample], prompts: Sequence[Prompt], seq_len: int, updates: int = 1) -> int:
+    """How many rows of `seq_len` first-fit packing gives `samples` (`pack_rows` without building them); with
+    `updates` K > 1, the most any one update's samples need."""
+    return max(len(_placement([s for s in samples if update_of(s, updates) == u], prompts, seq_len)) for u in range(updates))
 
 
 def _placement(samples, prompts, seq_len) -> list[list[int]]:
@@ -202,10 +214,17 @@ def _placement(samples, prompts, seq_len) -> list[list[int]]:
     return placed
 
 
-def pack_rows(samples: list[Sample], prompts: Sequence[Prompt], seq_len: int, rows: int | None = None) -> dict[str, torch.Tensor]:
-    """The samples as training rows (module docstring), at least `rows` of them (empty rows after)."""
-    placed = _placement(samples, prompts, seq_len)
-    n_rows = max(len(placed), rows or 0)
+def pack_rows(samples: list[Sample], prompts: Sequence[Prompt], seq_len: int, rows: int | None = None,
+              updates: int = 1) -> dict[str, torch.Tensor]:
+    """The samples as training rows (module docstring), at least `rows` of them (empty rows after); with `updates`
+    K > 1, K blocks of rows one after the other, block k update k's samples (`update_of`), each block as many rows as
+    the longest and at least `rows`."""
+    blocks = [[k for k, s in enumerate(samples) if update_of(s, updates) == u] for u in range(updates)]
+    placements = [[[block[i] for i in row] for row in _placement([samples[k] for k in block], prompts, seq_len)]
+                  for block in blocks]
+    per_block = max([rows or 0] + [len(p) for p in placements])
+    placed = [row for p in placements for row in p + [[]] * (per_block - len(p))]  # [] pads: a row without samples
+    n_rows = len(placed)
     ids = torch.zeros(n_rows, seq_len, dtype=torch.int64)
     labels = torch.full((n_rows, seq_len), IGNORE_INDEX, dtype=torch.int64)
     positions = torch.zeros(n_rows, seq_len, dtype=torch.int64)
@@ -231,9 +250,6 @@ def pack_rows(samples: list[Sample], prompts: Sequence[Prompt], seq_len: int, ro
         if at < seq_len:
             positions[r, at:] = torch.arange(seq_len - at)
             lens[r].append(seq_len - at)
-    for r in range(len(placed), n_rows):
-        positions[r] = torch.arange(seq_len)
-        lens[r].append(seq_len)
     width = max(len(x) for x in lens) if lens else 1
     doc_lens = torch.tensor([x + [0] * (width - len(x)) for x in lens], dtype=torch.int32).reshape(n_rows, width)
     return {"input_ids": ids, "labels": labels, "positions": positions, "doc_lens": doc_lens, "sampled": sampled,

@@ -197,56 +197,62 @@ class Trainer:
     # --- one optimizer step ----------------------------------------------------------------------
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """One optimizer step on this rank's rows of a global batch. Returns loss, lr, grad norm, tokens.
+        """One optimizer step on this rank's rows of a global batch (RL: a rollout's `rl.updates_per_rollout` updates,
+        the objective's `updates`). Returns loss, lr, grad norm, tokens.
 
         Collective: every rank calls it with its own rows of the same global step.
         """
         cfg, engine = self.cfg, self.engine
         if hasattr(self.objective, "rollout"):  # RL: this rank's prompts become its rows of scored samples (train/grpo.py)
             batch = self.objective.rollout(engine, batch, step=self.step)
+        # RL's rl.updates_per_rollout: the step's rows are K equal parts, each its own optimizer update (train/grpo.py)
+        updates = self.objective.updates(batch) if hasattr(self.objective, "updates") else [batch]
         rows = batch["input_ids"].shape[0]
         micro = cfg.batch.micro_batch_size
         global_batch = rows * self.layout.dp_size
-        n_micro = rows // micro
+        n_micro = rows // len(updates) // micro  # an update's micro-batches
         if engine.gradient_accumulation_steps() != n_micro:
             # A batch-size schedule: more accumulation steps. DeepSpeed's engine counts micro-batches over all its
             # ranks (a sequence group's each as one), so it is given this rank's rows times every rank.
-            engine.set_train_batch_size(rows * self.world_size)
-        lr = lr_at(self.step, peak_lr=cfg.optim.lr, max_steps=cfg.max_steps, cfg=cfg.schedule)
+            engine.set_train_batch_size(rows // len(updates) * self.world_size)
+        lr = lr_at(self.step, peak_lr=cfg.optim.lr, max_steps=cfg.max_steps, cfg=cfg.schedule)  # a step's updates alike
         set_lr(engine.optimizer, lr)
 
         assert engine.gradient_accumulation_steps() == n_micro, "engine accumulation out of step with the batch"
         # DeepSpeed ZeRO-2/3 waits for its gradient stream at the end of every backward, which empties the
         # device's queue; whatever the host does from there to the next forward's first kernel leaves the
-        # device idle. So the whole batch is copied once per step, and the loss bookkeeping is queued
+        # device idle. So the whole batch is copied once per update, and the loss bookkeeping is queued
         # while the forward still runs (BENCHMARKS.md, "The host between micro-batches").
-        batch = self.objective.begin(batch, n_micro)
         sums = torch.zeros(len(self.objective.stats) + 1, dtype=torch.float64, device=self.device)  # + non-finite micro-batches
-        for i in range(n_micro):
-            mb = {k: v[i * micro:(i + 1) * micro] for k, v in batch.items()}
-            # Said explicitly: DeepSpeed would infer the boundary from its running micro-step count, which
-            # a change of the batch size (and so of the accumulation steps) puts out of phase.
-            engine.set_gradient_accumulation_boundary(i == n_micro - 1)
-            # The labels name these phases in a torch.profiler trace (scripts/bench_train.py --profile-dir).
-            with record_function("olmo_ds.forward"):
-                loss, stats = self.objective.forward(engine, mb)
-                sums += torch.cat([stats, (~torch.isfinite(loss.detach())).double()[None]])
-            with record_function("olmo_ds.backward"):
-                engine.backward(loss)
-            with record_function("olmo_ds.step"):
-                engine.step()  # applies the update only at the accumulation boundary
+        applied, grad_norms = True, []
+        for part in updates:
+            part = self.objective.begin(part, n_micro)
+            for i in range(n_micro):
+                mb = {k: v[i * micro:(i + 1) * micro] for k, v in part.items()}
+                # Said explicitly: DeepSpeed would infer the boundary from its running micro-step count, which
+                # a change of the batch size (and so of the accumulation steps) puts out of phase.
+                engine.set_gradient_accumulation_boundary(i == n_micro - 1)
+                # The labels name these phases in a torch.profiler trace (scripts/bench_train.py --profile-dir).
+                with record_function("olmo_ds.forward"):
+                    loss, stats = self.objective.forward(engine, mb)
+                    sums += torch.cat([stats, (~torch.isfinite(loss.detach())).double()[None]])
+                with record_function("olmo_ds.backward"):
+                    engine.backward(loss)
+                with record_function("olmo_ds.step"):
+                    engine.step()  # applies the update only at the accumulation boundary
+            applied = applied and engine.was_step_applied()  # DeepSpeed skips a step whose gradients overflow
+            grad_norms.append(engine.get_global_grad_norm())
         torch.distributed.all_reduce(sums)
-        finite = bool(sums[-1].item() == 0) and engine.was_step_applied()  # DeepSpeed skips a step whose gradients overflow
-        grad_norm = engine.get_global_grad_norm()
-        grad_norm = float(grad_norm) if grad_norm is not None else None
+        finite = bool(sums[-1].item() == 0) and applied
+        # several updates: their mean (open-instruct's optim/grad_norm)
+        grad_norm = None if any(g is None for g in grad_norms) else sum(float(g) for g in grad_norms) / len(grad_norms)
 
         self.step += 1
         tokens = global_batch * cfg.batch.seq_len  # row positions (padding of packed rows included): what the model computed
         self.tokens_seen += tokens
-        metrics = self.objective.end(sums[:-1], n_micro=n_micro, world_size=self.world_size, tokens=tokens)
+        metrics = self.objective.end(sums[:-1], n_micro=n_micro * len(updates), world_size=self.world_size, tokens=tokens)
         ce_loss = metrics["loss"]
         self.last_metrics = {"loss": ce_loss, "grad_norm": grad_norm}
-        applied = engine.was_step_applied()
         finite = finite and (grad_norm is None or math.isfinite(grad_norm))
         if finite:
             self.nonfinite_in_a_row = 0

@@ -35,7 +35,11 @@ def config(tmp_path, rl: dict, **sections):
     ({"beta": -1.0}, r"rl.beta must be >= 0"),
     ({"kl_estimator": "k4"}, r"rl.kl_estimator 'k4' is not one of k1, k2, k3"),
     ({"temperature": 0.0}, r"rl.temperature must be > 0"),
-    ({"updates_per_rollout": 2}, r"rl.updates_per_rollout 2: this version makes one optimizer update per rollout"),
+    ({"updates_per_rollout": 0}, r"rl.updates_per_rollout must be a positive integer, got 0"),
+    ({"updates_per_rollout": 1.5}, r"rl.updates_per_rollout: expected an integer, got 1.5"),
+    ({"updates_per_rollout": "2"}, r"rl.updates_per_rollout: expected an integer, got '2'"),
+    ({"updates_per_rollout": 9}, r"rl.updates_per_rollout 9 exceeds the 8 prompts of a step \(batch.global_batch_size\): each "
+                                 r"update trains 1/K of the step's prompts, so some would have none"),
     ({"max_new_tokens": 32}, r"rl.max_new_tokens 32 leaves no room for a prompt in batch.seq_len 32"),
 ])
 def test_bad_values_are_refused_naming_the_key(tmp_path, rl, message):
@@ -69,6 +73,14 @@ def test_the_defaults_are_open_instructs_olmo3_settings():
     rl = RLConfig()
     assert (rl.clip_low, rl.clip_high, rl.tis_cap, rl.beta, rl.kl_estimator, rl.temperature) == (0.2, 0.272, 2.0, 0.0, "k3", 1.0)
     assert RLConfig(tis_cap=0).cap is None and RLConfig(tis_cap=None).cap is None and rl.cap == 2.0
+
+
+def test_several_updates_per_rollout_are_accepted_up_to_the_prompts_of_a_step(tmp_path):
+    assert config(tmp_path, {"max_new_tokens": 16, "updates_per_rollout": 8}).rl.updates_per_rollout == 8
+    with pytest.raises(ConfigError, match=r"rl.updates_per_rollout 4 exceeds the 2 prompts of a step \(batch.global_batch_size "
+                                          r"schedule\)"):
+        config(tmp_path, {"max_new_tokens": 16, "updates_per_rollout": 4},
+               batch={"schedule": [{"step": 0, "global_batch_size": 2}, {"step": 5, "global_batch_size": 8}]})
 
 
 def test_off_switches_are_accepted(tmp_path):

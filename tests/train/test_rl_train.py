@@ -18,7 +18,7 @@ from olmo_ds.model import OLMo
 from olmo_ds.model.config import preset
 from olmo_ds.model.loss import IGNORE_INDEX
 from olmo_ds.data.dataset import Prompt
-from olmo_ds.train.rollout import Sample, group_advantages, group_share, pack_rows, sample_key, score_samples
+from olmo_ds.train.rollout import Sample, group_advantages, group_share, pack_rows, rows_needed, sample_key, score_samples, update_of
 from olmo_ds.weights import save_model_dir
 
 from train_testlib import ROOT, read_metrics, run, tiny_config, torchrun_cmd, write_config
@@ -71,9 +71,11 @@ LOGGED = ("train/loss", "rollout/reward_mean", "rollout/reward_mean/ifeval", "ro
 
 
 @pytest.mark.slow
-def test_an_rl_run_logs_each_step_and_resumes_exactly(tmp_path, prompts_and_model):
+@pytest.mark.parametrize("updates", [1, 2])
+def test_an_rl_run_logs_each_step_and_resumes_exactly(tmp_path, prompts_and_model, updates):
     data, init = prompts_and_model
     cfg = rl_config(tmp_path, data, init, eval={"every": 2})
+    cfg["rl"]["updates_per_rollout"] = updates
     log = pretrain(tmp_path, cfg, "rl")
     straight = tmp_path / "run"
     rows = read_metrics(straight)
@@ -90,6 +92,11 @@ def test_an_rl_run_logs_each_step_and_resumes_exactly(tmp_path, prompts_and_mode
     evals = [r for r in rows if "eval/data/solve_rate" in r]
     assert [r["step"] for r in evals] == [2, 4]
     assert "reward" in log and "eval step 2 | data/solve_rate" in log
+    if updates > 1:  # the ratio to the policy that sampled: 1 on update 1, off 1 where update 2 trains (0: no tokens)
+        assert all("time/old_logprobs_s" in r and "rl/policy_ratio_mean" in r for r in steps.values())
+        assert any(r["rl/policy_ratio_mean"] not in (0.0, 1.0) for r in steps.values())
+    else:
+        assert not any("rl/policy_ratio_mean" in r or "time/old_logprobs_s" in r for r in steps.values())
 
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "checkpoints" / "step-0000002", resumed / "checkpoints" / "step-0000002")
@@ -97,7 +104,7 @@ def test_an_rl_run_logs_each_step_and_resumes_exactly(tmp_path, prompts_and_mode
     got = {r["step"]: r for r in read_metrics(resumed) if "train/loss" in r}
     assert sorted(got) == [3, 4]
     for step in (3, 4):
-        for key in LOGGED:
+        for key in (*LOGGED, "train/grad_norm", *(("rl/policy_ratio_mean",) if updates > 1 else ())):
             assert got[step][key] == steps[step][key], (step, key, got[step][key], steps[step][key])
 
 
@@ -156,6 +163,21 @@ def test_packed_rows_train_the_generated_tokens_only_with_their_log_probabilitie
     assert pack_rows(samples, prompts, 8, rows=4)["labels"][2:].eq(IGNORE_INDEX).all()  # padding rows train nothing
     with pytest.raises(ValueError, match="a sample of 5 tokens .* exceeds batch.seq_len 4"):
         pack_rows(samples, prompts, 4)
+
+
+def test_several_updates_pack_each_updates_prompts_into_a_block_of_their_own():
+    prompts = [Prompt([10 + p], "v", None, p) for p in range(4)]
+    # prompt p's samples have p + 1 generated tokens: prompts 0 and 2 train in update 1, prompts 1 and 3 in update 2
+    samples = [Sample(p, [50 + p] * (p + 1), [-0.5] * (p + 1), "eos", "", advantage=float(p + 1)) for p in range(4) for _ in range(2)]
+    assert [update_of(s, 2) for s in samples] == [0, 0, 1, 1, 0, 0, 1, 1]
+    # update 1: 2 + 2 + 4 + 4 tokens fit one row of 12; update 2: 3 + 3 + 5 + 5 need two
+    assert rows_needed(samples, prompts, 12, updates=2) == 2 and rows_needed(samples, prompts, 12) == 3
+    rows = pack_rows(samples, prompts, 12, rows=2, updates=2)
+    assert rows["input_ids"].shape == (4, 12)
+    trained = [set(rows["advantages"][r][rows["labels"][r] != IGNORE_INDEX].tolist()) for r in range(4)]
+    assert trained == [{1.0, 3.0}, set(), {2.0, 4.0}, {4.0}]  # block 1: rows 0-1 (row 1 padding), block 2: rows 2-3
+    assert rows["doc_lens"][1].tolist()[0] == 12 and rows["positions"][1].tolist() == list(range(12))
+    assert pack_rows(samples, prompts, 12, rows=4, updates=2)["input_ids"].shape == (8, 12)  # each block at least `rows`
 
 
 def test_sample_keys_depend_on_step_prompt_and_sample_only():
