@@ -158,8 +158,6 @@ def test_doc_commands_run(doc: Path, workspace) -> None:
         if MARKER.search(body):
             continue
         where = f"{doc.relative_to(REPO)}:{line}"
-        import time as _t
-        _t0 = _t.time()
         try:
             result = subprocess.run(
                 ["bash", "-euo", "pipefail", "-c", body], cwd=repo, env=env, text=True,
@@ -167,8 +165,6 @@ def test_doc_commands_run(doc: Path, workspace) -> None:
             )
         except subprocess.TimeoutExpired as e:
             pytest.fail(f"{where}: still running after {BLOCK_TIMEOUT_S} s\n{e.output}")
-        with open("/tmp/docblocks.txt", "a") as _f:
-            _f.write(f"{_t.time() - _t0:7.1f} s  {where}  {body.strip().splitlines()[0][:100]}\n")
         assert result.returncode == 0, f"{where}: exit {result.returncode}\n{body}\n--- output ---\n{result.stdout[-6000:]}"
     if doc.name == "README.md":
         check_tour_promises(repo / "runs" / "mine")
