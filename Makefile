@@ -20,8 +20,13 @@ SETUP :=
 PY := python
 RUN := PYTHONPATH=$(CURDIR):$$PYTHONPATH
 endif
-# Extra pytest arguments, e.g. PYTEST_ARGS="-n 8" where pytest-xdist is installed.
+# Extra pytest arguments, e.g. PYTEST_ARGS="-x -k resume".
 PYTEST_ARGS ?=
+# The CPU tiers (test, test-fast, test-slow) run on pytest-xdist workers (the `test` extra installs it): one per core,
+# at least 2, at most 8. A file's tests stay on one worker (--dist loadfile), so module fixtures are made once and
+# the docs' blocks run in order. TEST_WORKERS=0: every test in the pytest process itself.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 2 ] && n=2; [ $$n -gt 8 ] && n=8; echo $$n)
+XDIST = $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist loadfile")
 
 # Targets that start DeepSpeed put .venv/bin first on PATH: its ninja must be the one that built the
 # cached ops, or DeepSpeed rebuilds them (another ninja reads the build log as stale).
@@ -62,13 +67,13 @@ prepare-data: $(SETUP) ## raw text → validated token shards (INPUT=, TOKENIZER
 	$(RUN) $(PY) scripts/prepare_data.py --input $(INPUT) --tokenizer $(TOKENIZER) --output $(OUTPUT) --workers $(WORKERS) $(PREPARE_ARGS)
 
 test: $(SETUP) ## run the test suite on CPU, on GPU hosts too (real DeepSpeed with 2 CPU ranks); OFFLINE=1 installs nothing
-	$(RUN) $(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(RUN) $(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS) tests
 
 test-fast: $(SETUP) ## the test suite without the multi-rank DeepSpeed runs
-	$(RUN) $(PY) -m pytest -q -m "not multirank" $(PYTEST_ARGS) tests
+	$(RUN) $(PY) -m pytest -q -m "not multirank" $(XDIST) $(PYTEST_ARGS) tests
 
 test-slow: $(SETUP) ## every test of the sampled slow tier (make test draws one in three of them per run)
-	$(RUN) OLMO_DS_SLOW_TESTS=all $(PY) -m pytest -q -m slow $(PYTEST_ARGS) tests
+	$(RUN) OLMO_DS_SLOW_TESTS=all $(PY) -m pytest -q -m slow $(XDIST) $(PYTEST_ARGS) tests
 
 test-gpu: $(SETUP) ## the GPU tier (bf16 on CUDA, compiled blocks under ZeRO-3, resume, attention kernels); needs a CUDA GPU
 	$(RUN) OLMO_DS_TEST_DEVICE=cuda $(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests

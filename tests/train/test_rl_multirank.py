@@ -98,7 +98,7 @@ def test_gradient_is_the_global_token_mean_whatever_the_split(tmp_path):
     assert acc8["metrics"]["clip_fraction"] == 0.0  # one update per rollout: the ratio is 1
 
 
-@pytest.mark.multirank
+@pytest.mark.slow
 def test_a_sequence_group_trains_as_one_rank_on_the_same_samples(tmp_path):
     """1 rank against 2 ranks as 1 data-parallel x 2 sequence-parallel, each with a KL term to a reference that is
     not the policy (so the reference's log-probabilities, spread over the group, reach the gradient)."""
@@ -184,13 +184,19 @@ def test_two_updates_per_rollout_keep_the_sampling_policy_as_the_old_one(tmp_pat
         assert abs(m["policy_ratio_mean"] - ratios / tokens) < 1e-6
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_a_sequence_group_with_two_updates_trains_as_one_rank(tmp_path):
-    """Both at once: 2 updates per rollout on 2 ranks as 1 x 2 sequence-parallel, against 1 rank. Update 2's old
-    log-probabilities come from the engine's spread forward (each rank its slice), the KL term's from the reference's."""
+    """Both at once (the one of these tests every `make test` runs; the others are the slow tier's): 2 updates per
+    rollout on 2 ranks as 1 x 2 sequence-parallel, against 1 rank. Update 2's old log-probabilities come from the
+    engine's spread forward (each rank its slice), the KL term's from the reference's."""
     one = one_step(tmp_path, "one", nproc=1, micro=1, beta=0.1, updates=2)
     group = one_step(tmp_path, "sp2", nproc=2, micro=1, sp=2, beta=0.1, updates=2)
     first, second = group["ranks"]
+    assert first["prompts"] == second["prompts"] == [0, 1, 2, 3]  # a group's ranks hold the same prompts
+    # the group split the drawing: half each, together every sample one rank drew, the same tokens
+    assert len(first["drawn"]) == len(second["drawn"]) == 8 and first["drawn"] + second["drawn"] == one["ranks"][0]["drawn"]
+    for k in ("input_ids", "labels", "advantages", "positions", "doc_lens"):  # and both packed the same rows
+        assert torch.equal(first["rows"][k], second["rows"][k]), k
     for u in range(2):
         assert samples(group, u, 2, ranks=[first]) == samples(one, u, 2) and samples(one, u, 2), u
         # update 2 starts from weights that AdamW moved by update 1's gradient, which the spread forward rounds
