@@ -20,7 +20,6 @@ import hashlib
 import itertools
 import json
 import os
-import threading
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import numpy as np
 import orjson
 
 from olmo_ds import hub
+from olmo_ds.fast_parse import FastParse, single_thread_fast
 
 # Names under which tokenizers in the wild spell their end-of-document and padding tokens, in the
 # order we prefer them when no tokenizer_config.json names them.
@@ -170,20 +170,22 @@ class FastHFTokenizer(HFTokenizer):
 
     backend = "fastokens"
 
-    def __init__(self, path: Path, single_thread: bool = True, reference: HFTokenizer | None = None, parsed=None):
+    def __init__(self, path: Path, single_thread: bool = True, reference: HFTokenizer | None = None, parse: FastParse | None = None):
         if reference is None:
             super().__init__(path)
         else:  # share an already loaded HF tokenizer of the same file (parsing it again costs ~0.2 s)
             self.__dict__.update(reference.__dict__)
-        if parsed is not None:  # fastokens' own tokenizer, parsed from this file already (`FastParse`)
-            self._fast = parsed
-            return
         if single_thread:
-            _single_thread_fast()
-        import fastokens
-
+            single_thread_fast()
         try:
-            self._fast = fastokens.Tokenizer.from_json_str(self._raw.decode("utf-8"))
+            if parse is not None:  # fastokens parsing this file already, in a thread of its own (`fast_parse`)
+                self._fast = parse.result()
+            else:
+                import fastokens
+
+                self._fast = fastokens.Tokenizer.from_json_str(self._raw.decode("utf-8"))
+        except ImportError:
+            raise
         except Exception as e:  # fastokens raises plain exceptions naming the unsupported part
             raise FastBackendError(f"{self.path}: fastokens cannot load it: {e}") from e
 
@@ -365,53 +367,12 @@ def _find_token(tok: Tokenizer, configured: str | None, candidates: tuple[str, .
     return None
 
 
-def fast_beside(reference: HFTokenizer, single_thread: bool = True) -> FastHFTokenizer:
+def fast_beside(reference: HFTokenizer, single_thread: bool = True, parse: FastParse | None = None) -> FastHFTokenizer:
     """`reference` (an `HFTokenizer` from `load_tokenizer`) encoded with `fastokens`: the same file,
-    EOS and PAD, without parsing the tokenizer.json with HF again. Raises `FastBackendError` if
-    fastokens cannot load it."""
-    return FastHFTokenizer(reference.path, single_thread, reference=reference)
-
-
-def _single_thread_fast() -> None:
-    """fastokens (and the Rayon pool under it) on the calling thread only; set before its first use."""
-    os.environ["RAYON_NUM_THREADS"] = "1"
-    os.environ["FASTOKENS_BPE_THREADS"] = "1"
-
-
-class FastParse:
-    """fastokens parsing a tokenizer.json in a thread of its own, started before the HF reference is
-    loaded: the parse is the longest step of data preparation's start-up (~0.35 s for dolma2, three
-    times HF's) and runs without the GIL, so the caller loads and hashes the reference meanwhile.
-    `beside(reference)` waits for it and gives what `fast_beside(reference)` gives."""
-
-    def __init__(self, path: Path, single_thread: bool = True):
-        self.path = Path(path)
-        self._parsed = self._error = None
-        self.thread_id: int | None = None  # the parsing thread's native id, once it runs
-        if single_thread:
-            _single_thread_fast()
-        # A daemon: a run that stops before it needs the encoder (an error, a complete output) does not wait for it.
-        self._thread = threading.Thread(target=self._parse, name="fastokens-parse", daemon=True)
-        self._thread.start()
-
-    def _parse(self) -> None:
-        self.thread_id = threading.get_native_id()
-        try:
-            import fastokens
-
-            self._parsed = fastokens.Tokenizer.from_json_str(self.path.read_text(encoding="utf-8"))
-        except Exception as e:  # noqa: BLE001 - handed to the caller by `beside`
-            self._error = e
-
-    def beside(self, reference: HFTokenizer) -> FastHFTokenizer:
-        """The fast encoder over `reference` (loaded from the same file). Raises `ImportError` without
-        fastokens, `FastBackendError` if it cannot load the file."""
-        self._thread.join()
-        if isinstance(self._error, ImportError):
-            raise self._error
-        if self._error is not None:  # fastokens raises plain exceptions naming the unsupported part
-            raise FastBackendError(f"{self.path}: fastokens cannot load it: {self._error}") from self._error
-        return FastHFTokenizer(reference.path, reference=reference, parsed=self._parsed)
+    EOS and PAD, without parsing the tokenizer.json with HF again. `parse`: fastokens already parsing
+    that file in a thread (`fast_parse.FastParse`), waited for. Raises `FastBackendError` if fastokens
+    cannot load it, `ImportError` without fastokens."""
+    return FastHFTokenizer(reference.path, single_thread, reference=reference, parse=parse)
 
 
 def load_tokenizer(path, eos_token: str | None = None, backend: str = "hf") -> Tokenizer:

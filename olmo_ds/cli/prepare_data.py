@@ -20,11 +20,7 @@ See olmo_ds/data/prepare/pipeline.py for what the output promises; validate it w
 import argparse
 import sys
 
-from olmo_ds.data.validate import format_report
-from olmo_ds.data.prepare.pipeline import PrepareConfig, PrepareError, prepare
-from olmo_ds.data.prepare.report import format_summary
-from olmo_ds.data.prepare.readers import CorruptInputError
-from olmo_ds.eval import verifiers
+from olmo_ds.fast_parse import FastParse, local_tokenizer_json  # the standard library only: see main
 
 
 def _partition(text: str) -> tuple[int, int]:
@@ -65,6 +61,17 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress output (default: a bar when stderr is a terminal, else a plain line every --progress-every seconds, e.g. in a Slurm log)")
     p.add_argument("--progress-every", type=float, default=60.0, metavar="SECONDS", help="seconds between plain progress lines when stderr is not a terminal (default: 60)")
     a = p.parse_args(argv)
+    # fastokens starts parsing the tokenizer.json now, so that the imports below (numpy, the readers, the tokenizer
+    # module: ~0.2 s) and HF's load run while it does (`olmo_ds.fast_parse`). Chat formats and `--tokenizer-backend
+    # hf` do not use it; a hub id or a directory without a tokenizer.json is resolved by `prepare` first.
+    path = local_tokenizer_json(a.tokenizer) if a.format == "text" and a.tokenizer_backend != "hf" else None
+    parse = FastParse(path) if path else None
+    from olmo_ds.data.prepare.pipeline import PrepareConfig, PrepareError, prepare
+    from olmo_ds.data.prepare.readers import CorruptInputError
+    from olmo_ds.data.prepare.report import format_summary
+    from olmo_ds.data.validate import format_report
+    from olmo_ds.eval import verifiers
+
     cfg = PrepareConfig(
         inputs=a.input, output=a.output, tokenizer=a.tokenizer, text_field=a.text_field, workers=a.workers,
         shard_tokens=a.shard_tokens, val_fraction=a.val_fraction, eos_token=a.eos_token, dry_run=a.dry_run,
@@ -75,7 +82,7 @@ def main(argv=None) -> int:
         check_ground_truth=verifiers.check if a.format == "rl" else None,
     )
     try:
-        result = prepare(cfg)
+        result = prepare(cfg, parse=parse)
     except PrepareError as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)
         return 2

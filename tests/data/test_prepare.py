@@ -752,3 +752,45 @@ def test_workers_are_forked_after_fastokens_parsed_in_a_thread():
     finally:
         stop.set()
         running.join()
+
+
+def test_prepare_data_starts_the_parse_before_its_imports_and_prepare_takes_it(tmp_path, monkeypatch):
+    """`prepare_data.py` imports only the standard library before it knows the tokenizer, starts fastokens' parse
+    then (`olmo_ds.fast_parse`), and only then imports the pipeline; `prepare` takes that parse instead of
+    starting its own. A parse of another file, or one `--tokenizer-backend hf` does not need, ends and is dropped."""
+    from olmo_ds import fast_parse
+    from olmo_ds.cli import prepare_data as cli
+    from olmo_ds.data.prepare import backend
+
+    fresh = subprocess.run([sys.executable, "-c", "import sys, olmo_ds.cli.prepare_data as m; "
+                            "print(sorted(n for n in sys.modules if n.split('.')[0] in ('numpy', 'tokenizers', 'fastokens') "
+                            "or n.startswith('olmo_ds.data')))"], capture_output=True, text=True, check=True)
+    assert fresh.stdout.strip() == "[]", f"prepare_data.py imports these before it starts the parse: {fresh.stdout}"
+
+    started = []
+
+    class Recorded(fast_parse.FastParse):
+        def __init__(self, path, single_thread=True):
+            started.append(Path(path))
+            super().__init__(path, single_thread)
+
+    class Refused(fast_parse.FastParse):
+        def __init__(self, *a, **k):
+            raise AssertionError("prepare started a second parse")
+
+    monkeypatch.setattr(cli, "FastParse", Recorded)
+    monkeypatch.setattr(backend, "FastParse", Refused)
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    shutil.copy(DOLMA2, tok_dir / "tokenizer.json")
+    assert cli.main(["--input", str(C4_DIR), "--output", str(tmp_path / "out"), "--tokenizer", str(tok_dir), "--no-progress"]) == 0
+    assert started == [tok_dir / "tokenizer.json"]
+    assert shards.Manifest.load(tmp_path / "out").extra["tokenizer_backend"]["name"] == "fastokens"
+
+    monkeypatch.setattr(backend, "FastParse", fast_parse.FastParse)
+    other = fast_parse.FastParse(DOLMA2)
+    copy = tok_dir / "tokenizer.json"
+    mine = backend.early_parse("auto", copy, other)
+    assert mine is not other and mine.path == copy and not other._thread.is_alive()
+    assert backend.early_parse("hf", copy, mine) is None and not mine._thread.is_alive()
+    assert fast_parse.local_tokenizer_json("allenai/dolma2-tokenizer") is None and fast_parse.local_tokenizer_json(tmp_path) is None

@@ -103,11 +103,12 @@ def code_and_prose() -> list[str]:
 @pytest.mark.parametrize("beside", ["loaded", "beside", "parsed"])
 @pytest.mark.parametrize("path", [DOLMA2, NEOX])
 def test_fast_backend_matches_hf(path, beside):
-    from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastParse, fast_beside, first_difference
+    from olmo_ds.fast_parse import FastParse
+    from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, fast_beside, first_difference
 
     parse = FastParse(path) if beside == "parsed" else None  # prepare_data's way: fastokens parses in a thread while HF loads
     hf = load_tokenizer(path)
-    fast = {"loaded": lambda: load_tokenizer(path, backend="fast"), "beside": lambda: fast_beside(hf), "parsed": lambda: parse.beside(hf)}[beside]()
+    fast = {"loaded": lambda: load_tokenizer(path, backend="fast"), "beside": lambda: fast_beside(hf), "parsed": lambda: fast_beside(hf, parse=parse)}[beside]()
     assert (hf.backend, fast.backend) == ("tokenizers", "fastokens")
     assert (fast.vocab_size, fast.eos_id, fast.pad_id, fast.fingerprint) == (hf.vocab_size, hf.eos_id, hf.pad_id, hf.fingerprint)
     reference = tokenizers.Tokenizer.from_file(str(path))
@@ -131,13 +132,14 @@ def variant(tmp_path, name: str, normalizer: dict) -> Path:
 
 
 def test_fast_backend_refusal_and_difference_are_reported(tmp_path):
-    from olmo_ds.tokenizer import FastBackendError, FastParse, first_difference
+    from olmo_ds.fast_parse import FastParse
+    from olmo_ds.tokenizer import FastBackendError, fast_beside, first_difference
 
     nfkc = variant(tmp_path, "nfkc", {"type": "NFKC"})
     with pytest.raises(FastBackendError, match="fastokens cannot load it.*NFKC"):
         load_tokenizer(nfkc, backend="fast")
     with pytest.raises(FastBackendError, match=f"{re.escape(str(nfkc))}: fastokens cannot load it.*NFKC"):  # parsed in a thread: the same refusal
-        FastParse(nfkc).beside(load_tokenizer(nfkc))
+        fast_beside(load_tokenizer(nfkc), parse=FastParse(nfkc))
     # fastokens matched HF on every tokenizer feature it loads that we tried, so the report is
     # checked on two tokenizers that really differ: the first differing text, token and ids.
     texts = ["same in both: 1", "Hello world", "naïve"]

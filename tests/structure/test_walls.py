@@ -137,8 +137,13 @@ def local_package_imports(path: Path, source: str | None = None) -> list[str]:
     return hits
 
 
+# Modules whose olmo_ds imports wait on purpose, and why (besides tools/).
+DEFERS_IMPORTS = {"olmo_ds.cli.prepare_data": "fastokens starts parsing the tokenizer before the pipeline is imported (olmo_ds.fast_parse)"}
+
+
 def test_the_package_imports_its_own_modules_at_the_top():
-    hits = [h for path in SOURCES if not under(module_name(path), "olmo_ds.tools") for h in local_package_imports(path)]
+    hits = [h for path in SOURCES if not under(module_name(path), "olmo_ds.tools") and module_name(path) not in DEFERS_IMPORTS
+            for h in local_package_imports(path)]
     assert not hits, "function-local imports of olmo_ds modules (move them to the module's top):\n" + "\n".join(sorted(set(hits)))
 
 

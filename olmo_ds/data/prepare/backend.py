@@ -18,7 +18,8 @@ from typing import Callable
 
 from olmo_ds.data.prepare import readers
 from olmo_ds.data.prepare.output import PrepareError
-from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastBackendError, FastParse, fast_beside
+from olmo_ds.fast_parse import FastParse
+from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastBackendError, fast_beside
 
 
 def guard_sample(files: list[Path], text_field: str, budget: int = 1 << 20) -> tuple[list[str], list[str]]:
@@ -42,10 +43,14 @@ def guard_sample(files: list[Path], text_field: str, budget: int = 1 << 20) -> t
     return texts, labels
 
 
-def early_parse(requested: str, path: Path) -> FastParse | None:
-    """fastokens parsing the tokenizer file `path` in a thread from now on, where `fast_candidate`
-    will want it (`FastParse`): the caller loads the HF reference meanwhile."""
-    return None if requested == "hf" or path.suffix == ".model" else FastParse(path)
+def early_parse(requested: str, path: Path, started: FastParse | None = None) -> FastParse | None:
+    """fastokens parsing the tokenizer file `path` in a thread, where `fast_candidate` will want it
+    (`FastParse`): the caller loads the HF reference meanwhile. `started`: the parse `prepare_data.py`
+    started before its imports (`olmo_ds.cli.prepare_data`), taken if it parses this file."""
+    if started is not None and (started.path != path or requested == "hf"):
+        started.join()  # not this run's: ended before any worker is forked, then dropped
+        started = None
+    return None if requested == "hf" or path.suffix == ".model" else started or FastParse(path)
 
 
 def fast_candidate(requested: str, reference, parse: FastParse | None = None) -> tuple[object | None, str | None]:
@@ -55,7 +60,7 @@ def fast_candidate(requested: str, reference, parse: FastParse | None = None) ->
     if reference.kind == "sentencepiece" or requested == "hf":
         return None, None
     try:
-        return (parse.beside(reference) if parse is not None else fast_beside(reference)), None
+        return fast_beside(reference, parse=parse), None
     except (FastBackendError, ImportError) as e:
         return None, str(e)
 

@@ -63,6 +63,7 @@ from olmo_ds.chat import MASKS, ChatEncoder, load_chat_template, require_templat
 from olmo_ds.data import shards
 from olmo_ds.data.packing import LONG_PAIRS
 from olmo_ds.data.validate import ShardRules, check_path, check_shard, inner_eos_reason, split_rules, validate_directory
+from olmo_ds.fast_parse import FastParse
 from olmo_ds.data.prepare import partition, readers
 from olmo_ds.data.prepare.backend import check_texts, choose, early_parse, fast_candidate
 from olmo_ds.data.prepare.conversations import LONG_CONVERSATIONS, POLICY_REASONS, TOO_LONG, template_sha256
@@ -386,8 +387,9 @@ def _resolve_chat(cfg: PrepareConfig, tok) -> object:
     return template
 
 
-def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareResult:
-    """Run data preparation; see the module docstring. Raises `PrepareError` for bad input or output."""
+def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print, parse: FastParse | None = None) -> PrepareResult:
+    """Run data preparation; see the module docstring. Raises `PrepareError` for bad input or output.
+    `parse`: fastokens already parsing the tokenizer.json (`prepare_data.py` starts it before its imports)."""
     clock = Phases()  # the summary's time covers all of it, step by step (`report.format_summary`)
     cfg.validate()
     try:
@@ -407,7 +409,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> PrepareRe
     threads_before = _thread_count()
     try:
         path = resolve_path(cfg.tokenizer)
-        parse = early_parse("hf" if chat else cfg.tokenizer_backend, path)  # fastokens parses while HF loads
+        parse = early_parse("hf" if chat else cfg.tokenizer_backend, path, parse)  # fastokens parses while HF loads
         tok = load_tokenizer(path, cfg.eos_token)
     except (OSError, ValueError) as e:
         raise PrepareError(str(e)) from e
