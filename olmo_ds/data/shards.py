@@ -370,6 +370,13 @@ class ShardWriter:
         self.num_docs += len(doc_lens)
         self.max_token_id = max(self.max_token_id, int(tokens.max()))
 
+    def flushed_bin(self) -> tuple[Path, int]:
+        """The ids appended so far, flushed to the `.bin` under its temporary name: (that file, their bytes), for a reader
+        to read them back there (`validate.ReadBack`); `close` renames the file."""
+        with naming(self._bin_tmp):
+            self._bin.flush()
+        return self._bin_tmp, self.num_tokens * self.dtype.itemsize
+
     def close(self, extra: dict | None = None) -> ShardMeta:
         pair_fields = preference_fields(self.num_docs, self._mask is not None, meta_path(self.directory, self.index)) if self.preference else {}
         for f, path in self._files():

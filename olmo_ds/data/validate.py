@@ -510,7 +510,34 @@ def _check_binding(directory: Path, bin_name: str, s: _Shard) -> dict:
             "offsets_sha256": shards.sha256_file(s.offsets_file) if s.offsets_file.is_file() else None, "bin_bytes": s.nbytes}
 
 
-def check_shard(directory: Path, bin_name: str, rules: ShardRules, inner_eos_why: str = "") -> ShardReport:
+class ReadBack:
+    """The whole-file reading of a shard (`_scan`: the sha256 of its bytes as read from the file, its largest id, its EOS
+    count), made while the shard is written: its writer appends only, and after each part reads that part's bytes back
+    from the file (`read`, up to the file's length then). `check_shard` takes it instead of reading the whole file when
+    the shard is closed, so a shard's check no longer waits for one pass over all of it at the end, after the last part:
+    in data preparation's whole-file mode that pass, over the last shard, was the run's tail while every other worker
+    had nothing left to do."""
+
+    def __init__(self, dtype, eos_id: int):
+        self.dtype, self.eos_id = np.dtype(dtype).newbyteorder("<"), int(eos_id)
+        self._digest, self._top, self._eos = hashlib.sha256(), -1, 0
+        self.done = 0  # bytes of the file read back so far
+
+    def read(self, path: Path, end: int) -> None:
+        """Read the file's bytes [done, end) back: what the writer has written (and flushed) since the last call."""
+        for block in _blocks(str(path), self.done, end, self.dtype.itemsize):
+            self._digest.update(block)
+            ids = np.frombuffer(block, dtype=self.dtype)
+            if len(ids):
+                self._top, self._eos = max(self._top, int(ids.max())), self._eos + int(np.count_nonzero(ids == self.eos_id))
+            self.done += len(block)
+
+    def reading(self) -> tuple[str, int, int]:
+        """What `_scan` of the whole file gives: its sha256, largest id, EOS count."""
+        return "sha256:" + self._digest.hexdigest(), self._top, self._eos
+
+
+def check_shard(directory: Path, bin_name: str, rules: ShardRules, inner_eos_why: str = "", read_back: ReadBack | None = None) -> ShardReport:
     """Every check `validate_directory` makes of one shard, run here (data preparation calls it in the process that has
     just written the shard, while its bytes are in the page cache), and a check record beside it (`check_path`) holding
     what each reading found, bound to the shard's metadata, offsets and `rules`. `validate_directory(trust_checks=True)`
@@ -521,7 +548,9 @@ def check_shard(directory: Path, bin_name: str, rules: ShardRules, inner_eos_why
         return report  # a shard that fails before any reading gets no record: the final validation finds the same
     found = []
     first, others = _first_round(0, s, split=False)
-    for kind, _, value in map(_run, [first, *others]):
+    # `read_back`: the whole-file reading made as the shard was written; it covers the file only if it read all of it.
+    whole = ("scan", 0, read_back.reading()) if read_back is not None and read_back.done == s.nbytes else _run(first)
+    for kind, _, value in [whole, *map(_run, others)]:
         _record(s, kind, value)
         found.append([kind, value])
     if _needs_inner_eos(s):

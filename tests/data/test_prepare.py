@@ -167,6 +167,9 @@ def test_a_shards_parts_go_to_the_worker_that_holds_its_writer():
     assert [[(j.index, j.extra is not None) for j in parts] for parts in q.parts] == [[(2, True)], [(0, False), (0, False)], [(1, False), (1, True)]]
     assert q.writer_of == {("d", 0): 1}  # shard 1 closed, shard 0 still open on worker 1
     assert q.next_for(0).index == 2 and q.next_for(0) is None and q
+    # The last round: with no more files left than the workers holding no open shard (2 here), worker 1, which holds
+    # shard 0, takes no new file, so it writes the parts still to come for that shard as they come.
+    assert q.keeps_free(1, 2) and not q.keeps_free(1, 3) and not q.keeps_free(0, 1) and not q.keeps_free(2, 0)
 
 
 def test_work_unit_auto_takes_whole_files_when_there_are_many():

@@ -232,3 +232,52 @@ def test_conversation_sources_get_records_and_the_full_reads_verdict(tmp_path, f
     if meta.prompts:  # the sidecar is read again whole with records too: small, and the trainer reads it as written
         full, trusted, _ = verdicts(out, DOLMA2)
         assert trusted == full and "prompt records" in trusted
+
+
+def test_a_shard_read_back_as_written_gives_the_whole_read_record(tmp_path):
+    """Whole-file mode reads each part of a shard back from its file just after writing it (`validate.ReadBack`), so the
+    check on the last part does not read the whole shard again: its record is the one a whole read makes. Bytes that
+    differ on disk from what was written are found the same way, and a read-back that missed bytes is not taken."""
+    from olmo_ds.data.validate import ReadBack, ShardRules
+
+    rng = np.random.default_rng(0)
+    parts = []
+    for n_docs in (5, 7, 3):
+        lens = rng.integers(2, 40, n_docs)
+        ids = rng.integers(0, 900, int(lens.sum())).astype(np.uint16)
+        ids[np.cumsum(lens) - 1] = 999
+        parts.append((ids, lens))
+
+    def write(name: str, damage: bool = False, skip_last_read: bool = False) -> tuple[Path, ReadBack]:
+        directory = tmp_path / name
+        directory.mkdir()
+        w = shards.ShardWriter(directory, 0, vocab_size=1000, eos_id=999)
+        back = ReadBack(w.dtype, 999)
+        for i, (ids, lens) in enumerate(parts):
+            w.append(ids, lens)
+            path, end = w.flushed_bin()
+            if damage and i == 1:  # the file holds another byte than the one written (and hashed by the writer)
+                with open(path, "r+b") as f:
+                    f.seek(end - 3)
+                    f.write(b"\x07")
+            if not (skip_last_read and i == len(parts) - 1):
+                back.read(path, end)
+        w.close({})
+        return directory, back
+
+    def record(directory: Path, back: ReadBack | None):
+        report = check_shard(directory, "shard-00000.bin", ShardRules(), read_back=back)
+        return report, json.loads(check_path(directory, "shard-00000.bin").read_text())["found"]
+
+    for damage, skip in ((False, False), (True, False), (False, True)):
+        directory, back = write(f"shard-{damage}-{skip}", damage, skip)
+        assert (back.done == shards.bin_path(directory, 0).stat().st_size) == (not skip)
+        report, found = record(directory, back)
+        whole_report, whole_found = record(directory, None)  # no read-back: the whole file read at the end
+        assert found == whole_found and report.ok == whole_report.ok == (not damage)
+        assert damage == any("checksum mismatch" in e for e in report.errors)
+    # It is the read-back that the record holds: a byte changed after it, in the closed shard, only a whole read finds.
+    directory, back = write("changed-after")
+    with open(shards.bin_path(directory, 0), "r+b") as f:
+        f.write(b"\x07")
+    assert record(directory, back)[0].ok and not record(directory, None)[0].ok

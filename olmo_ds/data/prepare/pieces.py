@@ -46,7 +46,7 @@ import numpy as np
 
 from olmo_ds.data import shards
 from olmo_ds.data.prepare.output import resume_point, split_position
-from olmo_ds.data.validate import ShardRules, check_shard
+from olmo_ds.data.validate import ReadBack, ShardRules, check_shard
 
 PIECES_DIR = ".prepare-pieces"
 GROUP_BYTES = 4 << 20  # files smaller than this (on disk) share a task with their neighbours
@@ -148,6 +148,13 @@ class ShardQueues:
                 self.writer_of[job.shard] = w
             self.parts[w].append(job)
 
+    def keeps_free(self, worker: int, files_left: int) -> bool:
+        """Whether `worker` should take no new file now: in the last round (no more files left than the workers that
+        hold no open shard), a worker holding one writes that shard's parts as the last files are cut, so the shard
+        closes right after the last file instead of after a backlog of parts queued while its writer tokenized."""
+        holders = set(self.writer_of.values())
+        return worker in holders and files_left <= len(self.parts) - len(holders)
+
     def next_for(self, worker: int) -> ShardJob | None:
         """The next part `worker` is to write, if any."""
         return self.parts[worker].popleft() if self.parts[worker] else None
@@ -157,14 +164,17 @@ class ShardQueues:
         return any(self.parts)
 
 
-_writers: dict[tuple[str, int], shards.ShardWriter] = {}  # in a worker: the shards it has open, between their parts
+_writers: dict[tuple[str, int], tuple[shards.ShardWriter, ReadBack]] = {}  # in a worker: the shards it has open, between their parts
 
 
 def write_shard_job(job: ShardJob) -> ShardJob:
     """Append the part's piece ranges to its shard through `ShardWriter` (opened by the first part,
-    kept open in this worker for the next), in blocks of whole documents; close it on the last part."""
-    writer = _writers.pop(job.shard, None) or shards.ShardWriter(Path(job.directory), job.index, vocab_size=job.vocab_size, eos_id=job.eos_id,
-                                                                 masked=job.masked, preference=job.preference)
+    kept open in this worker for the next), in blocks of whole documents; close it on the last part.
+    Each part is read back from the file just after it is written (`ReadBack`), so the shard's check on
+    its last part reads only what that part wrote, not the whole shard again."""
+    writer, read_back = _writers.pop(job.shard, None) or (
+        shards.ShardWriter(Path(job.directory), job.index, vocab_size=job.vocab_size, eos_id=job.eos_id, masked=job.masked, preference=job.preference),
+        ReadBack(shards.dtype_for_vocab(job.vocab_size), job.eos_id))
     try:
         for path, first, end, lens in job.segments:
             ids = np.memmap(path, dtype=writer.dtype, mode="r", offset=first * writer.dtype.itemsize, shape=(end - first,))
@@ -177,15 +187,17 @@ def write_shard_job(job: ShardJob) -> ShardJob:
                 writer.append(ids[lo:hi], lens[d:e], None if mask is None else mask[lo:hi])
                 d = e
             del ids, mask
+        if job.check is not None:
+            read_back.read(*writer.flushed_bin())  # while this part's bytes are in the page cache
         if job.extra is None:
-            _writers[job.shard] = writer
+            _writers[job.shard] = writer, read_back
         else:
             writer.close(job.extra)
     except BaseException:
         writer.abort()
         raise
-    if job.extra is not None and job.check is not None:  # while the shard's bytes are in this machine's page cache
-        check_shard(Path(job.directory), shards.bin_path(Path(job.directory), job.index).name, *job.check)
+    if job.extra is not None and job.check is not None:
+        check_shard(Path(job.directory), shards.bin_path(Path(job.directory), job.index).name, *job.check, read_back=read_back)
     job.segments = [(path, first, end, np.zeros(0, np.int64)) for path, first, end, _ in job.segments]  # the lengths need not travel back
     return job
 

@@ -728,7 +728,7 @@ class _Run:
                 for w in pool.idle_workers():
                     if (job := parts.next_for(w)) is not None:  # first: a written part frees pieces, and the last parts end the run
                         pool.submit("shard", job, w)
-                    elif tasks and tasks[0].index < next_cut + window:
+                    elif tasks and tasks[0].index < next_cut + window and not parts.keeps_free(w, len(tasks)):
                         task = tasks.popleft()
                         pool.submit(task.index, task, w)
                 for key, value in pool.wait():
