@@ -93,6 +93,9 @@ def main(argv=None) -> int:
         print(f"prepare_data: error: {e}. Complete shards in {a.output} are kept: fix this and rerun the same "
               f"command to resume", file=sys.stderr)
         return 1
+    finally:
+        if parse is not None:  # a run that stopped early (an error, a complete output): the parse ends before this process does
+            parse.join()
     if not result.already_complete:
         print(format_summary(result, dry_run=a.dry_run))
     if result.validation is not None and not result.validation.ok:

@@ -252,7 +252,9 @@ def _phases(summary: str, prepare_seconds: float) -> dict[str, float]:
     run (start-up, the backend check, the tokenizing loop, the manifests, the final validation)."""
     times = summary[summary.index("\ntime "):]  # the summary's last lines
     total = float(re.search(r"^time\s+([\d.,]+) s in all$", times, re.M).group(1).replace(",", ""))
-    steps = {m.group(1): float(m.group(2).replace(",", "")) for m in re.finditer(r"^ {2,4}(\S.*?)\s+([\d.,]+) s", times, re.M)}
+    # "of which ..." is inside the step above it (the backend check beside the tokenizing): not a step of its own.
+    steps = {m.group(1): float(m.group(2).replace(",", "")) for m in re.finditer(r"^ {2,4}(\S.*?)\s+([\d.,]+) s", times, re.M)
+             if not m.group(1).startswith("of which")}
     steps.pop("the rest", None)
     phases = {"python, imports, exit": max(prepare_seconds - total, 0.0)}
     phases |= {k: steps.pop(k) for k in _STEPS if k in steps} | steps  # a step this list lacks still shows, last

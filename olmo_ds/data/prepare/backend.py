@@ -13,13 +13,15 @@ what to compare on, `choose` decides from the first difference.
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
 from olmo_ds.data.prepare import readers
 from olmo_ds.data.prepare.output import PrepareError
 from olmo_ds.fast_parse import FastParse
-from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastBackendError, fast_beside
+from olmo_ds.tokenizer import ADVERSARIAL_TEXTS, FastBackendError, fast_beside, first_difference
 
 
 def guard_sample(files: list[Path], text_field: str, budget: int = 1 << 20) -> tuple[list[str], list[str]]:
@@ -69,6 +71,40 @@ def check_texts(files: list[Path], text_field: str) -> tuple[list[str], list[str
     """What fastokens must encode as HF does, with a label for each: `ADVERSARIAL_TEXTS`, then the sample."""
     sample, labels = guard_sample(files, text_field)
     return ADVERSARIAL_TEXTS + sample, [f"adversarial text {i} {t[:24]!r}" for i, t in enumerate(ADVERSARIAL_TEXTS)] + labels
+
+
+class BesideCheck:
+    """The comparison (`check_texts`: fastokens against HF) in a thread of the calling process, while the workers
+    tokenize their first files with fastokens: in whole-file mode the coordinating process only hands out files until
+    results come back, and both encoders release the GIL, so the check costs the run no time of its own. The caller
+    must take `difference()` before anything the workers made is kept (`pipeline._Setup.settle`)."""
+
+    def __init__(self, fast, reference, texts: list[str], labels: list[str]):
+        self.checked = len(texts)
+        self.seconds = 0.0  # how long the comparison took, beside the tokenizing
+        self._found: tuple[str | None, BaseException | None] = (None, None)
+        self._thread = threading.Thread(target=self._compare, args=(fast, reference, texts, labels), name="backend-check", daemon=True)
+        self._thread.start()
+
+    def _compare(self, fast, reference, texts: list[str], labels: list[str]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._found = first_difference(fast, reference, texts, labels), None
+        except BaseException as e:  # noqa: BLE001 - raised to the caller by `difference`
+            self._found = None, e
+        self.seconds = time.perf_counter() - t0
+
+    def join(self) -> None:
+        """Wait for the thread (a process must not exit while it runs in the encoders: the thread would be stopped inside them)."""
+        self._thread.join()
+
+    def difference(self) -> str | None:
+        """The first text fastokens encodes otherwise than HF, or None (waits for the thread)."""
+        self.join()
+        difference, error = self._found
+        if error is not None:
+            raise error
+        return difference
 
 
 def choose(requested: str, reference, fast, difference: str | None, checked: int, log: Callable[[str], None]) -> tuple[object, dict]:

@@ -65,7 +65,7 @@ from olmo_ds.data.packing import LONG_PAIRS
 from olmo_ds.data.validate import ShardRules, check_path, check_shard, inner_eos_reason, split_rules, validate_directory
 from olmo_ds.fast_parse import FastParse
 from olmo_ds.data.prepare import partition, readers
-from olmo_ds.data.prepare.backend import check_texts, choose, early_parse, fast_candidate
+from olmo_ds.data.prepare.backend import BesideCheck, check_texts, choose, early_parse, fast_candidate
 from olmo_ds.data.prepare.conversations import LONG_CONVERSATIONS, POLICY_REASONS, TOO_LONG, template_sha256
 from olmo_ds.data.prepare.prompts import with_source
 from olmo_ds.data.prepare.output import (
@@ -444,25 +444,42 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print, parse: FastP
     clock.mark("fast backend")
 
     with contextlib.ExitStack() as stack:
-        # The workers start before fastokens is trusted, so that they can check it: a fallback to HF
-        # starts workers anew.
+        # The workers start before fastokens is trusted, so that they can check it (blocks), or tokenize their first
+        # files while this process checks it (whole files, `BesideCheck`): a fallback to HF starts workers anew.
         workers = _Workers.start(stack, unit, cfg.workers, spec, context)
         clock.mark("workers")
-        texts = []
-        if fast is not None:
-            texts, labels = check_texts(files, cfg.text_field)
-            difference = _first_difference(workers, texts, labels)
-        encoder, backend = choose("hf" if chat else cfg.tokenizer_backend, tok, fast, difference, len(texts), log)
-        if fast is not None and encoder is not fast:
-            if workers.pool:
-                workers.pool.close()
-            workers = _Workers.start(stack, unit, cfg.workers, dataclasses.replace(spec, backend="hf"), context)
+        requested = "hf" if chat else cfg.tokenizer_backend
+        setup = _Setup(cfg, files, (lo, hi), tok, ident, file_stats, None, log, clock)
+        if fast is not None and workers.unit == "files":
+            setup.beside = (BesideCheck(fast, tok, *check_texts(files, cfg.text_field)), requested, fast)
+        else:
+            texts = []
+            if fast is not None:
+                texts, labels = check_texts(files, cfg.text_field)
+                difference = _first_difference(workers, texts, labels)
+            encoder, setup.backend = choose(requested, tok, fast, difference, len(texts), log)
+            if fast is not None and encoder is not fast:
+                workers = _restart_with_hf(stack, workers, cfg.workers, context)
         clock.mark("backend")  # choosing it: the check, when there is one
         check_seconds = clock.seconds["backend"] if fast is not None else 0.0
         if mode == "overwrite":
             for p in our_files(out):
                 p.unlink()
-        result = _run(_Setup(cfg, files, (lo, hi), tok, ident, file_stats, backend, log, clock), workers)
+        if setup.beside is not None:
+            stack.callback(setup.beside[0].join)  # an error before its verdict: the thread ends before this process does
+        created = not out.exists()
+        try:
+            result = _run(setup, workers)
+        except _FellBack:  # the beside-check found a difference before anything was kept: again with HF
+            workers = _restart_with_hf(stack, workers, cfg.workers, context)
+            result = _run(setup, workers)
+        except PrepareError:
+            if setup.backend is None and not cfg.dry_run:  # stopped before the backend's verdict (`--tokenizer-backend fast` refused)
+                _remove_empty_output(out, created)
+            raise
+        if setup.beside_seconds is not None:
+            check_seconds = setup.beside_seconds
+        result.check_beside = setup.beside_seconds is not None
         result.layout = workers.layout()
         if chat:
             result.conversations = True
@@ -488,9 +505,35 @@ class _Setup:
     tok: object  # the loaded tokenizer: vocabulary size, EOS, the manifest's fingerprint
     ident: dict  # the output's resume identity (`output.identity`)
     file_stats: list[FileStats]  # one per file of files[lo:hi], counted as they are read
-    backend: dict  # which library encodes (`backend.choose`), for the manifest and the summary
+    backend: dict | None  # which library encodes (`backend.choose`), for the manifest and the summary; None until `settle`
     log: Callable[[str], None]
     clock: Phases  # the run's steps, timed
+    beside: tuple | None = None  # (BesideCheck, requested backend, fastokens encoder): the check running beside the first files
+    beside_seconds: float | None = None  # how long that check took, once settled
+
+    def settle(self) -> None:
+        """Before anything the workers made is kept (the first shard part): the beside-check's verdict, if one runs.
+        fastokens giving HF's ids everywhere: go on; otherwise `backend.choose` warns (or refuses `--tokenizer-backend
+        fast`) and `_FellBack` ends this pass, to be run again with HF."""
+        if self.beside is None:
+            return
+        check, requested, fast = self.beside
+        difference = check.difference()
+        self.beside, self.beside_seconds = None, check.seconds
+        encoder, self.backend = choose(requested, self.tok, fast, difference, check.checked, self.log)
+        if encoder is not fast:
+            raise _FellBack(difference)
+
+
+class _FellBack(Exception):
+    """fastokens differed from HF on the check that ran beside the first files: nothing was kept, run again with HF."""
+
+
+def _restart_with_hf(stack: contextlib.ExitStack, workers: _Workers, n: int, context) -> _Workers:
+    """The `--workers n` started anew, encoding with HF (fastokens did not match it)."""
+    if workers.pool:
+        workers.pool.close()
+    return _Workers.start(stack, workers.unit, n, dataclasses.replace(workers.spec, backend="hf"), context)
 
 
 @dataclass
@@ -634,16 +677,20 @@ def _some(items: list, at_most: int = 5) -> str:
     return shown + (f" and {len(items) - at_most:,} more" if len(items) > at_most else "")
 
 
+def _remove_empty_output(out: Path, created: bool) -> None:
+    """A run that kept nothing leaves no trace: its state file, and the directories it made if they are empty."""
+    (out / STATE_FILE).unlink(missing_ok=True)
+    for d in (out / VAL_DIR, out):
+        if d.is_dir() and not any(d.iterdir()) and (d != out or created):
+            d.rmdir()
+
+
 def _no_documents(setup: _Setup, skiplog: SkipLog, created: bool) -> None:
     """The whole input held no document: an error naming what each file held, and no trace left of
     the output (no manifest: a source of 0 tokens would look prepared, and validate, and fail only
     when a run tries to read it)."""
-    out = Path(setup.cfg.output)
     if not setup.cfg.dry_run:
-        (out / STATE_FILE).unlink(missing_ok=True)
-        for d in (out / VAL_DIR, out):
-            if d.is_dir() and not any(d.iterdir()) and (d != out or created):
-                d.rmdir()
+        _remove_empty_output(Path(setup.cfg.output), created)
     held = [f"{s.path} ({'empty, 0 bytes' if s.bytes == 0 else f'{s.skipped:,} records skipped' if s.skipped else 'no records'})" for s in setup.file_stats]
     reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(skiplog.counts.items()))
     raise PrepareError(f"no documents in the input ({len(held):,} files): {_some(held)}" + (f"; skipped records: {reasons}" if reasons else "")
@@ -655,6 +702,7 @@ class _Run:
     """The input of one run, in order, into the split writers: documents, skips and notes."""
 
     def __init__(self, setup: _Setup, skiplog: SkipLog, noted: SkipLog, progress: Progress, train_from: int):
+        self.setup = setup
         self.cfg, self.files, self.part, self.file_stats = setup.cfg, setup.files, setup.part, setup.file_stats
         self.tok, self.log = setup.tok, setup.log
         self.skiplog, self.noted = skiplog, noted  # up to the input read so far; shared with the caller
@@ -723,6 +771,7 @@ class _Run:
         window = 4 * workers
         try:
             if not tasks:
+                self.setup.settle()
                 parts.add([job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted))], pool.running)
             while tasks or parts or pool.running:
                 for w in pool.idle_workers():
@@ -737,6 +786,8 @@ class _Run:
                             pieces.written(value)
                         continue
                     done[key] = value
+                    if next_cut in done:
+                        self.setup.settle()  # the backend's verdict before the first part of a shard is made
                     while next_cut in done:
                         task, res = by_index.pop(next_cut), done.pop(next_cut)
                         made = self._add_piece(task, res, splits)

@@ -73,6 +73,7 @@ class PrepareResult:
     backend: str = ""  # the library that encoded: fastokens, tokenizers or sentencepiece
     layout: str = ""  # who tokenized (`pool_layout`), for the summary
     check_seconds: float = 0.0  # the fast backend's check against HF (`backend`), 0 when there was none
+    check_beside: bool = False  # that check ran beside the tokenizing (whole files, `backend.BesideCheck`): no time of its own
     total_seconds: float = 0.0  # the whole of `prepare`, from checking the inputs to the last manifest
     run_docs: int = 0  # documents written by this run (less than the totals after a resume)
     conversations: bool = False  # `--format chat`: the documents are conversations (the summary says conversations/s)
@@ -190,14 +191,18 @@ def format_summary(r: PrepareResult, dry_run: bool = False) -> str:
         lines.append(f"noted           {n:,} documents with {reason.replace('_', ' ')}   e.g. {', '.join(r.noted.examples.get(reason, [])[:3])}")
     if r.total_seconds > 0:
         # All of the run: the tokenizing loop alone once left out a 26 s backend check.
-        rest = max(r.total_seconds - r.check_seconds - r.seconds, 0.0)
+        alone = r.check_seconds if not r.check_beside else 0.0  # a check beside the tokenizing is inside its time
+        rest = max(r.total_seconds - alone - r.seconds, 0.0)
         lines.append(f"time            {r.total_seconds:,.3f} s in all")
-        if r.check_seconds:
+        if alone:
             lines.append(f"  backend check {r.check_seconds:>10,.3f} s  ({r.backend} against HF tokenizers before any shard, `--tokenizer-backend hf` skips it)")
         if r.seconds > 0:
             per_s = f"{r.run_docs / r.seconds:,.0f} {'prompts' if r.prompts else 'conversations'}/s, " if r.conversations else ""
             lines.append(f"  tokenizing    {r.seconds:>10,.3f} s  (reading, tokenizing, writing: {per_s}{r.run_tokens / r.seconds / 1e6:,.2f}M tokens/s, {r.text_bytes / r.seconds / 1e6:,.1f} MB/s of text)")
+        if r.check_beside:
+            lines.append(f"    of which the backend check {r.check_seconds:,.3f} s  ({r.backend} against HF tokenizers in this process while the workers "
+                         f"tokenized the first files; nothing was kept before it passed)")
         lines.append(f"  the rest      {rest:>10,.3f} s  (checking inputs and output, loading the tokenizer, starting workers, manifests, validating)")
-        own = {"backend": r.check_seconds > 0, "tokenizing": r.seconds > 0}  # the steps shown on lines of their own above
+        own = {"backend": alone > 0, "tokenizing": r.seconds > 0}  # the steps shown on lines of their own above
         lines += [f"    {step:<12}{seconds:>10,.3f} s" for step, seconds in r.phases.items() if not own.get(step)]
     return "\n".join(lines)
