@@ -19,7 +19,6 @@ import functools
 import hashlib
 import itertools
 import json
-import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 

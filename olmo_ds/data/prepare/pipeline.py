@@ -63,7 +63,6 @@ from olmo_ds.chat import MASKS, ChatEncoder, load_chat_template, require_templat
 from olmo_ds.data import shards
 from olmo_ds.data.packing import LONG_PAIRS
 from olmo_ds.data.validate import ShardRules, check_path, check_shard, inner_eos_reason, split_rules, validate_directory
-from olmo_ds.fast_parse import FastParse
 from olmo_ds.data.prepare import partition, readers
 from olmo_ds.data.prepare.backend import BesideCheck, check_texts, choose, early_parse, fast_candidate
 from olmo_ds.data.prepare.conversations import LONG_CONVERSATIONS, POLICY_REASONS, TOO_LONG, template_sha256
@@ -112,6 +111,7 @@ from olmo_ds.data.prepare.worker import (
     special_token_texts,
     train_lines_done,
 )
+from olmo_ds.fast_parse import FastParse
 from olmo_ds.tokenizer import load_tokenizer, resolve_path
 
 
