@@ -254,11 +254,15 @@ def _scan(path: str, start: int, end: int, dtype: str, eos_id: int, sha256: bool
     for block in _blocks(path, start, end, dt.itemsize):
         if sha256:
             digest.update(block)
-        if ids and len(block):
-            block_ids = np.frombuffer(block, dtype=dt)
-            top = max(top, int(block_ids.max()))
-            eos += int(np.count_nonzero(block_ids == eos_id))
+        if ids:
+            top, eos = _id_stats(block, dt, eos_id, top, eos)
     return "sha256:" + digest.hexdigest() if sha256 else "", top, eos
+
+
+def _id_stats(block, dtype: np.dtype, eos_id: int, top: int, eos: int) -> tuple[int, int]:
+    """(largest id, EOS count) so far, after the ids in `block` (bytes of whole ids)."""
+    ids = np.frombuffer(block, dtype=dtype)
+    return (max(top, int(ids.max())), eos + int(np.count_nonzero(ids == eos_id))) if len(ids) else (top, eos)
 
 
 def _documents(bin_file: str, offsets_file: str, meta: shards.ShardMeta, eos_less_ok: bool = False) -> tuple[list[str], bool, int]:
@@ -527,9 +531,7 @@ class ReadBack:
         """Read the file's bytes [done, end) back: what the writer has written (and flushed) since the last call."""
         for block in _blocks(str(path), self.done, end, self.dtype.itemsize):
             self._digest.update(block)
-            ids = np.frombuffer(block, dtype=self.dtype)
-            if len(ids):
-                self._top, self._eos = max(self._top, int(ids.max())), self._eos + int(np.count_nonzero(ids == self.eos_id))
+            self._top, self._eos = _id_stats(block, self.dtype, self.eos_id, self._top, self._eos)
             self.done += len(block)
 
     def reading(self) -> tuple[str, int, int]:

@@ -7,7 +7,7 @@ difference. The sample is drawn from the whole input list, so every part of a pa
 (`--partition`) decides the same way. The manifest records what ran (`choose`'s record).
 
 The check is three steps, so that the comparison itself (HF encoding ~1 MB, half a second) can run
-on the workers (`prepare._first_difference`): `fast_candidate` loads fastokens, `check_texts` says
+on the workers (`pipeline._first_difference`) or beside them (`BesideCheck`): `fast_candidate` loads fastokens, `check_texts` says
 what to compare on, `choose` decides from the first difference.
 """
 
@@ -80,6 +80,7 @@ class BesideCheck:
     must take `difference()` before anything the workers made is kept (`pipeline._Setup.settle`)."""
 
     def __init__(self, fast, reference, texts: list[str], labels: list[str]):
+        self.fast = fast  # the encoder on trial
         self.checked = len(texts)
         self.seconds = 0.0  # how long the comparison took, beside the tokenizing
         self._found: tuple[str | None, BaseException | None] = (None, None)

@@ -172,9 +172,11 @@ def write_shard_job(job: ShardJob) -> ShardJob:
     kept open in this worker for the next), in blocks of whole documents; close it on the last part.
     Each part is read back from the file just after it is written (`ReadBack`), so the shard's check on
     its last part reads only what that part wrote, not the whole shard again."""
-    writer, read_back = _writers.pop(job.shard, None) or (
-        shards.ShardWriter(Path(job.directory), job.index, vocab_size=job.vocab_size, eos_id=job.eos_id, masked=job.masked, preference=job.preference),
-        ReadBack(shards.dtype_for_vocab(job.vocab_size), job.eos_id))
+    if job.shard not in _writers:
+        writer = shards.ShardWriter(Path(job.directory), job.index, vocab_size=job.vocab_size, eos_id=job.eos_id, masked=job.masked,
+                                    preference=job.preference)
+        _writers[job.shard] = writer, ReadBack(writer.dtype, job.eos_id)
+    writer, read_back = _writers.pop(job.shard)
     try:
         for path, first, end, lens in job.segments:
             ids = np.memmap(path, dtype=writer.dtype, mode="r", offset=first * writer.dtype.itemsize, shape=(end - first,))

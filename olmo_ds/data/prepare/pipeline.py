@@ -261,9 +261,10 @@ def _start_method(threads_before: int | None, ended: int | None = None) -> str:
 
 
 def _first_difference(workers: _Workers, texts: list[str], labels: list[str]) -> str | None:
-    """The backend check spread over the workers: HF encodes ~1 MB in it, half a second on one core.
-    The texts are cut into one contiguous slice per process, of about equal length, so the first
-    difference in slice order is the one a single process would report."""
+    """The backend check spread over the block workers (whole files check it beside their first files,
+    `BesideCheck`): HF encodes ~1 MB in it, half a second on one core. The texts are cut into one
+    contiguous slice per process, of about equal length, so the first difference in slice order is the
+    one a single process would report."""
     pool = workers.pool
     n = len(pool.procs) if pool else 1
     ends = np.cumsum([len(t) for t in texts])
@@ -271,8 +272,6 @@ def _first_difference(workers: _Workers, texts: list[str], labels: list[str]) ->
     parts = [CheckSlice(tuple(texts[a:b]), tuple(labels[a:b])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
     if pool is None:
         found = [check_slice(workers.spec, part) for part in parts]
-    elif isinstance(pool, TaskPool):
-        found = pool.map(parts)
     else:
         found = [header for header, _ in pool.imap([(part,) for part in parts], work_here=workers.work_here)]
     return next((d for d in found if d is not None), None)
@@ -448,16 +447,15 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print, parse: FastP
         # files while this process checks it (whole files, `BesideCheck`): a fallback to HF starts workers anew.
         workers = _Workers.start(stack, unit, cfg.workers, spec, context)
         clock.mark("workers")
-        requested = "hf" if chat else cfg.tokenizer_backend
         setup = _Setup(cfg, files, (lo, hi), tok, ident, file_stats, None, log, clock)
         if fast is not None and workers.unit == "files":
-            setup.beside = (BesideCheck(fast, tok, *check_texts(files, cfg.text_field)), requested, fast)
+            setup.beside = BesideCheck(fast, tok, *check_texts(files, cfg.text_field))
         else:
             texts = []
             if fast is not None:
                 texts, labels = check_texts(files, cfg.text_field)
                 difference = _first_difference(workers, texts, labels)
-            encoder, setup.backend = choose(requested, tok, fast, difference, len(texts), log)
+            encoder, setup.backend = choose("hf" if chat else cfg.tokenizer_backend, tok, fast, difference, len(texts), log)
             if fast is not None and encoder is not fast:
                 workers = _restart_with_hf(stack, workers, cfg.workers, context)
         clock.mark("backend")  # choosing it: the check, when there is one
@@ -466,7 +464,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print, parse: FastP
             for p in our_files(out):
                 p.unlink()
         if setup.beside is not None:
-            stack.callback(setup.beside[0].join)  # an error before its verdict: the thread ends before this process does
+            stack.callback(setup.beside.join)  # an error before its verdict: the thread ends before this process does
         created = not out.exists()
         try:
             result = _run(setup, workers)
@@ -508,7 +506,7 @@ class _Setup:
     backend: dict | None  # which library encodes (`backend.choose`), for the manifest and the summary; None until `settle`
     log: Callable[[str], None]
     clock: Phases  # the run's steps, timed
-    beside: tuple | None = None  # (BesideCheck, requested backend, fastokens encoder): the check running beside the first files
+    beside: BesideCheck | None = None  # the fast backend's check running beside the first files (whole files)
     beside_seconds: float | None = None  # how long that check took, once settled
 
     def settle(self) -> None:
@@ -517,11 +515,11 @@ class _Setup:
         fast`) and `_FellBack` ends this pass, to be run again with HF."""
         if self.beside is None:
             return
-        check, requested, fast = self.beside
+        check, self.beside = self.beside, None
         difference = check.difference()
-        self.beside, self.beside_seconds = None, check.seconds
-        encoder, self.backend = choose(requested, self.tok, fast, difference, check.checked, self.log)
-        if encoder is not fast:
+        self.beside_seconds = check.seconds
+        encoder, self.backend = choose(self.cfg.tokenizer_backend, self.tok, check.fast, difference, check.checked, self.log)
+        if encoder is not check.fast:
             raise _FellBack(difference)
 
 

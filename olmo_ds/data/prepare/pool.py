@@ -301,15 +301,6 @@ class TaskPool(_Workers):
         self.task_conns[worker].send(task)
         self.running[worker] = key
 
-    def map(self, tasks: list) -> list:
-        """Every task's result, in the order of `tasks` (when no other task is running)."""
-        results, todo = {}, list(enumerate(tasks))[::-1]
-        while todo or self.running:
-            while todo and self.idle:
-                self.submit(*todo.pop())
-            results.update(self.wait())
-        return [results[i] for i in range(len(tasks))]
-
     def wait(self) -> list[tuple[object, object]]:
         """Block until at least one running task is done: `[(key, result), ...]`; re-raises a task's error."""
         from multiprocessing.connection import wait

@@ -286,11 +286,9 @@ def check_slice(spec: Spec, part: CheckSlice) -> str | None:
     return first_difference(tokenizer_for(spec), reference, list(part.texts), list(part.labels))
 
 
-def files_worker(spec: Spec, task: Task | ShardJob | CheckSlice):
-    """`TaskPool`'s function in whole-file mode: tokenize a task into pieces, write a shard from
-    them, or check the fast backend on a slice of texts."""
-    if isinstance(task, CheckSlice):
-        return check_slice(spec, task)
+def files_worker(spec: Spec, task: Task | ShardJob):
+    """`TaskPool`'s function in whole-file mode: tokenize a task into pieces, or write a shard from
+    them. (The fast backend's check runs in the coordinating process there: `backend.BesideCheck`.)"""
     return _tokenize_task(spec, task) if isinstance(task, Task) else write_shard_job(task)
 
 
