@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import json
@@ -284,6 +285,49 @@ def naming(path: Path):
         raise
 
 
+def temporary_paths(directory: Path, index: int) -> tuple[Path, Path, Path]:
+    """Where a shard's `.bin`, its offsets (raw int64, converted to `.offsets.npy` when it closes) and its mask are
+    written until the shard is complete."""
+    return (bin_path(directory, index).with_name(bin_path(directory, index).name + ".tmp"),
+            offsets_path(directory, index).with_name(f"{shard_stem(index)}.offsets.raw.tmp"),
+            mask_path(directory, index).with_name(mask_path(directory, index).name + ".tmp"))
+
+
+def _mask_fields(directory: Path, index: int, sha256_hex: str, trained_tokens: int) -> dict:
+    return dict(mask=mask_path(directory, index).name, mask_checksum="sha256:" + sha256_hex, trained_tokens=int(trained_tokens))
+
+
+def _publish(directory: Path, index: int, num_docs: int, masked: bool) -> None:
+    """A shard's written (and fsynced) temporaries under their final names, the raw offsets as `.offsets.npy`:
+    everything but the metadata, which goes last."""
+    bin_tmp, off_tmp, mask_tmp = temporary_paths(directory, index)
+    os.replace(bin_tmp, bin_path(directory, index))
+    if masked:
+        os.replace(mask_tmp, mask_path(directory, index))
+    offsets = np.memmap(off_tmp, dtype="<i8", mode="r", shape=(num_docs + 1,)) if num_docs else np.zeros(1, dtype="<i8")
+    npy_tmp = offsets_path(directory, index).with_suffix(".tmp.npy")
+    out = np.lib.format.open_memmap(npy_tmp, mode="w+", dtype="<i8", shape=(num_docs + 1,))
+    step = 1 << 22  # copy in blocks: a shard of many tiny documents must not need its offsets in RAM
+    for start in range(0, len(out), step):
+        out[start : start + step] = offsets[start : start + step]
+    out.flush()
+    del out, offsets
+    with open(npy_tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(npy_tmp, offsets_path(directory, index))
+    os.unlink(off_tmp)
+
+
+def _write_meta(directory: Path, index: int, extra: dict | None, *, num_tokens: int, num_docs: int, dtype: np.dtype, vocab_size: int,
+                max_token_id: int, eos_id: int, checksum: str, **optional) -> ShardMeta:
+    """The shard's metadata, written last: from then on the shard is complete."""
+    meta = ShardMeta(num_tokens=num_tokens, num_docs=num_docs, avg_doc_len=float(num_tokens / num_docs) if num_docs else 0.0, dtype=dtype.name,
+                     vocab_size=int(vocab_size), max_token_id=int(max_token_id), eos_id=int(eos_id), checksum="sha256:" + checksum,
+                     bin=bin_path(directory, index).name, offsets=offsets_path(directory, index).name, **optional)
+    atomic_write_json(meta_path(directory, index), {**(extra or {}), **meta.to_dict()})
+    return meta
+
+
 class ShardWriter:
     """Streams one shard to disk with memory bounded by the batch appended, not by the shard size.
 
@@ -308,14 +352,12 @@ class ShardWriter:
         self.max_token_id = -1
         self._hash = hashlib.sha256()
         self._written_out = 0  # bytes of the .bin the kernel was asked to start writing to disk (`start_writeback`)
-        self._bin_tmp = bin_path(self.directory, index).with_name(bin_path(self.directory, index).name + ".tmp")
-        self._off_tmp = offsets_path(self.directory, index).with_name(f"{shard_stem(index)}.offsets.raw.tmp")
+        self._bin_tmp, self._off_tmp, self._mask_tmp = temporary_paths(self.directory, index)
         self._bin = open(self._bin_tmp, "wb")
         self._off = open(self._off_tmp, "wb")
         self._off.write(np.zeros(1, dtype="<i8").tobytes())
         self.trained_tokens = 0
         self._mask_hash = hashlib.sha256()
-        self._mask_tmp = mask_path(self.directory, index).with_name(mask_path(self.directory, index).name + ".tmp")
         self._mask = open(self._mask_tmp, "wb") if masked else None
         self._prompts_tmp = prompts_path(self.directory, index).with_name(prompts_path(self.directory, index).name + ".tmp")
         self._prompts = open(self._prompts_tmp, "wb") if prompts else None
@@ -370,13 +412,6 @@ class ShardWriter:
         self.num_docs += len(doc_lens)
         self.max_token_id = max(self.max_token_id, int(tokens.max()))
 
-    def flushed_bin(self) -> tuple[Path, int]:
-        """The ids appended so far, flushed to the `.bin` under its temporary name: (that file, their bytes), for a reader
-        to read them back there (`validate.ReadBack`); `close` renames the file."""
-        with naming(self._bin_tmp):
-            self._bin.flush()
-        return self._bin_tmp, self.num_tokens * self.dtype.itemsize
-
     def close(self, extra: dict | None = None) -> ShardMeta:
         pair_fields = preference_fields(self.num_docs, self._mask is not None, meta_path(self.directory, self.index)) if self.preference else {}
         for f, path in self._files():
@@ -384,46 +419,16 @@ class ShardWriter:
                 f.flush()
                 os.fsync(f.fileno())
             f.close()
-        os.replace(self._bin_tmp, bin_path(self.directory, self.index))
-        mask_fields = {}
-        if self._mask is not None:
-            os.replace(self._mask_tmp, mask_path(self.directory, self.index))
-            mask_fields = dict(mask=mask_path(self.directory, self.index).name, mask_checksum="sha256:" + self._mask_hash.hexdigest(),
-                               trained_tokens=self.trained_tokens)
+        mask_fields = _mask_fields(self.directory, self.index, self._mask_hash.hexdigest(), self.trained_tokens) if self._mask is not None else {}
         prompt_fields = {}
         if self._prompts is not None:
             os.replace(self._prompts_tmp, prompts_path(self.directory, self.index))
             prompt_fields = dict(prompts=prompts_path(self.directory, self.index).name, prompts_checksum="sha256:" + self._prompts_hash.hexdigest(),
                                  verifiers=dict(sorted(self._verifiers.items())))
-        offsets = np.memmap(self._off_tmp, dtype="<i8", mode="r") if self.num_docs else np.zeros(1, dtype="<i8")
-        npy_tmp = offsets_path(self.directory, self.index).with_suffix(".tmp.npy")
-        out = np.lib.format.open_memmap(npy_tmp, mode="w+", dtype="<i8", shape=(self.num_docs + 1,))
-        step = 1 << 22  # copy in blocks: a shard of many tiny documents must not need its offsets in RAM
-        for start in range(0, len(out), step):
-            out[start : start + step] = offsets[start : start + step]
-        out.flush()
-        del out, offsets
-        with open(npy_tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(npy_tmp, offsets_path(self.directory, self.index))
-        os.unlink(self._off_tmp)
-        meta = ShardMeta(
-            num_tokens=self.num_tokens,
-            num_docs=self.num_docs,
-            avg_doc_len=float(self.num_tokens / self.num_docs) if self.num_docs else 0.0,
-            dtype=self.dtype.name,
-            vocab_size=int(self.vocab_size),
-            max_token_id=self.max_token_id,
-            eos_id=int(self.eos_id),
-            checksum="sha256:" + self._hash.hexdigest(),
-            bin=bin_path(self.directory, self.index).name,
-            offsets=offsets_path(self.directory, self.index).name,
-            **mask_fields,
-            **pair_fields,
-            **prompt_fields,
-        )
-        atomic_write_json(meta_path(self.directory, self.index), {**(extra or {}), **meta.to_dict()})
-        return meta
+        _publish(self.directory, self.index, self.num_docs, self._mask is not None)
+        return _write_meta(self.directory, self.index, extra, num_tokens=self.num_tokens, num_docs=self.num_docs, dtype=self.dtype,
+                           vocab_size=self.vocab_size, max_token_id=self.max_token_id, eos_id=self.eos_id, checksum=self._hash.hexdigest(),
+                           **mask_fields, **pair_fields, **prompt_fields)
 
     def abort(self) -> None:
         """Close and delete the temporary files (the shard never appears).
@@ -435,6 +440,101 @@ class ShardWriter:
             with contextlib.suppress(OSError):
                 f.close()
             path.unlink(missing_ok=True)
+
+
+_READ_BACK = bytearray(1 << 20)  # `_reads_back`'s buffer, reused: a fresh one per read costs more than the read
+
+
+def _reads_back(fd: int, data: memoryview, offset: int) -> bool:
+    """Whether the file holds `data` (bytes) at `offset`: read back in blocks into one buffer, compared by memcmp."""
+    step = len(_READ_BACK)
+    for k in range(0, len(data), step):
+        chunk = data[k : k + step]
+        buf = _READ_BACK if len(chunk) == step else bytearray(len(chunk))
+        if os.preadv(fd, [buf], offset + k) != len(chunk) or buf != chunk:  # bytearray != buffer: memcmp
+            return False
+    return True
+
+
+class ShardInParts:
+    """One shard written in parts whose places are known before any is written (the tokens and documents before
+    each), by any process and in any order; `ShardWriter` writes one stream in order instead. Data preparation's
+    whole-file mode writes a shard's parts this way on whichever workers are free, and one reader follows the
+    written prefix to hash it (`prepare.pieces`), so no shard waits on one writer working through its parts in turn.
+
+    The files are `ShardWriter`'s, under the same temporary names until `close`, and so are the closed shard's bytes
+    for the same documents. The object holds only names and numbers, so it travels to the workers with each part."""
+
+    def __init__(self, directory: Path, index: int, *, vocab_size: int, eos_id: int, masked: bool = False, preference: bool = False):
+        self.directory, self.index = Path(directory), index
+        self.vocab_size, self.eos_id = vocab_size, eos_id
+        self.masked, self.preference = masked, preference
+        self.dtype = dtype_for_vocab(vocab_size)
+
+    @property
+    def bin_tmp(self) -> Path:
+        return temporary_paths(self.directory, self.index)[0]
+
+    @property
+    def mask_tmp(self) -> Path:
+        return temporary_paths(self.directory, self.index)[2]
+
+    def _paths(self) -> list[Path]:
+        bin_tmp, off_tmp, mask_tmp = temporary_paths(self.directory, self.index)
+        return [bin_tmp, off_tmp] + ([mask_tmp] if self.masked else [])
+
+    def create(self) -> None:
+        """Make the temporaries empty (the offsets' leading 0), before any part is written."""
+        for path in self._paths():
+            with naming(path), open(path, "wb") as f:
+                if path.name.endswith(".offsets.raw.tmp"):
+                    f.write(np.zeros(1, dtype="<i8").tobytes())
+
+    def write(self, at_token: int, at_doc: int, tokens: np.ndarray, doc_lens: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Write whole documents at their place: their ids from token `at_token` on, their offsets after document
+        `at_doc`'s, their mask (exactly when the shard is `masked`) beside the ids. The ids are read back and
+        compared with what was meant, so the reader that hashes the file (`close`'s checksum) hashes these ids."""
+        if (mask is None) == self.masked:
+            raise ValueError(f"{self.bin_tmp}: a {'masked' if self.masked else 'plain'} shard written {'without' if mask is None else 'with'} a mask")
+        bin_tmp, off_tmp, mask_tmp = temporary_paths(self.directory, self.index)
+        raw = memoryview(np.ascontiguousarray(tokens, dtype=self.dtype)).cast("B")
+        at = at_token * self.dtype.itemsize
+        ends = (at_token + np.cumsum(doc_lens, dtype=np.int64)).astype("<i8")
+        parts = [(bin_tmp, at, raw), (off_tmp, (at_doc + 1) * 8, memoryview(ends).cast("B"))]
+        if mask is not None:
+            raw_mask = mask_bytes(mask)
+            if len(raw_mask) != len(tokens):
+                raise ValueError(f"{mask_tmp}: {len(raw_mask)} mask values for {len(tokens)} tokens")
+            parts.append((mask_tmp, at_token, memoryview(raw_mask)))
+        for path, offset, data in parts:
+            with naming(path):
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    done = 0
+                    while done < len(data):
+                        done += os.pwrite(fd, data[done:], offset + done)
+                    if path == bin_tmp:
+                        start_writeback(fd, offset, len(data))
+                        if not _reads_back(fd, data, offset):
+                            raise OSError(errno.EIO, f"the bytes read back at {offset:,} are not those just written there", str(path))
+                finally:
+                    os.close(fd)
+
+    def close(self, num_tokens: int, num_docs: int, checksum: str, max_token_id: int, mask_checksum: str | None = None,
+              trained_tokens: int = 0, extra: dict | None = None) -> ShardMeta:
+        """Once every part is written: `checksum` (sha256 hex) and `max_token_id` are the reader's, who read the whole
+        `.bin` in order; `mask_checksum` and `trained_tokens` likewise for the mask. Refuses a file of another size."""
+        pair_fields = preference_fields(num_docs, self.masked, meta_path(self.directory, self.index)) if self.preference else {}
+        for path, size in zip(self._paths(), (num_tokens * self.dtype.itemsize, (num_docs + 1) * 8, num_tokens)):
+            with naming(path):
+                if path.stat().st_size != size:
+                    raise OSError(f"{path}: {path.stat().st_size:,} bytes once all its parts are written, not {size:,}")
+                with open(path, "rb+") as f:
+                    os.fsync(f.fileno())
+        mask_fields = _mask_fields(self.directory, self.index, mask_checksum, trained_tokens) if self.masked else {}
+        _publish(self.directory, self.index, num_docs, self.masked)
+        return _write_meta(self.directory, self.index, extra, num_tokens=num_tokens, num_docs=num_docs, dtype=self.dtype, vocab_size=self.vocab_size,
+                           max_token_id=max_token_id, eos_id=self.eos_id, checksum=checksum, **mask_fields, **pair_fields)
 
 
 class ShardCutter:

@@ -516,11 +516,11 @@ def _check_binding(directory: Path, bin_name: str, s: _Shard) -> dict:
 
 class ReadBack:
     """The whole-file reading of a shard (`_scan`: the sha256 of its bytes as read from the file, its largest id, its EOS
-    count), made while the shard is written: its writer appends only, and after each part reads that part's bytes back
-    from the file (`read`, up to the file's length then). `check_shard` takes it instead of reading the whole file when
-    the shard is closed, so a shard's check no longer waits for one pass over all of it at the end, after the last part:
-    in data preparation's whole-file mode that pass, over the last shard, was the run's tail while every other worker
-    had nothing left to do."""
+    count), made while the shard is written: the file's prefix up to some point is final, and each call reads on from
+    the last (`read`). `check_shard` takes it instead of reading the whole file when the shard is closed, so a shard's
+    check no longer waits for one pass over all of it at the end, after the last part: in data preparation's
+    whole-file mode that pass, over the last shard, was the run's tail while every other worker had nothing left to
+    do (`prepare.pieces.Assembly` reads each shard's parts back in order as they land)."""
 
     def __init__(self, dtype, eos_id: int):
         self.dtype, self.eos_id = np.dtype(dtype).newbyteorder("<"), int(eos_id)

@@ -12,7 +12,6 @@ import tokenizers
 
 from olmo_ds.data import shards
 from olmo_ds.data.prepare import pipeline as prepare_mod
-from olmo_ds.data.prepare.pieces import ShardJob, ShardQueues
 from olmo_ds.data.prepare.pipeline import PrepareConfig, PrepareError, pool_layout, prepare, work_unit
 from olmo_ds.data.prepare.worker import val_hash
 from testdata import SHARED
@@ -154,22 +153,68 @@ def test_whole_files_give_the_bytes_of_one_worker(tmp_path):
     assert not (tmp_path / "dry").exists() and (dry.num_docs, [f.docs for f in dry.files]) == (len(good), [f.docs for f in ref.files])
 
 
-def test_a_shards_parts_go_to_the_worker_that_holds_its_writer():
-    """Whole-file mode: a shard's sha256 runs on in one worker from part to part, so every later part
-    of an open shard must queue behind it there; a new shard goes to an idle worker, else the least loaded."""
-    def job(index, last):
-        return ShardJob("d", index, 100, 0, [], {"next_record": 0} if last else None)
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_shards_parts_written_in_any_order_give_the_streamed_shard(tmp_path, masked, monkeypatch):
+    """Whole-file mode writes a shard's parts at their places on whichever workers are free, in any order
+    (`pieces.write_part`), and reads the shard back in order as its prefix grows (`pieces.Assembly`): the closed
+    shard, its metadata (sha256, largest id, mask) and its check record are those of one writer streaming the
+    documents (`ShardWriter`) and a whole read. A part whose bytes read back are not those written stops the run."""
+    from olmo_ds.data.prepare.pieces import Assembly, PieceSplit, mask_piece, write_part
+    from olmo_ds.data.validate import ShardRules
 
-    q = ShardQueues(3)
-    q.add([job(0, False)], busy={0})  # idle workers 1, 2: the first of them
-    q.add([job(1, False)], busy={0, 1})  # only worker 2 idle
-    q.add([job(0, False), job(1, True), job(2, True)], busy={0, 1, 2})  # 0 and 1 stay; 2 to the least loaded
-    assert [[(j.index, j.extra is not None) for j in parts] for parts in q.parts] == [[(2, True)], [(0, False), (0, False)], [(1, False), (1, True)]]
-    assert q.writer_of == {("d", 0): 1}  # shard 1 closed, shard 0 still open on worker 1
-    assert q.next_for(0).index == 2 and q.next_for(0) is None and q
-    # The last round: with no more files left than the workers holding no open shard (2 here), worker 1, which holds
-    # shard 0, takes no new file, so it writes the parts still to come for that shard as they come.
-    assert q.keeps_free(1, 2) and not q.keeps_free(1, 3) and not q.keeps_free(0, 1) and not q.keeps_free(2, 0)
+    rng = np.random.default_rng(1)
+    pieces, stream = [], []
+    for k, n_docs in enumerate((5, 7, 1, 3)):
+        lens = rng.integers(2, 40, n_docs)
+        ids = rng.integers(0, 900, int(lens.sum())).astype(np.uint16)
+        ids[np.cumsum(lens) - 1] = 999
+        mask = rng.random(len(ids)) < 0.5 if masked else None
+        path = tmp_path / f"piece-{k}.bin"
+        ids.tofile(path)
+        if masked:
+            mask.tofile(mask_piece(str(path)))
+        pieces.append((str(path), lens))
+        stream.append((ids, lens, mask))
+    rules = (ShardRules(masked=masked), "")
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    w = shards.ShardWriter(ref, 0, vocab_size=1000, eos_id=999, masked=masked)
+    for ids, lens, mask in stream:
+        w.append(ids, lens, mask)
+    w.close({"prepare": {"next_record": [9, 0]}})
+    from olmo_ds.data.validate import check_shard
+    check_shard(ref, "shard-00000.bin", *rules)
+
+    out = tmp_path / "out"
+    out.mkdir()
+    split = PieceSplit(out, 10**6, 1000, 999, 0, 0, masked)
+    jobs = [job for path, lens in pieces for job in split.add(path, lens, np.arange(len(lens)), lambda pos: {})]
+    jobs += split.finish(99, {})
+    jobs[-1].extra = {"prepare": {"next_record": [9, 0]}}
+    assembly = Assembly(rules)
+    to_write = assembly.made(jobs)
+    assert [j.part for j in to_write] == [0, 1, 2, 3]  # the closing part holds no ids: written at once
+    for job in (to_write[2], to_write[0], to_write[3], to_write[1]):
+        assembly.written(write_part(job))
+    assembly.finish()
+    assert dir_bytes(out) == dir_bytes(ref)
+
+    # The bytes read back differ from those just written: the write fails, naming the file.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    split = PieceSplit(bad, 10**6, 1000, 999, 0, 0, masked)
+    job = split.add(*pieces[0], np.arange(len(pieces[0][1])), lambda pos: {})[0]
+    Assembly(rules).made([job])
+    real_preadv = shards.os.preadv
+
+    def preadv(fd, buffers, at):  # the kernel hands back another byte than the one written
+        n = real_preadv(fd, buffers, at)
+        buffers[0][0] ^= 1
+        return n
+
+    monkeypatch.setattr(shards.os, "preadv", preadv)
+    with pytest.raises(OSError, match=r"the bytes read back at 0 are not those just written there: .*shard-00000.bin.tmp"):
+        write_part(job)
 
 
 def test_work_unit_auto_takes_whole_files_when_there_are_many():

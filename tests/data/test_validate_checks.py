@@ -235,9 +235,9 @@ def test_conversation_sources_get_records_and_the_full_reads_verdict(tmp_path, f
 
 
 def test_a_shard_read_back_as_written_gives_the_whole_read_record(tmp_path):
-    """Whole-file mode reads each part of a shard back from its file just after writing it (`validate.ReadBack`), so the
-    check on the last part does not read the whole shard again: its record is the one a whole read makes. Bytes that
-    differ on disk from what was written are found the same way, and a read-back that missed bytes is not taken."""
+    """Whole-file mode reads a shard back from its file in order as its parts land (`validate.ReadBack`), so the check
+    after the last part does not read the whole shard again: its record is the one a whole read makes. Damage is found
+    the same way, and a read-back that missed bytes is not taken."""
     from olmo_ds.data.validate import ReadBack, ShardRules
 
     rng = np.random.default_rng(0)
@@ -252,17 +252,17 @@ def test_a_shard_read_back_as_written_gives_the_whole_read_record(tmp_path):
         directory = tmp_path / name
         directory.mkdir()
         w = shards.ShardWriter(directory, 0, vocab_size=1000, eos_id=999)
-        back = ReadBack(w.dtype, 999)
-        for i, (ids, lens) in enumerate(parts):
+        for ids, lens in parts:
             w.append(ids, lens)
-            path, end = w.flushed_bin()
-            if damage and i == 1:  # the file holds another byte than the one written (and hashed by the writer)
-                with open(path, "r+b") as f:
-                    f.seek(end - 3)
-                    f.write(b"\x07")
-            if not (skip_last_read and i == len(parts) - 1):
-                back.read(path, end)
         w.close({})
+        path, ends = shards.bin_path(directory, 0), np.cumsum([2 * len(ids) for ids, _ in parts])
+        if damage:  # the file holds another byte than the one written (and hashed by the writer)
+            with open(path, "r+b") as f:
+                f.seek(ends[1] - 3)
+                f.write(b"\x07")
+        back = ReadBack(np.uint16, 999)
+        for end in ends[:-1] if skip_last_read else ends:
+            back.read(path, int(end))
         return directory, back
 
     def record(directory: Path, back: ReadBack | None):

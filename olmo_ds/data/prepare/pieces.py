@@ -11,15 +11,24 @@ workers. With many input files there is a unit of work that needs none of that: 
   documents' lengths, their input positions, the skips and the special-token notes (`PieceResult`).
 - The main process takes the results in input order and cuts each split's documents into shards
   with `shards.ShardCutter`, the rule `ShardedWriter` writes by (`PieceSplit`). Each piece's share
-  of a shard becomes a `ShardJob` at once (the ranges of the piece, its documents' lengths; the
-  shard's resume point on the part that closes it, once the document after the shard is known).
-  All parts of a shard go, in order, to the one worker that holds its `shards.ShardWriter`
-  (temporary names, sha256 kept going between parts, the data handed to the disk as it is written,
-  fsync, rename, metadata last); a worker writes its queued parts before it tokenizes again, and a
-  new shard goes to an idle worker. Then the pieces no part needs any more are deleted. So the main
-  process orders and deletes; workers read, tokenize and write. A shard is written while it fills:
-  when the last file is tokenized, what is left is that file's share and the closing, not whole
-  shards. A shard's ids are written twice (piece, then shard), spread over the workers.
+  of a shard becomes a `ShardJob` at once: the ranges of the piece, its documents' lengths, and its
+  place in the shard (the tokens and documents of the shard's earlier parts), known at the cut; the
+  part that closes a shard carries its resume point, once the document after the shard is known.
+- Any free worker writes a part at its place (`write_part`, `shards.ShardInParts`: temporary names,
+  the data handed to the disk as it is written, each block read back and compared), before it
+  tokenizes again; parts of one shard are written in any order, on several workers at once. Then
+  the pieces no part needs any more are deleted.
+- The sha256 of a shard needs its bytes in order, so per shard one thread of the main process reads
+  back the written prefix as it grows (`Assembly`, `validate.ReadBack`), and after the last part
+  closes the shard (fsync, rename, metadata last) and checks it (`validate.check_shard`). Hashing is
+  a shard's one serial step, and it follows the parts as they land. (Before, all parts of a shard
+  went in order to one worker that kept its sha256 going; a shard filled by files that finished
+  together queued behind it, and that backlog was the run's tail on many cores.)
+
+So the main process orders, hashes and deletes; workers read, tokenize and write. A shard is written
+while it fills: when the last file is tokenized, what is left is that file's share, the reading of
+it, and the closing, not whole shards. A shard's ids are written twice (piece, then shard), spread
+over the workers.
 
 What makes the output byte-identical to a one-worker run (every shard's `.bin`, `.offsets.npy` and
 `.json`, the manifests, the validation split, `.prepare.json`): the documents and their order are
@@ -28,7 +37,7 @@ boundaries come from the same `ShardCutter` over the same lengths; a shard's res
 same function of the input (the position of the next document, the skips and notes before it,
 `prepare._logs_before`); and nothing written records the mode or the worker count.
 
-Kill safety: workers finish shards in any order, but a shard is complete only once its `.json`
+Kill safety: shards are finished in any order, but a shard is complete only once its `.json`
 exists, and a rerun keeps only the complete shards 0..k-1 (`output.complete_shards` deletes
 a complete shard after a gap), deletes `.prepare-pieces`, and reads the input again from just after
 shard k-1's last document, in either mode.
@@ -36,11 +45,14 @@ shard k-1's last document, in either mode.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
-from collections import Counter, deque
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Container
+from typing import Callable
 
 import numpy as np
 
@@ -107,121 +119,190 @@ class PieceResult:
 
 @dataclass
 class ShardJob:
-    """The next part of one shard, written from ranges of piece files by the worker that holds the
-    shard's writer (`write_shard_job`): the first part opens the shard, the last (`extra` given) closes it."""
+    """One part of a shard: ranges of piece files, written at the part's place in the shard (`write_part`) by
+    whichever worker is free. The part that closes the shard carries `extra`, its resume point."""
 
-    directory: str
-    index: int
-    vocab_size: int
-    eos_id: int
+    shard: shards.ShardInParts
+    part: int  # the shard's parts 0, 1, ... lie in the file in this order
+    at_token: int  # the tokens of the shard before this part
+    at_doc: int  # its documents before this part
     segments: list[tuple[str, int, int, np.ndarray]]  # (piece file, first id, end id, its documents' lengths)
     extra: dict | None  # the resume point, stored in the shard's metadata, on the part that closes it; None: more parts follow
-    masked: bool = False  # conversations: each piece has its loss mask beside it (`mask_piece`)
-    preference: bool = False  # preference pairs: the shard's documents are (chosen, rejected) pairs
-    check: tuple[ShardRules, str] | None = None  # (rules, why inner EOS is allowed): the worker that closes the shard checks it
+    trained: int = 0  # conversations: the loss mask's ones in this part (set by the worker that writes it)
 
     @property
-    def shard(self) -> tuple[str, int]:
-        return self.directory, self.index
+    def key(self) -> tuple[str, int]:
+        return str(self.shard.directory), self.shard.index
+
+    @property
+    def tokens(self) -> int:
+        return sum(end - first for _, first, end, _ in self.segments)
+
+    @property
+    def docs(self) -> int:
+        return sum(len(lens) for *_, lens in self.segments)
 
     @property
     def pieces(self) -> list[str]:
         return [s[0] for s in self.segments]
 
 
-class ShardQueues:
-    """Which worker writes which part of a shard, in whole-file mode. A shard's parts go, in order,
-    to the one worker that holds its writer (it keeps the shard's sha256 going between parts); a
-    new shard goes to an idle worker if there is one, else to the least loaded."""
-
-    def __init__(self, workers: int):
-        self.parts: list[deque[ShardJob]] = [deque() for _ in range(workers)]  # each worker's parts to write, in order
-        self.writer_of: dict[tuple[str, int], int] = {}  # open shard -> the worker that holds its writer
-
-    def add(self, jobs: list[ShardJob], busy: Container[int]) -> None:
-        """Queue `jobs` in order; `busy`: the workers running a task now."""
-        for job in jobs:
-            w = self.writer_of.pop(job.shard, None)
-            if w is None:
-                w = min(range(len(self.parts)), key=lambda i: (i in busy, len(self.parts[i])))
-            if job.extra is None:
-                self.writer_of[job.shard] = w
-            self.parts[w].append(job)
-
-    def keeps_free(self, worker: int, files_left: int) -> bool:
-        """Whether `worker` should take no new file now: in the last round (no more files left than the workers that
-        hold no open shard), a worker holding one writes that shard's parts as the last files are cut, so the shard
-        closes right after the last file instead of after a backlog of parts queued while its writer tokenized."""
-        holders = set(self.writer_of.values())
-        return worker in holders and files_left <= len(self.parts) - len(holders)
-
-    def next_for(self, worker: int) -> ShardJob | None:
-        """The next part `worker` is to write, if any."""
-        return self.parts[worker].popleft() if self.parts[worker] else None
-
-    def __bool__(self) -> bool:
-        """Whether any part waits to be written."""
-        return any(self.parts)
-
-
-_writers: dict[tuple[str, int], tuple[shards.ShardWriter, ReadBack]] = {}  # in a worker: the shards it has open, between their parts
-
-
-def write_shard_job(job: ShardJob) -> ShardJob:
-    """Append the part's piece ranges to its shard through `ShardWriter` (opened by the first part,
-    kept open in this worker for the next), in blocks of whole documents; close it on the last part.
-    Each part is read back from the file just after it is written (`ReadBack`), so the shard's check on
-    its last part reads only what that part wrote, not the whole shard again."""
-    if job.shard not in _writers:
-        writer = shards.ShardWriter(Path(job.directory), job.index, vocab_size=job.vocab_size, eos_id=job.eos_id, masked=job.masked,
-                                    preference=job.preference)
-        _writers[job.shard] = writer, ReadBack(writer.dtype, job.eos_id)
-    writer, read_back = _writers.pop(job.shard)
-    try:
-        for path, first, end, lens in job.segments:
-            ids = np.memmap(path, dtype=writer.dtype, mode="r", offset=first * writer.dtype.itemsize, shape=(end - first,))
-            mask = np.memmap(mask_piece(path), dtype=np.bool_, mode="r", offset=first, shape=(end - first,)) if job.masked else None
-            ends = np.cumsum(lens, dtype=np.int64)
-            d = 0
-            while d < len(lens):
-                e = max(int(np.searchsorted(ends, (ends[d - 1] if d else 0) + BLOCK_TOKENS, side="right")), d + 1)
-                lo, hi = (ends[d - 1] if d else 0), ends[e - 1]
-                writer.append(ids[lo:hi], lens[d:e], None if mask is None else mask[lo:hi])
-                d = e
-            del ids, mask
-        if job.check is not None:
-            read_back.read(*writer.flushed_bin())  # while this part's bytes are in the page cache
-        if job.extra is None:
-            _writers[job.shard] = writer, read_back
-        else:
-            writer.close(job.extra)
-    except BaseException:
-        writer.abort()
-        raise
-    if job.extra is not None and job.check is not None:
-        check_shard(Path(job.directory), shards.bin_path(Path(job.directory), job.index).name, *job.check, read_back=read_back)
+def write_part(job: ShardJob) -> ShardJob:
+    """In a worker: copy the part's piece ranges to its place in the shard's files (`ShardInParts.write`), in blocks
+    of whole documents, so a worker's memory stays bounded."""
+    shard, at_token, at_doc = job.shard, job.at_token, job.at_doc
+    for path, first, end, lens in job.segments:
+        ids = np.memmap(path, dtype=shard.dtype, mode="r", offset=first * shard.dtype.itemsize, shape=(end - first,))
+        mask = np.memmap(mask_piece(path), dtype=np.bool_, mode="r", offset=first, shape=(end - first,)) if shard.masked else None
+        ends = np.cumsum(lens, dtype=np.int64)
+        d = 0
+        while d < len(lens):
+            e = max(int(np.searchsorted(ends, (ends[d - 1] if d else 0) + BLOCK_TOKENS, side="right")), d + 1)
+            lo, hi = (ends[d - 1] if d else 0), ends[e - 1]
+            shard.write(at_token + int(lo), at_doc + d, ids[lo:hi], lens[d:e], None if mask is None else mask[lo:hi])
+            if mask is not None:
+                job.trained += int(np.count_nonzero(mask[lo:hi]))
+            d = e
+        at_token, at_doc = at_token + int(ends[-1]) if len(ends) else at_token, at_doc + len(lens)
+        del ids, mask
     job.segments = [(path, first, end, np.zeros(0, np.int64)) for path, first, end, _ in job.segments]  # the lengths need not travel back
     return job
+
+
+class _Assembling:
+    """A shard of `Assembly` from its first part to its close: which parts are written, how far the reader has read."""
+
+    def __init__(self, shard: shards.ShardInParts):
+        self.shard = shard
+        self.ends: list[int] = []  # per part, in order: the shard's tokens up to its end
+        self.written: set[int] = set()
+        self.read = 0  # parts read back so far (all before this one)
+        self.read_back = ReadBack(shard.dtype, shard.eos_id)
+        self.mask_sha256 = hashlib.sha256()
+        self.trained = 0
+        self.closing: ShardJob | None = None  # the part that closes it, once made
+        self.reading = False  # a thread is reading it now
+        self.lock = threading.Lock()
+
+
+class Assembly:
+    """The shards being written in parts, in the coordinating process (whole-file mode).
+
+    Parts go to any free worker (`write_part`) and finish in any order; the shard's sha256 needs its bytes in order.
+    So, per shard, one thread here reads back the written prefix as it grows (`validate.ReadBack`: the sha256, the
+    largest id, the EOS count, read from the file), and once every part is written and read it closes the shard
+    (`ShardInParts.close`) and checks it (`check_shard`, with that reading: the check reads only what a whole read
+    would add). Hashing is the one serial step of a shard; it follows the parts as they land, so when the last file
+    is tokenized little of any shard is left to read. (Threads: the reads and hashes release the GIL.)"""
+
+    def __init__(self, check: tuple[ShardRules, str] | None, threads: int = 8):
+        self.check = check
+        self.shards: dict[tuple[str, int], _Assembling] = {}
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="shard-reader")
+        self.error: BaseException | None = None
+
+    def made(self, jobs: list[ShardJob]) -> list[ShardJob]:
+        """Register parts as they are cut (a shard's files are made with its first part); returns those to write
+        (a closing part with no ids needs no worker: it counts as written at once)."""
+        to_write = []
+        for job in jobs:
+            if job.part == 0:
+                job.shard.create()
+                self.shards[job.key] = _Assembling(job.shard)
+            state = self.shards[job.key]
+            state.ends.append(job.at_token + job.tokens)
+            if job.extra is not None:
+                state.closing = job
+            if job.segments:
+                to_write.append(job)
+            else:
+                self.written(job)
+        return to_write
+
+    def written(self, job: ShardJob) -> None:
+        """A worker has written `job`: read on (in a thread of this pool)."""
+        state = self.shards[job.key]
+        with state.lock:
+            state.written.add(job.part)
+            state.trained += job.trained
+            if state.reading:
+                return  # the running reader sees it before it stops
+            state.reading = True
+        self.pool.submit(self._follow, state)
+
+    def _follow(self, state: _Assembling) -> None:
+        """Read the shard's parts in order while the next is written; close it after its last."""
+        try:
+            while True:
+                with state.lock:
+                    k = state.read
+                    if k not in state.written:
+                        state.reading = False
+                        return
+                self._read_part(state, k)
+                state.read = k + 1
+                if state.closing is not None and state.read == state.closing.part + 1:
+                    self._close(state)
+                    return
+        except BaseException as e:  # raised in the coordinating loop (`raise_error`)
+            self.error = self.error or e
+
+    def _read_part(self, state: _Assembling, k: int) -> None:
+        shard = state.shard
+        start, end = state.ends[k - 1] if k else 0, state.ends[k]
+        state.read_back.read(shard.bin_tmp, end * shard.dtype.itemsize)
+        if shard.masked:
+            with shards.naming(shard.mask_tmp), open(shard.mask_tmp, "rb") as f:
+                f.seek(start)
+                while start < end:
+                    block = f.read(min(BLOCK_TOKENS, end - start))
+                    if not block:
+                        raise OSError(f"{shard.mask_tmp}: ends at {start:,} bytes, its parts wrote {end:,}")
+                    state.mask_sha256.update(block)
+                    start += len(block)
+
+    def _close(self, state: _Assembling) -> None:
+        shard, job = state.shard, state.closing
+        digest, top, _ = state.read_back.reading()
+        shard.close(job.at_token + job.tokens, job.at_doc + job.docs, digest.removeprefix("sha256:"), top,
+                    state.mask_sha256.hexdigest(), state.trained, job.extra)
+        if self.check is not None:
+            check_shard(shard.directory, shards.bin_path(shard.directory, shard.index).name, *self.check, read_back=state.read_back)
+        del self.shards[job.key]
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def finish(self) -> None:
+        """Wait for every shard to be read and closed; raise what went wrong in a reader."""
+        self.pool.shutdown(wait=True)
+        self.raise_error()
+        if self.shards:
+            raise RuntimeError(f"shards left open once every part was written: {sorted(self.shards)}")
+
+    def abort(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 class PieceSplit:
     """One split's shards in whole-file mode: the documents of each piece, in input order, cut into
     shards by the rule `ShardedWriter` writes by, skipping documents already in complete shards.
-    Each piece's share of a shard is a `ShardJob` at once, so a shard is written while it fills,
-    and what is left when the last file is tokenized is that file's share and the closing."""
+    Each piece's share of a shard is a `ShardJob` at once, placed after the shard's earlier parts, so a
+    shard is written while it fills, and what is left when the last file is tokenized is that file's
+    share and the closing."""
 
     def __init__(self, directory: Path, shard_tokens: int, vocab_size: int, eos_id: int, next_index: int, resume_pos: int, masked: bool = False,
-                 preference: bool = False, check: tuple[ShardRules, str] | None = None):
+                 preference: bool = False):
         self.directory = directory
         self.masked = masked
-        self.check = check
         self.preference = preference  # cut only between pairs (`ShardCutter.feed_pairs`)
         self.cutter = shards.ShardCutter(shard_tokens)
         self.vocab_size, self.eos_id = vocab_size, eos_id
         self.next_index = next_index
         self.resume_pos = resume_pos  # documents before this input position are already in complete shards
         self.open: list[tuple[str, int, int, np.ndarray]] = []  # segments of the shard being filled, not yet in a job
-        self.opened = False  # the shard `next_index` has had a part
+        self.parts = self.tokens = self.docs = 0  # of the shard `next_index` so far (in jobs made)
 
     def add(self, piece: str, lens: np.ndarray, positions: np.ndarray, state_at: Callable[[int], dict]) -> list[ShardJob]:
         """The piece's documents (all of this split in the task, in order) → the parts of the shards
@@ -241,13 +322,15 @@ class PieceSplit:
 
     def finish(self, end: int, state: dict) -> list[ShardJob]:
         """The last, partly filled shard's closing (as `ShardedWriter.finish`)."""
-        return [self._part(resume_point(end, state))] if self.opened or self.open else []
+        return [self._part(resume_point(end, state))] if self.parts or self.open else []
 
     def _part(self, extra: dict | None) -> ShardJob:
         """The open segments as the next part of shard `next_index`; `extra`: it closes with them."""
-        job = ShardJob(str(self.directory), self.next_index, self.vocab_size, self.eos_id, self.open, extra, self.masked, self.preference, self.check)
+        shard = shards.ShardInParts(self.directory, self.next_index, vocab_size=self.vocab_size, eos_id=self.eos_id, masked=self.masked,
+                                    preference=self.preference)
+        job = ShardJob(shard, self.parts, self.tokens, self.docs, self.open, extra)
         self.open = []
-        self.opened = extra is None
+        self.parts, self.tokens, self.docs = (0, 0, 0) if extra is not None else (self.parts + 1, self.tokens + job.tokens, self.docs + job.docs)
         self.next_index += extra is not None
         return job
 

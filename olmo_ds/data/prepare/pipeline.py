@@ -81,11 +81,11 @@ from olmo_ds.data.prepare.output import (
 )
 from olmo_ds.data.prepare.pieces import (
     PIECES_DIR,
+    Assembly,
     PieceResult,
     Pieces,
     PieceSplit,
     ShardJob,
-    ShardQueues,
     Task,
     plan_tasks,
 )
@@ -751,18 +751,18 @@ class _Run:
 
     def whole_files(self, pool: TaskPool, resume: dict, start: int) -> None:
         """Whole files to the workers, which write pieces; this process cuts the pieces' documents
-        into shards in input order and hands each piece's share of a shard to the worker that
-        writes that shard (`pieces`)."""
+        into shards in input order, hands each piece's share of a shard to the next free worker to
+        write at its place, and reads each shard back as it fills (`pieces`)."""
         lo, hi = self.part
         tok, workers = self.tok, len(pool.procs)
         pieces = None if self.cfg.dry_run else Pieces(Path(self.cfg.output) / PIECES_DIR)
         masked, pairs = self.cfg.format != "text", self.cfg.format == "preference"
-        check = _check_rules(self.cfg, tok)
-        splits = {name: PieceSplit(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos, masked, pairs, check) for name, (d, k, pos) in resume.items()}
+        splits = {name: PieceSplit(d, self.cfg.shard_tokens, tok.vocab_size, tok.eos_id, k, pos, masked, pairs) for name, (d, k, pos) in resume.items()}
         tasks = deque(plan_tasks(self.files, start, hi, workers, self.cfg.chunk_bytes, pieces.directory if pieces else None, self.train_from))
         by_index = {t.index: t for t in tasks}
         done: dict[int, PieceResult] = {}  # tokenized, waiting for the tasks before them
-        parts = ShardQueues(workers)
+        assembly = Assembly(_check_rules(self.cfg, tok))
+        parts: deque[ShardJob] = deque()  # cut, not yet written
         next_cut = 0
         # Tokenize at most this many tasks ahead of the first one not yet cut, so the pieces waiting
         # for a slow early file stay few.
@@ -770,16 +770,18 @@ class _Run:
         try:
             if not tasks:
                 self.setup.settle()
-                parts.add([job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted))], pool.running)
+                parts += assembly.made([job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted))])
             while tasks or parts or pool.running:
                 for w in pool.idle_workers():
-                    if (job := parts.next_for(w)) is not None:  # first: a written part frees pieces, and the last parts end the run
-                        pool.submit("shard", job, w)
-                    elif tasks and tasks[0].index < next_cut + window and not parts.keeps_free(w, len(tasks)):
+                    if parts:  # first: a written part frees pieces, and the last parts end the run
+                        pool.submit("shard", parts.popleft(), w)
+                    elif tasks and tasks[0].index < next_cut + window:
                         task = tasks.popleft()
                         pool.submit(task.index, task, w)
                 for key, value in pool.wait():
+                    assembly.raise_error()
                     if key == "shard":
+                        assembly.written(value)
                         if pieces:
                             pieces.written(value)
                         continue
@@ -794,9 +796,11 @@ class _Run:
                             made += [job for s in splits.values() for job in s.finish(position(hi, 0), _state(self.skiplog, self.noted))]
                         if pieces:
                             pieces.planned(task, made)
-                        parts.add(made, pool.running)
+                        parts += assembly.made(made)
+            assembly.finish()
         except BaseException:
             pool.close(kill=True)  # before its scratch goes: a worker may be writing there
+            assembly.abort()
             for s in splits.values():  # the shards the workers were writing stay incomplete: no trace of them
                 shards.remove_incomplete(s.directory)
             raise

@@ -22,7 +22,7 @@ from olmo_ds.data.prepare import readers
 from olmo_ds.data.prepare.conversations import encode_records
 from olmo_ds.data.prepare.long_docs import encode_documents
 from olmo_ds.data.prepare.output import position, split_position
-from olmo_ds.data.prepare.pieces import PieceResult, ShardJob, Task, mask_piece, write_shard_job
+from olmo_ds.data.prepare.pieces import PieceResult, ShardJob, Task, mask_piece, write_part
 from olmo_ds.data.prepare.preferences import encode_pairs
 from olmo_ds.data.prepare.prompts import encode_prompts, load_prompt_block
 from olmo_ds.tokenizer import first_difference, load_tokenizer
@@ -287,9 +287,9 @@ def check_slice(spec: Spec, part: CheckSlice) -> str | None:
 
 
 def files_worker(spec: Spec, task: Task | ShardJob):
-    """`TaskPool`'s function in whole-file mode: tokenize a task into pieces, or write a shard from
-    them. (The fast backend's check runs in the coordinating process there: `backend.BesideCheck`.)"""
-    return _tokenize_task(spec, task) if isinstance(task, Task) else write_shard_job(task)
+    """`TaskPool`'s function in whole-file mode: tokenize a task into pieces, or write a part of a shard
+    from them. (The fast backend's check runs in the coordinating process there: `backend.BesideCheck`.)"""
+    return _tokenize_task(spec, task) if isinstance(task, Task) else write_part(task)
 
 
 
