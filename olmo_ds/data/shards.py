@@ -490,10 +490,11 @@ class ShardInParts:
                 if path.name.endswith(".offsets.raw.tmp"):
                     f.write(np.zeros(1, dtype="<i8").tobytes())
 
-    def write(self, at_token: int, at_doc: int, tokens: np.ndarray, doc_lens: np.ndarray, mask: np.ndarray | None = None) -> None:
+    def write(self, at_token: int, at_doc: int, tokens: np.ndarray, doc_lens: np.ndarray, mask: np.ndarray | None = None) -> tuple[int, int]:
         """Write whole documents at their place: their ids from token `at_token` on, their offsets after document
         `at_doc`'s, their mask (exactly when the shard is `masked`) beside the ids. The ids are read back and
-        compared with what was meant, so the reader that hashes the file (`close`'s checksum) hashes these ids."""
+        compared with what was meant, so the reader that hashes the file (`close`'s checksum) hashes these ids.
+        Returns their largest id and their EOS count."""
         if (mask is None) == self.masked:
             raise ValueError(f"{self.bin_tmp}: a {'masked' if self.masked else 'plain'} shard written {'without' if mask is None else 'with'} a mask")
         bin_tmp, off_tmp, mask_tmp = temporary_paths(self.directory, self.index)
@@ -519,6 +520,8 @@ class ShardInParts:
                             raise OSError(errno.EIO, f"the bytes read back at {offset:,} are not those just written there", str(path))
                 finally:
                     os.close(fd)
+        ids = np.frombuffer(raw, dtype=self.dtype)
+        return (int(ids.max()), int(np.count_nonzero(ids == self.eos_id))) if len(ids) else (-1, 0)
 
     def close(self, num_tokens: int, num_docs: int, checksum: str, max_token_id: int, mask_checksum: str | None = None,
               trained_tokens: int = 0, extra: dict | None = None) -> ShardMeta:

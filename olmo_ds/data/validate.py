@@ -522,8 +522,9 @@ class ReadBack:
     whole-file mode that pass, over the last shard, was the run's tail while every other worker had nothing left to
     do (`prepare.pieces.Assembly` reads each shard's parts back in order as they land)."""
 
-    def __init__(self, dtype, eos_id: int):
+    def __init__(self, dtype, eos_id: int, ids: bool = True):
         self.dtype, self.eos_id = np.dtype(dtype).newbyteorder("<"), int(eos_id)
+        self.ids = ids  # False: the largest id and the EOS count come from the writers (`take_ids`), who compared their ids with the file's
         self._digest, self._top, self._eos = hashlib.sha256(), -1, 0
         self.done = 0  # bytes of the file read back so far
 
@@ -531,8 +532,15 @@ class ReadBack:
         """Read the file's bytes [done, end) back: what the writer has written (and flushed) since the last call."""
         for block in _blocks(str(path), self.done, end, self.dtype.itemsize):
             self._digest.update(block)
-            self._top, self._eos = _id_stats(block, self.dtype, self.eos_id, self._top, self._eos)
+            if self.ids:
+                self._top, self._eos = _id_stats(block, self.dtype, self.eos_id, self._top, self._eos)
             self.done += len(block)
+
+    def take_ids(self, top: int, eos: int) -> None:
+        """The largest id and EOS count of some of the file's ids, found by the process that wrote them and read them
+        back (`shards.ShardInParts.write`): that work is spread over the writers, and the reading here, the one step
+        of a shard that must go in order, only hashes."""
+        self._top, self._eos = max(self._top, int(top)), self._eos + int(eos)
 
     def reading(self) -> tuple[str, int, int]:
         """What `_scan` of the whole file gives: its sha256, largest id, EOS count."""

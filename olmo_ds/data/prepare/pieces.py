@@ -129,6 +129,8 @@ class ShardJob:
     segments: list[tuple[str, int, int, np.ndarray]]  # (piece file, first id, end id, its documents' lengths)
     extra: dict | None  # the resume point, stored in the shard's metadata, on the part that closes it; None: more parts follow
     trained: int = 0  # conversations: the loss mask's ones in this part (set by the worker that writes it)
+    top: int = -1  # the part's largest id and EOS count (set by the worker that writes it: `ReadBack.take_ids`)
+    eos: int = 0
 
     @property
     def key(self) -> tuple[str, int]:
@@ -159,7 +161,8 @@ def write_part(job: ShardJob) -> ShardJob:
         while d < len(lens):
             e = max(int(np.searchsorted(ends, (ends[d - 1] if d else 0) + BLOCK_TOKENS, side="right")), d + 1)
             lo, hi = (ends[d - 1] if d else 0), ends[e - 1]
-            shard.write(at_token + int(lo), at_doc + d, ids[lo:hi], lens[d:e], None if mask is None else mask[lo:hi])
+            top, eos = shard.write(at_token + int(lo), at_doc + d, ids[lo:hi], lens[d:e], None if mask is None else mask[lo:hi])
+            job.top, job.eos = max(job.top, top), job.eos + eos
             if mask is not None:
                 job.trained += int(np.count_nonzero(mask[lo:hi]))
             d = e
@@ -177,7 +180,7 @@ class _Assembling:
         self.ends: list[int] = []  # per part, in order: the shard's tokens up to its end
         self.written: set[int] = set()
         self.read = 0  # parts read back so far (all before this one)
-        self.read_back = ReadBack(shard.dtype, shard.eos_id)
+        self.read_back = ReadBack(shard.dtype, shard.eos_id, ids=False)
         self.mask_sha256 = hashlib.sha256()
         self.trained = 0
         self.closing: ShardJob | None = None  # the part that closes it, once made
@@ -189,8 +192,9 @@ class Assembly:
     """The shards being written in parts, in the coordinating process (whole-file mode).
 
     Parts go to any free worker (`write_part`) and finish in any order; the shard's sha256 needs its bytes in order.
-    So, per shard, one thread here reads back the written prefix as it grows (`validate.ReadBack`: the sha256, the
-    largest id, the EOS count, read from the file), and once every part is written and read it closes the shard
+    So, per shard, one thread here reads back the written prefix as it grows (`validate.ReadBack`: the sha256 of the
+    bytes as read; the largest id and EOS count come from the workers, who compared the ids they wrote with the file's),
+    and once every part is written and read it closes the shard
     (`ShardInParts.close`) and checks it (`check_shard`, with that reading: the check reads only what a whole read
     would add). Hashing is the one serial step of a shard; it follows the parts as they land, so when the last file
     is tokenized little of any shard is left to read. (Threads: the reads and hashes release the GIL.)"""
@@ -225,6 +229,7 @@ class Assembly:
         with state.lock:
             state.written.add(job.part)
             state.trained += job.trained
+            state.read_back.take_ids(job.top, job.eos)
             if state.reading:
                 return  # the running reader sees it before it stops
             state.reading = True
