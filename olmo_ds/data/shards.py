@@ -442,7 +442,7 @@ class ShardWriter:
             path.unlink(missing_ok=True)
 
 
-_READ_BACK = bytearray(1 << 20)  # `_reads_back`'s buffer, reused: a fresh one per read costs more than the read
+_READ_BACK = bytearray(1 << 20)  # `_reads_back`'s buffer, reused (a fresh one per read costs more than the read); one writer per process at a time
 
 
 def _reads_back(fd: int, data: memoryview, offset: int) -> bool:
@@ -525,13 +525,14 @@ class ShardInParts:
 
     def close(self, num_tokens: int, num_docs: int, checksum: str, max_token_id: int, mask_checksum: str | None = None,
               trained_tokens: int = 0, extra: dict | None = None) -> ShardMeta:
-        """Once every part is written: `checksum` (sha256 hex) and `max_token_id` are the reader's, who read the whole
-        `.bin` in order; `mask_checksum` and `trained_tokens` likewise for the mask. Refuses a file of another size."""
+        """Once every part is written: `checksum` (sha256 hex) is the reader's, who read the whole `.bin` in order, and
+        `max_token_id` the largest id the parts wrote; `mask_checksum` and `trained_tokens` likewise for the mask.
+        Refuses a file of another size than its parts make."""
         pair_fields = preference_fields(num_docs, self.masked, meta_path(self.directory, self.index)) if self.preference else {}
         for path, size in zip(self._paths(), (num_tokens * self.dtype.itemsize, (num_docs + 1) * 8, num_tokens)):
             with naming(path):
                 if path.stat().st_size != size:
-                    raise OSError(f"{path}: {path.stat().st_size:,} bytes once all its parts are written, not {size:,}")
+                    raise OSError(errno.EIO, f"{path.stat().st_size:,} bytes once all its parts are written, not {size:,}", str(path))
                 with open(path, "rb+") as f:
                     os.fsync(f.fileno())
         mask_fields = _mask_fields(self.directory, self.index, mask_checksum, trained_tokens) if self.masked else {}

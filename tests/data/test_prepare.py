@@ -215,6 +215,12 @@ def test_a_shards_parts_written_in_any_order_give_the_streamed_shard(tmp_path, m
     monkeypatch.setattr(shards.os, "preadv", preadv)
     with pytest.raises(OSError, match=r"the bytes read back at 0 are not those just written there: .*shard-00000.bin.tmp"):
         write_part(job)
+    # A shard whose files are not the size its parts make is not closed.
+    monkeypatch.undo()
+    write_part(job)
+    with pytest.raises(OSError, match=r"bytes once all its parts are written, not .*shard-00000.bin.tmp"):
+        job.shard.close(job.tokens + 1, job.docs, "0" * 64, 0, "0" * 64)
+    assert not shards.meta_path(bad, 0).exists()
 
 
 def test_work_unit_auto_takes_whole_files_when_there_are_many():

@@ -45,6 +45,7 @@ shard k-1's last document, in either mode.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import shutil
 import threading
@@ -193,11 +194,11 @@ class Assembly:
 
     Parts go to any free worker (`write_part`) and finish in any order; the shard's sha256 needs its bytes in order.
     So, per shard, one thread here reads back the written prefix as it grows (`validate.ReadBack`: the sha256 of the
-    bytes as read; the largest id and EOS count come from the workers, who compared the ids they wrote with the file's),
-    and once every part is written and read it closes the shard
-    (`ShardInParts.close`) and checks it (`check_shard`, with that reading: the check reads only what a whole read
-    would add). Hashing is the one serial step of a shard; it follows the parts as they land, so when the last file
-    is tokenized little of any shard is left to read. (Threads: the reads and hashes release the GIL.)"""
+    bytes as read; the largest id and EOS count come from the workers, who compared the ids they wrote with the
+    file's), and once every part is written and read it closes the shard (`ShardInParts.close`) and checks it
+    (`check_shard`, with that reading: the check reads only what a whole read would add). Hashing is the one serial
+    step of a shard; it follows the parts as they land, so when the last file is tokenized little of any shard is
+    left to read. (Threads: the reads and hashes release the GIL.)"""
 
     def __init__(self, check: tuple[ShardRules, str] | None, threads: int = 8):
         self.check = check
@@ -262,7 +263,7 @@ class Assembly:
                 while start < end:
                     block = f.read(min(BLOCK_TOKENS, end - start))
                     if not block:
-                        raise OSError(f"{shard.mask_tmp}: ends at {start:,} bytes, its parts wrote {end:,}")
+                        raise OSError(errno.EIO, f"ends at {start:,} bytes, where its parts wrote {end:,}", str(shard.mask_tmp))
                     state.mask_sha256.update(block)
                     start += len(block)
 
