@@ -45,8 +45,6 @@ shard k-1's last document, in either mode.
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import shutil
 import threading
 from collections import Counter
@@ -182,7 +180,7 @@ class _Assembling:
         self.written: set[int] = set()
         self.read = 0  # parts read back so far (all before this one)
         self.read_back = ReadBack(shard.dtype, shard.eos_id, ids=False)
-        self.mask_sha256 = hashlib.sha256()
+        self.mask_read_back = ReadBack(np.uint8, 0, ids=False) if shard.masked else None  # its sha256 (the mask: one byte per token)
         self.trained = 0
         self.closing: ShardJob | None = None  # the part that closes it, once made
         self.reading = False  # a thread is reading it now
@@ -254,24 +252,17 @@ class Assembly:
             self.error = self.error or e
 
     def _read_part(self, state: _Assembling, k: int) -> None:
-        shard = state.shard
-        start, end = state.ends[k - 1] if k else 0, state.ends[k]
+        """Read part k of the shard back (a file shorter than its parts make is refused when the shard closes)."""
+        shard, end = state.shard, state.ends[k]
         state.read_back.read(shard.bin_tmp, end * shard.dtype.itemsize)
-        if shard.masked:
-            with shards.naming(shard.mask_tmp), open(shard.mask_tmp, "rb") as f:
-                f.seek(start)
-                while start < end:
-                    block = f.read(min(BLOCK_TOKENS, end - start))
-                    if not block:
-                        raise OSError(errno.EIO, f"ends at {start:,} bytes, where its parts wrote {end:,}", str(shard.mask_tmp))
-                    state.mask_sha256.update(block)
-                    start += len(block)
+        if state.mask_read_back is not None:
+            state.mask_read_back.read(shard.mask_tmp, end)
 
     def _close(self, state: _Assembling) -> None:
         shard, job = state.shard, state.closing
         digest, top, _ = state.read_back.reading()
-        shard.close(job.at_token + job.tokens, job.at_doc + job.docs, digest.removeprefix("sha256:"), top,
-                    state.mask_sha256.hexdigest(), state.trained, job.extra)
+        mask_digest = state.mask_read_back.reading()[0].removeprefix("sha256:") if state.mask_read_back is not None else None
+        shard.close(job.at_token + job.tokens, job.at_doc + job.docs, digest.removeprefix("sha256:"), top, mask_digest, state.trained, job.extra)
         if self.check is not None:
             check_shard(shard.directory, shards.bin_path(shard.directory, shard.index).name, *self.check, read_back=state.read_back)
         del self.shards[job.key]
