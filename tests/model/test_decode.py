@@ -314,3 +314,26 @@ def test_triton_decode_on_the_gpu_matches_sdpa():
                                                            attn_mask=mask, scale=128 ** -0.5)[:, :, 0]
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 
+
+
+@pytest.mark.parametrize("base", [OLMO2_TINY, OLMO3_TINY], ids=["olmo2", "olmo3"])
+def test_on_cpu_a_samples_numbers_do_not_depend_on_its_batch(base):
+    """On CPU a sample's tokens and log-probabilities are the same bits whatever shares its batch (RL's 1 rank = 2
+    ranks: each rank decodes a different mix of the same samples). A near-uniform distribution over a large
+    vocabulary (a random model at temperature 1) turns any rounding difference into another token, so the test
+    compares bits, not tolerances."""
+    cfg = ModelConfig(**dict(base, vocab_size=4096, max_seq_len=96))
+    model = random_model(cfg, seed=3)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (13, 2, 29, 7)]
+    requests = [Request(p, 24 + 7 * i, seed=100 * i + j) for i, p in enumerate(prompts) for j in range(5)]
+    sampling = Sampling(temperature=1.0, seed=1)
+
+    def run(subset, batch_size):
+        done = generate(model, [requests[k] for k in subset], batch_size=batch_size, sampling=sampling).completions
+        return {k: (c.tokens, c.logprobs) for k, c in zip(subset, done)}
+
+    everything = run(range(20), 20)
+    for subset, batch_size in [(range(10), 10), (range(10, 20), 4), (range(19, -1, -1), 7), ([3], 1), ([17, 2, 9], 2)]:
+        mine = run(subset, batch_size)
+        assert mine == {k: everything[k] for k in subset}, (list(subset), batch_size)

@@ -14,6 +14,16 @@ The cache owns attention (`attend`, called by `olmo_ds.model.model.Attention` fo
   slot's length, and attention reads that slot's first `length + 1` positions (or ring entries), through the
   kernel `olmo_ds.model.decode.attention` chooses (`triton`: each slot's own length straight from the cache;
   `sdpa`: a shared span behind a mask).
+
+**Batch-invariant on CPU.** There a sample's numbers do not depend on which other sequences share its forwards
+(RL's promise that 1 rank and 2 ranks draw the same samples: each rank decodes another mix of them). Two things
+would make them depend on it, both measured on this project's CPU build of torch (MKL/oneDNN): a matmul of M rows
+takes another kernel for small M (M = 1-3, and 5-7, 9-11 with 2 threads: other rounding for the same row), and
+SDPA's CPU kernels round a row differently with another batch size or span. So on CPU (`SlotCache.invariant`) every
+forward's rows are padded to a multiple of `ROW_MULTIPLE` (the engine repeats a row; a padded prefill position is
+attended by nothing and writes nothing), and a decode step's attention runs per slot over exactly that slot's own
+entries. On a GPU the shared-span and split-K kernels, CUDA graphs of a full batch and bf16 keep their speed and
+the promise stops there: a sample's tokens can depend on its batch.
 """
 
 from __future__ import annotations
@@ -35,6 +45,14 @@ GPU_SHARE = 0.8
 # A decode step's attention reads each slot's first `span` positions, span rounded up to a multiple of this:
 # a few shapes only (each a CUDA graph, `olmo_ds.model.decode.graphs`), at most this many masked positions read.
 SPAN_BUCKET = 256
+# On CPU (`SlotCache.invariant`) every forward's rows are padded to a multiple of this (module docstring): every
+# multiple of 4 rows took the same matmul kernel for a row as 700 rows did, with 1 or 2 threads.
+ROW_MULTIPLE = 8
+
+
+def padded_rows(rows: int, invariant: bool) -> int:
+    """The rows a forward of `rows` rows runs (module docstring: batch-invariant on CPU)."""
+    return -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE if invariant else rows
 
 
 def decode_span(longest: int, max_len: int) -> int:
@@ -86,6 +104,7 @@ def check_fits(cfg: ModelConfig, slots: int, max_len: int, dtype: torch.dtype, d
 class _Prefill:
     slots: list[int]
     lengths: list[int]
+    width: int  # positions in the row: the prompts' total, or more when padded (`padded_rows`)
 
 
 @dataclass
@@ -96,6 +115,7 @@ class _Decode:
     span: int  # positions read per slot (`decode_span`); a ring reads min(span, its size)
     masks: dict = field(default_factory=dict)  # span -> [A, 1, 1, span] bool, built once per step, not per layer
     lengths: dict = field(default_factory=dict)  # ring size (None: full) -> int32 [A] entries each slot reads
+    host: list[tuple[int, int]] = field(default_factory=list)  # (slot, position) per row, read on the host (invariant)
 
 
 class SlotCache:
@@ -105,6 +125,7 @@ class SlotCache:
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device, dtype, attention: str = "auto"):
         self.cfg, self.slots, self.max_len = cfg, slots, max_len
         self.kernel = choose(torch.device(device), attention)
+        self.invariant = torch.device(device).type == "cpu"  # batch-invariant numbers (module docstring)
         self._kernel_ran = False
         self.windows = [cfg.sliding_window if cfg.layer_is_sliding(i) else None for i in range(cfg.n_layers)]
         lengths = layer_lengths(cfg, max_len)
@@ -113,14 +134,17 @@ class SlotCache:
         self.values = [torch.zeros(shape(n), device=device, dtype=dtype) for n in lengths]
         self._step: _Prefill | _Decode | None = None
 
-    def prefill(self, slots: list[int], lengths: list[int]) -> None:
-        """The next forward is one row of these whole prompts, in this order, each filling its slot from position 0."""
-        self._step = _Prefill(slots, lengths)
+    def prefill(self, slots: list[int], lengths: list[int], width: int | None = None) -> None:
+        """The next forward is one row of these whole prompts, in this order, each filling its slot from position 0;
+        `width`: the row's positions when padded past the prompts (`padded_rows`)."""
+        self._step = _Prefill(slots, lengths, width or sum(lengths))
 
-    def decode(self, slots: torch.Tensor, positions: torch.Tensor, span: int, contiguous: bool) -> None:
+    def decode(self, slots: torch.Tensor, positions: torch.Tensor, span: int, contiguous: bool,
+               host: list[tuple[int, int]] | None = None) -> None:
         """The next forward is `[len(slots), 1]`: one token per slot (int64 tensors on the cache's device), at its
-        position (the slot's cached length); `span`: `decode_span` of the longest; `contiguous`: slots are 0..A-1."""
-        self._step = _Decode(slots, positions, contiguous, span)
+        position (the slot's cached length); `span`: `decode_span` of the longest; `contiguous`: slots are 0..A-1.
+        `host`: the same (slot, position) pairs as Python ints, which the batch-invariant path needs."""
+        self._step = _Decode(slots, positions, contiguous, span, host=host or [])
 
     def attend(self, layer: int, q, k, v, window: int | None, scale: float) -> torch.Tensor:
         if isinstance(self._step, _Prefill):
@@ -149,6 +173,8 @@ class SlotCache:
                 keys[slot][:, kept % ring] = ks[0][:, kept]
                 values[slot][:, kept % ring] = vs[0][:, kept]
             start += n
+        if step.width > start:  # padding positions (`padded_rows`): attended by nothing, written nowhere
+            outs.append(q.new_zeros(q.shape[0], step.width - start, *q.shape[2:]))
         return torch.cat(outs, dim=1)
 
     def _attend_decode(self, layer, q, k, v, scale) -> torch.Tensor:
@@ -159,6 +185,8 @@ class SlotCache:
         keys[step.slots, :, where] = k[:, 0]
         values[step.slots, :, where] = v[:, 0]
         span = min(step.span, keys.shape[2])
+        if self.invariant:
+            return self._attend_each(q, keys, values, ring, scale, gqa=q.shape[2] != k.shape[2])
         if self.kernel == "triton":
             if ring not in step.lengths:
                 lengths = step.positions + 1
@@ -182,3 +210,13 @@ class SlotCache:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=step.masks[span], scale=scale,
                                              enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)
+
+    def _attend_each(self, q, keys, values, ring: int | None, scale: float, gqa: bool) -> torch.Tensor:
+        """Each row's attention over exactly its slot's entries (0..position, or the whole ring once full), one
+        SDPA call a row: its numbers depend on nothing else in the batch (module docstring)."""
+        out = torch.empty_like(q)
+        for a, (slot, position) in enumerate(self._step.host):
+            n = min(position + 1, ring) if ring else position + 1
+            out[a] = F.scaled_dot_product_attention(q[a:a + 1].transpose(1, 2), keys[slot:slot + 1, :, :n], values[slot:slot + 1, :, :n],
+                                                    scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
+        return out

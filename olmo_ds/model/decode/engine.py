@@ -9,7 +9,9 @@ waiting prompt at once, so a finished sequence costs nothing from the next step 
 
 Greedy decoding does, per sequence, the arithmetic of transformers' `generate` (the same attention over the
 same keys, head on the last position), so the outputs are the same tokens at any batch size
-(tests/model/test_decode.py, fp32 on CPU, OLMo 2 and OLMo 3 with windows shorter than prompt + output).
+(tests/model/test_decode.py, fp32 on CPU, OLMo 2 and OLMo 3 with windows shorter than prompt + output). On CPU
+a sample's tokens and log-probabilities are also the same bits whatever shares its batch (`cache`'s module
+docstring says how; on a GPU they are not).
 Everything a request could get wrong is refused before the first forward (`check_requests`).
 """
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from olmo_ds.model.decode.cache import SlotCache, check_fits, decode_span
+from olmo_ds.model.decode.cache import SlotCache, check_fits, decode_span, padded_rows
 from olmo_ds.model.decode.forward import forward_logits
 from olmo_ds.model.decode.graphs import DecodeGraphs
 from olmo_ds.model.decode.sampling import Sampling, next_tokens
@@ -239,11 +241,13 @@ def generate(model: OLMo, requests: Sequence[Request], *, batch_size: int = 8, s
                     wave.append(_Sequence(index, requests[index], heapq.heappop(free), sampling.generator(index if requests[index].seed is None else requests[index].seed)))
                     total += len(requests[index].prompt)
                 lengths = [len(s.request.prompt) for s in wave]
-                ids = torch.tensor([[t for s in wave for t in s.request.prompt]], device=device)
-                positions = torch.tensor([[p for n in lengths for p in range(n)]], device=device)
+                pad = padded_rows(total, cache.invariant) - total  # on CPU: padding positions, attended by nothing
+                ids = torch.tensor([[t for s in wave for t in s.request.prompt] + [0] * pad], device=device)
+                positions = torch.tensor([[p for n in lengths for p in range(n)] + [0] * pad], device=device)
                 last = torch.tensor(lengths, device=device).cumsum(0) - 1
-                cache.prefill([s.slot for s in wave], lengths)
-                logits = forward_logits(model, ids, positions, cache, last)
+                last = torch.cat([last, last[-1:].expand(padded_rows(len(wave), cache.invariant) - len(wave))])
+                cache.prefill([s.slot for s in wave], lengths, total + pad)
+                logits = forward_logits(model, ids, positions, cache, last)[:len(wave)]
                 for s in wave:
                     active[s.slot] = s
                 finish_or_keep(wave, next_tokens(logits, cfg.vocab_size, sampling, [s.generator for s in wave]))
@@ -259,10 +263,15 @@ def generate(model: OLMo, requests: Sequence[Request], *, batch_size: int = 8, s
                 positions = torch.tensor([s.position for s in seqs], device=device)
                 span = decode_span(max(s.position for s in seqs) + 1, max_len)
                 logits = graphs.logits(ids, positions, span) if graphs is not None and len(seqs) == slots else None
-                if logits is None:
-                    slot_ids = [s.slot for s in seqs]
-                    cache.decode(torch.tensor(slot_ids, device=device), positions, span, contiguous=slot_ids == list(range(len(seqs))))
-                    logits = forward_logits(model, ids, positions[:, None], cache, torch.arange(len(seqs), device=device))
+                if logits is None:  # on CPU the last sequence's row is repeated up to whole ROW_MULTIPLEs (`padded_rows`)
+                    rows = seqs + seqs[-1:] * (padded_rows(len(seqs), cache.invariant) - len(seqs))
+                    if len(rows) > len(seqs):
+                        ids = torch.tensor([[s.tokens[-1]] for s in rows], device=device)
+                        positions = torch.tensor([s.position for s in rows], device=device)
+                    slot_ids = [s.slot for s in rows]
+                    cache.decode(torch.tensor(slot_ids, device=device), positions, span, contiguous=slot_ids == list(range(len(rows))),
+                                 host=[(s.slot, s.position) for s in rows] if cache.invariant else None)
+                    logits = forward_logits(model, ids, positions[:, None], cache, torch.arange(len(rows), device=device))[:len(seqs)]
                 finish_or_keep(seqs, next_tokens(logits, cfg.vocab_size, sampling, [s.generator for s in seqs]))
                 stats["decode_forwards"] += 1
                 stats["decode_rows"] += len(seqs)
