@@ -43,6 +43,8 @@ from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
+from olmo_ds.eval import verifiers
+from olmo_ds.eval.code_harness import die_with_parent
 from olmo_ds.eval.verifiers import OUT_OF_MEMORY, Reward
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -100,9 +102,13 @@ class Scorer:
         items = [tuple(item) for item in items]
         if not items:
             return []
-        from olmo_ds.eval.verifiers import registered
-
-        extras = registered()
+        extras = verifiers.registered()
+        for name, fns in extras.items():
+            try:
+                pickle.dumps(fns)
+            except (pickle.PicklingError, AttributeError, TypeError) as e:
+                raise ValueError(f"registered verifier {name!r} cannot reach the scorer's workers: its functions must be module-level "
+                                 f"(they are imported there by module and name): {e}") from None
         with self._lock:
             while len(self._pool) < self.workers:
                 self._pool += self._start(self.workers - len(self._pool))
@@ -119,6 +125,8 @@ class Scorer:
                     break
                 a, b = todo.popleft()
                 try:
+                    if w.proc.poll() is not None:
+                        raise ConnectionError("the worker exited while idle")
                     w.send.send((extras, items[a:b]))
                 except (BrokenPipeError, ConnectionError, OSError):  # died while idle: nothing of this chunk was scored
                     todo.appendleft((a, b))
@@ -210,14 +218,10 @@ class Scorer:
 
 def _worker(rfd: int, wfd: int, memory_mb: int | None, parent: int) -> None:
     """A worker's loop: (registered verifiers, items) in, one Reward per item out, as each is scored."""
-    from olmo_ds.eval.code_harness import die_with_parent
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     die_with_parent(parent=parent)
     if memory_mb:
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-    from olmo_ds.eval import verifiers
-
     verifiers.math_verify_available()  # its import (sympy's) is paid at start, not in the first item's time
     recv, send = Connection(rfd, writable=False), Connection(wfd, readable=False)
     send.send("ready")

@@ -14,6 +14,7 @@ import pytest
 from olmo_ds.eval import verifiers
 from olmo_ds.eval.scorer import Scorer, score_all
 from olmo_ds.eval.verifiers import Reward
+from test_code_verifier import harness_processes
 
 
 def hang(completion, ground_truth):
@@ -73,6 +74,15 @@ def test_a_hanging_verifier_times_out_and_the_batch_goes_on(scorer):
     assert scorer.replaced == replaced + 2
 
 
+def test_a_code_run_past_the_limit_is_killed_with_everything_it_started(scorer):
+    solution = "```python\nimport os, time\ndef f():\n    os.fork()\n    time.sleep(60)\n```"
+    running = set(harness_processes())
+    got = scorer.score([("code", solution, ["f()"] * 5), RIGHT], timeout_s=1.5)  # 5 tests of 1 s each: past 1.5 s
+    assert got == [Reward(0.0, "timeout after 1.5 s"), Reward(1.0)]
+    time.sleep(0.3)
+    assert set(harness_processes()) - running == set()
+
+
 def test_crashes_and_memory_are_reasons_not_failures_of_the_run(scorer):
     items = [("segfault", "", None), RIGHT, ("exits", "", None), ("eat_memory", "", None), WRONG, ("length", "abc", 3), ("length", "ab", 3)]
     got = scorer.score(items, timeout_s=20)
@@ -110,3 +120,9 @@ def test_bad_settings_are_refused():
         Scorer(memory_mb=10)
     with pytest.raises(ValueError, match="built in"):
         verifiers.register("GSM8K", length)
+    verifiers.register("local", lambda completion, ground_truth: 1.0)
+    try:
+        with pytest.raises(ValueError, match="registered verifier 'local' cannot reach the scorer's workers: its functions must be module-level"):
+            Scorer(workers=1).score([RIGHT])
+    finally:
+        verifiers.unregister("local")
