@@ -110,9 +110,13 @@ class Scorer:
                 raise ValueError(f"registered verifier {name!r} cannot reach the scorer's workers: its functions must be module-level "
                                  f"(they are imported there by module and name): {e}") from None
         with self._lock:
-            while len(self._pool) < self.workers:
-                self._pool += self._start(self.workers - len(self._pool))
-            return self._score(items, extras, float(timeout_s))
+            try:
+                while len(self._pool) < self.workers:
+                    self._pool += self._start(self.workers - len(self._pool))
+                return self._score(items, extras, float(timeout_s))
+            except BaseException:  # Ctrl-C or a failed start: results may be in flight; the next call starts clean workers
+                self._stop_all()
+                raise
 
     def _score(self, items: list[tuple], extras: dict, timeout_s: float) -> list[Reward]:
         size = max(1, -(-len(items) // (self.workers * CHUNKS_PER_WORKER)))
@@ -188,15 +192,19 @@ class Scorer:
             os.close(worker_w)
             started.append(_Worker(proc, Connection(parent_w, readable=False), Connection(parent_r, writable=False)))
         deadline = time.monotonic() + STARTUP_S
-        for w in started:
-            if not w.recv.poll(max(0.0, deadline - time.monotonic())):
+        try:
+            for w in started:
+                if not w.recv.poll(max(0.0, deadline - time.monotonic())):
+                    raise RuntimeError(f"a verifier worker did not start within {STARTUP_S:g} s")
+                try:
+                    w.recv.recv()
+                except EOFError:
+                    w.proc.wait()
+                    raise RuntimeError(f"a verifier worker failed to start ({_signal_name(w.proc.returncode)}; its error is printed above)") from None
+        except BaseException:
+            for w in started:
                 self._stop(w)
-                raise RuntimeError(f"a verifier worker did not start within {STARTUP_S:g} s")
-            try:
-                w.recv.recv()
-            except EOFError:
-                w.proc.wait()
-                raise RuntimeError(f"a verifier worker failed to start ({_signal_name(w.proc.returncode)}; its error is printed above)") from None
+            raise
         return started
 
     @staticmethod
@@ -211,9 +219,12 @@ class Scorer:
 
     def close(self) -> None:
         with self._lock:
-            for w in self._pool:
-                self._stop(w)
-            self._pool = []
+            self._stop_all()
+
+    def _stop_all(self) -> None:
+        for w in self._pool:
+            self._stop(w)
+        self._pool = []
 
 
 def _worker(rfd: int, wfd: int, memory_mb: int | None, parent: int) -> None:

@@ -35,6 +35,11 @@ def eat_memory(completion, ground_truth):
         chunks.append(bytearray(1 << 26))
 
 
+def slow(completion, ground_truth):
+    time.sleep(0.5)
+    return 1.0
+
+
 def length_check(ground_truth):
     if not isinstance(ground_truth, int):
         raise ValueError("a length is an int")
@@ -44,7 +49,7 @@ def length(completion, ground_truth):
     return float(len(completion) == ground_truth), f"length {len(completion)}"
 
 
-FAULTY = {"hang": hang, "segfault": segfault, "exits": exits, "eat_memory": eat_memory}
+FAULTY = {"hang": hang, "segfault": segfault, "exits": exits, "eat_memory": eat_memory, "slow": slow}
 RIGHT, WRONG = ("gsm8k", "So the answer is 7.", "7"), ("gsm8k", "So the answer is 8.", "7")
 
 
@@ -81,6 +86,26 @@ def test_a_code_run_past_the_limit_is_killed_with_everything_it_started(scorer):
     assert got == [Reward(0.0, "timeout after 1.5 s"), Reward(1.0)]
     time.sleep(0.3)
     assert set(harness_processes()) - running == set()
+
+
+def test_an_interrupted_batch_leaves_no_stale_results_for_the_next(registered):
+    """Ctrl-C (here a KeyboardInterrupt from a timer) while a worker is mid-chunk: it goes on scoring into its pipe, so
+    the pool is restarted and the next batch gets its own results."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    with Scorer(workers=1) as scorer:
+        scorer.score([RIGHT])
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                scorer.score([("slow", "", None)] + [WRONG] * 4, timeout_s=30)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        time.sleep(0.6)  # the worker has written the interrupted batch's results by now
+        assert scorer.score([RIGHT] * 3, timeout_s=5) == [Reward(1.0)] * 3
 
 
 def test_crashes_and_memory_are_reasons_not_failures_of_the_run(scorer):
