@@ -14,7 +14,7 @@ import pytest
 from olmo_ds.eval import verifiers
 from olmo_ds.eval.scorer import Scorer, score_all
 from olmo_ds.eval.verifiers import Reward
-from test_code_verifier import harness_processes
+from test_code_verifier import leaked_processes
 
 
 def hang(completion, ground_truth):
@@ -81,11 +81,10 @@ def test_a_hanging_verifier_times_out_and_the_batch_goes_on(scorer):
 
 def test_a_code_run_past_the_limit_is_killed_with_everything_it_started(scorer):
     solution = "```python\nimport os, time\ndef f():\n    os.fork()\n    time.sleep(60)\n```"
-    running = set(harness_processes())
     got = scorer.score([("code", solution, ["f()"] * 5), RIGHT], timeout_s=1.5)  # 5 tests of 1 s each: past 1.5 s
     assert got == [Reward(0.0, "timeout after 1.5 s"), Reward(1.0)]
     time.sleep(0.3)
-    assert set(harness_processes()) - running == set()
+    assert leaked_processes() == []
 
 
 def test_an_interrupted_batch_leaves_no_stale_results_for_the_next(registered):
