@@ -4,21 +4,26 @@ that teach the arithmetic task first (`--chat`, for `prepare_data.py --format ch
     python scripts/make_rl_prompts.py --task arithmetic --count 2000 --output data/rl/train.jsonl
     python scripts/make_rl_prompts.py --task arithmetic --count 2000 --chat --seed 1 --output data/rl/sft.jsonl
     python scripts/make_rl_prompts.py --task mixed --count 300 --output data/rl/mixed.jsonl
-    python scripts/make_rl_prompts.py --fixtures tests/data/rl_fixtures
+    python scripts/make_rl_prompts.py --task code --count 200 --output data/rl/code.jsonl
+    python scripts/make_rl_prompts.py --fixtures tests/data/rl_fixtures --force
+
+An existing file is never written over unless --force is given.
 
 See olmo_ds/data/prepare/rl_prompts.py for the task families.
 """
 
 import argparse
 import sys
+from pathlib import Path
 
 from olmo_ds.data.prepare import rl_prompts
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", choices=("arithmetic", "ifeval", "math", "mixed"), default="arithmetic",
-                   help="arithmetic (verifier gsm8k, default), ifeval, math, or mixed (half arithmetic, a third ifeval, the rest math)")
+    p.add_argument("--task", choices=("arithmetic", "ifeval", "math", "code", "mixed"), default="arithmetic",
+                   help="arithmetic (verifier gsm8k, default), ifeval, math, code (Python functions with assert tests), "
+                        "or mixed (half arithmetic, a third ifeval, the rest math)")
     p.add_argument("--count", type=int, default=1000, help="rows to write (default: 1000)")
     p.add_argument("--seed", type=int, default=0, help="the random seed: the same seed writes the same rows (default: 0)")
     p.add_argument("--low", type=int, default=0, help="arithmetic: smallest operand (default: 0)")
@@ -27,8 +32,15 @@ def main(argv=None) -> int:
     p.add_argument("--answer-format", default=rl_prompts.ANSWER_FORMAT, help=f"--chat: the assistant's reply, holding {{result}} (default: {rl_prompts.ANSWER_FORMAT!r})")
     p.add_argument("--chat", action="store_true", help="arithmetic: write chat records (question and answer) for supervised fine-tuning instead of prompts")
     p.add_argument("--output", help="the JSON-lines file to write")
-    p.add_argument("--fixtures", metavar="DIR", help="write the test fixture set (train, val, bad, sft .jsonl) to DIR instead")
+    p.add_argument("--fixtures", metavar="DIR", help="write the test fixture set (train, val, bad, sft, code .jsonl) to DIR instead")
+    p.add_argument("--force", action="store_true", help="write over existing output files")
     a = p.parse_args(argv)
+    if not a.force:
+        existing = [Path(a.fixtures) / name for name in rl_prompts.FIXTURE_FILES] if a.fixtures else [Path(a.output)] if a.output else []
+        for path in existing:
+            if path.exists():
+                p.error(f"{'--fixtures' if a.fixtures else '--output'} {path} exists; prompts are never written over a file "
+                        "(remove it, name another, or pass --force)")
     if a.fixtures:
         for name, n in rl_prompts.write_fixtures(a.fixtures).items():
             print(f"{a.fixtures}/{name}: {n} rows")
@@ -51,6 +63,8 @@ def main(argv=None) -> int:
         rows = rl_prompts.ifeval_rows(a.count, a.seed)
     elif a.task == "math":
         rows = rl_prompts.math_rows(a.count, a.seed)
+    elif a.task == "code":
+        rows = rl_prompts.code_rows(a.count, a.seed)
     else:
         n_if = a.count // 3
         n_ar = (a.count + 1) // 2

@@ -14,12 +14,22 @@ a prompt followed) and `inst_level_strict_acc` / `inst_level_loose_acc` (per ins
 `prompt_level_loose_acc`, OLMES's. The checks below are the instructions this module verifies (`CHECKS`);
 a row naming another is refused when read from a local file and left out, counted, when read from the hub
 (`unsupported`), so a score says how many prompts it covers.
+
+"All lowercase" and "all capitals" (`change_case:english_lowercase` / `english_capital`) follow the rule of
+open-instruct's copy of IFEval, the reward OLMo 3's RLVR used (open_instruct/IFEvalG/instructions.py at e6c3044,
+lines 1353-1362 and 1382-1391, as google's IFEval states them): `str.islower()` (`isupper()`) and langdetect's
+verdict that the text is English; text langdetect finds no language in counts as English, as there. langdetect
+draws at random: it is seeded here (`DetectorFactory.seed = 0`, as its documentation advises for repeatable
+results) so a response gets the same verdict every time; open-instruct leaves it unseeded. Its verdict on a very
+short text can be wrong ("all done here." reads as Italian), as it is in OLMo 3's reward.
 """
 
 from __future__ import annotations
 
 import json
 import re
+
+import langdetect
 
 NAME = "ifeval"
 HUB = ("google/IFEval", "default", "train")  # repo, config, split of the hub's rows
@@ -37,6 +47,15 @@ def _compare(count: int, relation: str, n: int) -> bool:
 
 def _words(text: str) -> int:
     return len(re.findall(r"\w+", text))
+
+
+def _english(text: str) -> bool:
+    """langdetect's verdict that `text` is English (module docstring)."""
+    langdetect.DetectorFactory.seed = 0
+    try:
+        return langdetect.detect(text) == "en"
+    except langdetect.LangDetectException:
+        return True
 
 
 def _keywords(response: str, keywords: list[str]) -> bool:
@@ -129,8 +148,8 @@ CONSTRAINED_RESPONSES = ("My answer is yes.", "My answer is no.", "My answer is 
 # instruction id -> (check(response, **kwargs), the kwargs it takes)
 CHECKS = {
     "punctuation:no_comma": (lambda r: "," not in r, ()),
-    "change_case:english_lowercase": (lambda r: r == r.lower() and r != r.upper(), ()),
-    "change_case:english_capital": (lambda r: r == r.upper() and r != r.lower(), ()),
+    "change_case:english_lowercase": (lambda r: r.islower() and _english(r), ()),
+    "change_case:english_capital": (lambda r: r.isupper() and _english(r), ()),
     "keywords:existence": (_keywords, ("keywords",)),
     "keywords:forbidden_words": (_forbidden, ("forbidden_words",)),
     "keywords:letter_frequency": (_letters, ("letter", "let_frequency", "let_relation")),

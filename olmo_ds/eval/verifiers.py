@@ -26,11 +26,21 @@ so do we (`resolve`: case and surrounding spaces do not matter). The verifiers (
   Python literal (RLVR-IFeval writes `"[{'instruction_id': [...], 'kwargs': [...]}]"`). The older
   `{"func_name": ...}` constraints (open-instruct's IFEvalVerifierOld) are refused, naming the layout to use.
 - `exact_match`: the completion, stripped of surrounding whitespace, equals the ground truth string so stripped.
+- `code`: a Python solution (the last python fenced block of the answer part, else the whole answer part) run
+  against the row's tests (a list of Python test strings, typically asserts: open-instruct's CodeVerifier layout)
+  in a subprocess with time, memory and network limits; the score is the share of tests passed, and
+  `Reward.detail` names the first failure ("2/3 tests passed; test 3: timeout after 1 s"). `olmo_ds.eval.code`
+  holds the rules, their sources and what the limits do and do not guard.
+
+`register(name, score, check)` adds a verifier (a plugin's, or a test's); `resolve` then knows it by that name.
 
 `check_ground_truth(verifier, ground_truth)` refuses, before any training, what no completion could be scored
 against (data preparation calls it per row: `prepare_data.py --format rl`); `reward(verifier, completion,
 ground_truth) -> Reward` never raises: a verifier that fails on a sample gives score 0.0 and the reason in
-`Reward.error`, for the trainer to count.
+`Reward.error`, for the trainer to count. It runs in the calling process, with no time limit of its own beyond the
+code verifier's and math-verify's (which works only on a main thread); `olmo_ds.eval.scorer.score_all` scores a
+batch in worker processes under a wall-clock and memory limit, so that a verifier that hangs, crashes or eats
+memory scores 0 with its reason instead of stalling or ending a run.
 """
 
 from __future__ import annotations
@@ -41,10 +51,11 @@ import math
 import re
 import threading
 from dataclasses import dataclass
+from typing import Any, Callable
 
-from olmo_ds.eval import gsm8k, ifeval
+from olmo_ds.eval import code, gsm8k, ifeval
 
-VERIFIERS = ("gsm8k", "math", "ifeval", "exact_match")
+VERIFIERS = ("gsm8k", "math", "ifeval", "exact_match", "code")
 # `dataset` values of the public RLVR mixes (and other spellings) -> the verifier; matched lower-cased.
 ALIASES = {
     "gsm8k": "gsm8k",
@@ -52,7 +63,11 @@ ALIASES = {
     "ifeval": "ifeval",
     "exact_match": "exact_match",
     "exact": "exact_match",
+    "code": "code",
 }
+
+
+OUT_OF_MEMORY = "out of memory"
 
 
 class GroundTruthError(ValueError):
@@ -67,6 +82,7 @@ class GroundTruthError(ValueError):
 class Reward:
     score: float  # in [0, 1]
     error: str | None = None  # why the verifier could not score the completion (then score is 0.0)
+    detail: str | None = None  # what a scored completion got wrong, where the verifier says (code: the first failed test)
 
 
 def resolve(verifier) -> str:
@@ -74,9 +90,10 @@ def resolve(verifier) -> str:
     if not isinstance(verifier, str) or not verifier.strip():
         raise GroundTruthError(f"verifier (the row's 'dataset') must be a non-empty string, got {verifier!r}; known: {', '.join(VERIFIERS)}",
                                "unknown_verifier")
-    name = ALIASES.get(verifier.strip().lower())
+    key = verifier.strip().lower()
+    name = ALIASES.get(key) or (key if key in _REGISTERED else None)
     if name is None:
-        raise GroundTruthError(f"unknown verifier {verifier!r}; known: {', '.join(VERIFIERS)} (case-insensitive; aliases: "
+        raise GroundTruthError(f"unknown verifier {verifier!r}; known: {', '.join((*VERIFIERS, *_REGISTERED))} (case-insensitive; aliases: "
                                f"{', '.join(a for a in ALIASES if a not in VERIFIERS)})", "unknown_verifier")
     return name
 
@@ -231,8 +248,35 @@ def _exact_match(completion: str, ground_truth) -> float:
     return float(completion.strip() == _exact_gold(ground_truth))
 
 
-_GOLD = {"gsm8k": _gsm8k_gold, "math": _math_gold, "ifeval": ifeval_instructions, "exact_match": _exact_gold}
-_SCORE = {"gsm8k": _gsm8k, "math": _math, "ifeval": _ifeval, "exact_match": _exact_match}
+# --- code --------------------------------------------------------------------------------------------------------
+
+
+def _code(completion: str, ground_truth) -> tuple[float, str | None]:
+    return code.score(answer_part(completion), ground_truth)
+
+
+_GOLD = {"gsm8k": _gsm8k_gold, "math": _math_gold, "ifeval": ifeval_instructions, "exact_match": _exact_gold, "code": code.tests_of}
+_SCORE = {"gsm8k": _gsm8k, "math": _math, "ifeval": _ifeval, "exact_match": _exact_match, "code": _code}
+_REGISTERED: dict[str, tuple[Callable, Callable | None]] = {}
+
+
+def register(name: str, score: Callable[[str, Any], float | tuple[float, str | None]], check: Callable[[Any], Any] | None = None) -> None:
+    """Add verifier `name` (matched lower-cased): `score(completion, ground_truth)` gives a score in [0, 1] (or
+    (score, detail)), `check(ground_truth)` raises a ValueError for a ground truth it cannot score against. The
+    scorer's workers (`olmo_ds.eval.scorer`) import both by module and name: they must be module-level functions."""
+    key = name.strip().lower()
+    if key in ALIASES:
+        raise ValueError(f"verifier {name!r} is built in; register another name")
+    _REGISTERED[key] = (score, check)
+
+
+def unregister(name: str) -> None:
+    _REGISTERED.pop(name.strip().lower(), None)
+
+
+def registered() -> dict[str, tuple[Callable, Callable | None]]:
+    """The verifiers `register` added, by name."""
+    return dict(_REGISTERED)
 
 
 def check(verifier, ground_truth) -> str:
@@ -242,8 +286,10 @@ def check(verifier, ground_truth) -> str:
     name = resolve(verifier)
     if ground_truth is None:
         raise GroundTruthError(f"no ground truth: a {name} row needs a non-null 'ground_truth'", "missing_ground_truth")
+    gold = _REGISTERED[name][1] if name in _REGISTERED else _GOLD[name]
     try:
-        _GOLD[name](ground_truth)
+        if gold is not None:
+            gold(ground_truth)
     except ValueError as e:
         raise GroundTruthError(str(e)) from None
     return name
@@ -257,14 +303,18 @@ def check_ground_truth(verifier: str, ground_truth) -> None:
 
 def reward(verifier: str, completion: str, ground_truth) -> Reward:
     """The completion's score in [0, 1] by `verifier`; never raises: any failure is score 0.0 with the reason
-    ("ExceptionClass: message", at most 200 characters) in `error`."""
+    ("ExceptionClass: message", at most 200 characters; a MemoryError is "out of memory") in `error`."""
     try:
         name = resolve(verifier)
         if not isinstance(completion, str):
             raise TypeError(f"the completion is a {type(completion).__name__}, not a string")
-        score = float(_SCORE[name](completion, ground_truth))
+        got = (_REGISTERED[name][0] if name in _REGISTERED else _SCORE[name])(completion, ground_truth)
+        score, detail = got if isinstance(got, tuple) else (got, None)
+        score = float(score)
         if not 0.0 <= score <= 1.0:
             raise ValueError(f"{name} scored {score}, outside [0, 1]")
-        return Reward(score)
+        return Reward(score, None, detail)
+    except MemoryError:
+        return Reward(0.0, OUT_OF_MEMORY)
     except Exception as e:  # noqa: BLE001 - a reward must never end a run: the reason is counted instead
         return Reward(0.0, f"{type(e).__name__}: {e}"[:200])

@@ -238,8 +238,8 @@ def test_rerun_after_sigkill_is_byte_identical(tmp_path):
 
 def test_the_generator_is_deterministic_and_its_rows_are_scorable(tmp_path):
     rl_prompts.write_fixtures(tmp_path / "fx")
-    for name in ("train.jsonl", "val.jsonl", "bad.jsonl", "sft.jsonl"):
-        assert (tmp_path / "fx" / name).read_bytes() == (FIXTURES / name).read_bytes(), f"{name}: rerun scripts/make_rl_prompts.py --fixtures"
+    for name in rl_prompts.FIXTURE_FILES:
+        assert (tmp_path / "fx" / name).read_bytes() == (FIXTURES / name).read_bytes(), f"{name}: rerun scripts/make_rl_prompts.py --fixtures --force"
     assert rl_prompts.mixed_rows(10, 5, 5, seed=3) == rl_prompts.mixed_rows(10, 5, 5, seed=3) != rl_prompts.mixed_rows(10, 5, 5, seed=4)
     task = rl_prompts.Arithmetic(10, 99, "*")
     for row, chat in zip(task.rows(50, seed=7), task.chat(50, seed=7)):
@@ -255,3 +255,41 @@ def test_the_generator_is_deterministic_and_its_rows_are_scorable(tmp_path):
         assert verifiers.reward(row["dataset"], "so \\boxed{" + row["ground_truth"] + "+1}", row["ground_truth"]).score == 0.0
     with pytest.raises(ValueError, match="operation"):
         rl_prompts.Arithmetic(operation="/")
+
+
+def test_code_rows_are_prepared_and_their_reference_solutions_pass(tmp_path):
+    """`make_rl_prompts.py --task code` rows through `prepare_data.py --format rl` (the real command line): every row kept
+    with its tests; the reference solution of each scores 1 by the code verifier and a wrong one less."""
+    rows_path = tmp_path / "code.jsonl"
+    made = subprocess.run([sys.executable, "scripts/make_rl_prompts.py", "--task", "code", "--count", "12", "--seed", "4", "--output", str(rows_path)],
+                          cwd=REPO, capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    out = tmp_path / "out"
+    prep = subprocess.run([sys.executable, "scripts/prepare_data.py", "--format", "rl", "--chat-template", "olmo3", "--input", str(rows_path),
+                           "--tokenizer", str(DOLMA2), "--output", str(out), "--no-progress", "--strict"], cwd=REPO, capture_output=True, text=True)
+    assert prep.returncode == 0, prep.stderr
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    got = read_prompts(out)
+    assert len(got) == len(rows) == 12 and shards.Manifest.load(out).extra["verifiers"] == {"code": 12}
+    for row, (_, record) in zip(rows, got):
+        assert record["verifier"] == "code" and record["ground_truth"] == row["ground_truth"]
+    assert len({r["messages"][0]["content"].split("`")[1] for r in rows}) > 3  # several tasks
+    for row in rows[:4]:
+        assert verifiers.reward("code", rl_prompts.reference_solution(row), row["ground_truth"]) == verifiers.Reward(1.0)
+        assert verifiers.reward("code", "```python\ndef nothing():\n    pass\n```", row["ground_truth"]).score == 0.0
+
+
+def test_make_rl_prompts_never_writes_over_a_file_without_force(tmp_path):
+    target = tmp_path / "prompts.jsonl"
+    target.write_text("mine\n")
+    cmd = [sys.executable, "scripts/make_rl_prompts.py", "--task", "code", "--count", "3", "--output", str(target)]
+    refused = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode == 2 and target.read_text() == "mine\n"
+    assert f"--output {target} exists; prompts are never written over a file (remove it, name another, or pass --force)" in refused.stderr
+    assert subprocess.run(cmd + ["--force"], cwd=REPO, capture_output=True).returncode == 0
+    assert len(target.read_text().splitlines()) == 3
+    (tmp_path / "fx").mkdir()
+    (tmp_path / "fx" / "code.jsonl").write_text("mine\n")
+    refused = subprocess.run([sys.executable, "scripts/make_rl_prompts.py", "--fixtures", str(tmp_path / "fx")], cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode == 2 and f"--fixtures {tmp_path / 'fx' / 'code.jsonl'} exists" in refused.stderr
+    assert not (tmp_path / "fx" / "train.jsonl").exists()

@@ -76,9 +76,23 @@ def test_ifeval_fraction_of_instructions(layout):
 
 def test_ifeval_judges_the_answer_after_a_thinking_section():
     gt = {"instruction_id": ["change_case:english_lowercase"], "kwargs": [None]}
-    assert reward("ifeval", "<think>The User Wants Lowercase.</think>\n<answer>all done here.</answer>", gt) == Reward(1.0)
+    assert reward("ifeval", "<think>The User Wants Lowercase.</think>\n<answer>this answer is written in english.</answer>", gt) == Reward(1.0)
     assert reward("ifeval", "<think>ok</think>All Done.", gt) == Reward(0.0)
     assert reward("ifeval", "<think>only thoughts</think>  ", gt) == Reward(0.0)
+
+
+def test_lowercase_and_capitals_must_be_english_as_olmo3s_reward_reads_them():
+    """open-instruct's IFEvalG rule (islower/isupper and langdetect's "en"), not only the case of the letters."""
+    lower = {"instruction_id": ["change_case:english_lowercase"], "kwargs": [None]}
+    upper = {"instruction_id": ["change_case:english_capital"], "kwargs": [None]}
+    english, french = "the weather is lovely today and we walk by the sea.", "le temps est magnifique aujourd'hui et nous marchons au bord de la mer."
+    assert reward("ifeval", english, lower) == Reward(1.0)
+    assert reward("ifeval", french, lower) == Reward(0.0)
+    assert reward("ifeval", english.upper(), upper) == Reward(1.0)
+    assert reward("ifeval", french.upper(), upper) == Reward(0.0)
+    assert reward("ifeval", "123 456.", lower) == Reward(0.0)  # no letters: not lowercase (islower)
+    # langdetect is seeded: a short text's verdict (right or wrong) is the same every time.
+    assert len({reward("ifeval", "all done here.", lower) for _ in range(5)}) == 1
 
 
 def test_exact_match():
@@ -87,7 +101,7 @@ def test_exact_match():
 
 
 @pytest.mark.parametrize("verifier, gt, said", [
-    ("sat_solver", "1", "unknown verifier 'sat_solver'; known: gsm8k, math, ifeval, exact_match"),
+    ("sat_solver", "1", "unknown verifier 'sat_solver'; known: gsm8k, math, ifeval, exact_match, code"),
     ("", "1", "non-empty string"),
     (None, "1", "non-empty string"),
     ("gsm8k", None, "no ground truth"),
@@ -123,7 +137,8 @@ def test_check_names_the_skip_reason_data_preparation_counts():
 
 
 def test_check_ground_truth_accepts_and_names():
-    for verifier, gt in [("gsm8k", "18"), ("GSM8K", 18), ("math", "\\frac{1}{2}"), ("ifeval", IFEVAL_GT), ("exact_match", "Paris")]:
+    for verifier, gt in [("gsm8k", "18"), ("GSM8K", 18), ("math", "\\frac{1}{2}"), ("ifeval", IFEVAL_GT), ("exact_match", "Paris"),
+                         ("code", ["assert f(1) == 2"]), ("Code", '["assert f(1) == 2"]')]:
         assert check_ground_truth(verifier, gt) is None
     assert verifiers.check("MATH", "1") == "math"
 
@@ -135,4 +150,5 @@ def test_a_failing_verifier_gives_zero_and_the_reason():
     assert reward("gsm8k", None, "7").error.startswith("TypeError: ")
     assert reward("gsm8k", RIGHT, "seven").error.startswith("ValueError: ")
     assert len(reward("ifeval", "x", "{" * 500).error) <= 200
+    assert reward("code", "```python\nx = 1\n```", "not json").error.startswith("ValueError: the code ground truth is a string that is not")
     assert all(r.error is None for r in (reward("gsm8k", RIGHT, "7"), reward("gsm8k", WRONG, "7")))

@@ -104,6 +104,23 @@ OWNER_TESTS: dict[str, list[str]] = {
         "tests/eval/test_tasks.py::test_plain_jsonl_errors_name_file_and_line",
         "tests/eval/test_tasks.py::test_olmes_errors",
     ],
+    "verifier hangs (scored 0 with its reason, worker replaced, nothing left running)": [
+        "tests/eval/test_scorer.py::test_a_hanging_verifier_times_out_and_the_batch_goes_on",
+        "tests/eval/test_scorer.py::test_a_code_run_past_the_limit_is_killed_with_everything_it_started",
+        "tests/eval/test_code_verifier.py::test_an_infinite_loop_times_out_per_test",
+        "tests/eval/test_code_verifier.py::test_a_hang_in_c_code_and_a_sleep_are_killed",
+        "tests/eval/test_code_verifier.py::test_forks_are_bounded_and_killed_with_the_test",
+    ],
+    "verifier raises or crashes (scored 0 with its reason, the batch goes on)": [
+        "tests/eval/test_scorer.py::test_crashes_and_memory_are_reasons_not_failures_of_the_run",
+        "tests/eval/test_verifiers.py::test_a_failing_verifier_gives_zero_and_the_reason",
+        "tests/eval/test_code_verifier.py::test_crashes_and_exits_fail_the_test_and_cannot_fake_a_pass",
+        "tests/eval/test_code_verifier.py::test_no_network_and_no_other_programs",
+    ],
+    "verifier eats memory (out of memory, worker replaced)": [
+        "tests/eval/test_scorer.py::test_crashes_and_memory_are_reasons_not_failures_of_the_run",
+        "tests/eval/test_code_verifier.py::test_a_memory_hog_is_stopped_at_its_limit",
+    ],
 }
 
 

@@ -11,7 +11,10 @@ as `prepare_data.py --format rl` reads them:
   (all lowercase, include a keyword, end with a phrase, no commas), the ground truth in open-instruct's
   layout `{"instruction_id": [...], "kwargs": [...]}`;
 - math (`math_rows`, verifier `math`): the sum of two fractions, to be given in `\\boxed{}`, the ground truth
-  in LaTeX (`\\frac{5}{6}`, or an integer).
+  in LaTeX (`\\frac{5}{6}`, or an integer);
+- code (`code_rows`, verifier `code`): a small Python function to write (`CODE_TASKS`: sum of squares, vowel
+  count, run-length encoding, ...), the ground truth three assert statements on drawn inputs (open-instruct's
+  code layout), their expected values computed by the task's reference solution (`reference_solution`).
 
 `bad_lines(max_tokens)`: one line per kind of input `--format rl` refuses (the fixture set's bad.jsonl).
 """
@@ -23,6 +26,7 @@ import random
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Callable
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 ANSWER_FORMAT = "The answer is {result}."
@@ -120,6 +124,74 @@ def math_rows(n: int, seed: int) -> list[dict]:
     return out
 
 
+@dataclass(frozen=True)
+class CodeTask:
+    """A function to write: `request` asks for it, `solution` is a reference implementation, `draw` gives the
+    arguments of one test."""
+
+    function: str
+    request: str
+    solution: str
+    draw: Callable[[random.Random], tuple]
+
+
+def _ints(rng: random.Random, n_max: int = 6) -> list[int]:
+    return [rng.randint(-9, 9) for _ in range(rng.randint(0, n_max))]
+
+
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice("abcdeioustr") for _ in range(rng.randint(1, 9)))
+
+
+CODE_TASKS = (
+    CodeTask("sum_of_squares", "takes a list of integers and returns the sum of their squares",
+             "def sum_of_squares(xs):\n    return sum(x * x for x in xs)\n", lambda rng: (_ints(rng),)),
+    CodeTask("count_vowels", "takes a string and returns how many of its characters are vowels (a, e, i, o, u, lowercase only)",
+             "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s)\n", lambda rng: (_word(rng),)),
+    CodeTask("second_largest", "takes a list of integers with at least two distinct values and returns the second largest distinct value",
+             "def second_largest(xs):\n    return sorted(set(xs))[-2]\n", lambda rng: ((lambda xs: xs + rng.sample(xs, rng.randint(0, len(xs))))(rng.sample(range(-20, 21), rng.randint(2, 5))),)),
+    CodeTask("run_length", "takes a string and returns its run-length encoding as a list of (character, count) tuples, e.g. "
+             "run_length('aab') == [('a', 2), ('b', 1)]",
+             "def run_length(s):\n    out = []\n    for c in s:\n        if out and out[-1][0] == c:\n            out[-1] = (c, out[-1][1] + 1)\n"
+             "        else:\n            out.append((c, 1))\n    return out\n", lambda rng: ("".join(rng.choice("ab") for _ in range(rng.randint(0, 7))),)),
+    CodeTask("is_palindrome", "takes a string and returns whether it reads the same backwards, ignoring case",
+             "def is_palindrome(s):\n    return s.lower() == s.lower()[::-1]\n",
+             lambda rng: ((lambda w: w + w[::-1] if rng.random() < 0.5 else w)(_word(rng)),)),
+    CodeTask("nth_fibonacci", "takes n >= 0 and returns the n-th Fibonacci number (nth_fibonacci(0) == 0, nth_fibonacci(1) == 1)",
+             "def nth_fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n", lambda rng: (rng.randint(0, 30),)),
+)
+CODE_TESTS = 3  # asserts per row
+
+
+def _call(task: CodeTask, args: tuple):
+    namespace: dict = {}
+    exec(task.solution, namespace)  # our own reference solution, to compute the expected value
+    return namespace[task.function](*args)
+
+
+def code_rows(n: int, seed: int) -> list[dict]:
+    """`n` code rows (verifier code): a function to write, and `CODE_TESTS` asserts on drawn inputs."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        task = rng.choice(CODE_TASKS)
+        tests = []
+        for _ in range(CODE_TESTS):
+            args = task.draw(rng)
+            call = f"{task.function}({', '.join(repr(a) for a in args)})"
+            tests.append(f"assert {call} == {_call(task, args)!r}")
+        prompt = (f"Write a Python function `{task.function}` that {task.request}. "
+                  "Give the complete function in one ```python code block.")
+        out.append({"messages": [{"role": "user", "content": prompt}], "ground_truth": tests, "dataset": "code"})
+    return out
+
+
+def reference_solution(row: dict) -> str:
+    """The reference solution of a `code_rows` row, as a completion would give it (in a python block)."""
+    (task,) = [t for t in CODE_TASKS if f"`{t.function}`" in row["messages"][-1]["content"]]
+    return f"Here is the function:\n\n```python\n{task.solution}```\n"
+
+
 def mixed_rows(n_arithmetic: int, n_ifeval: int, n_math: int, seed: int, arithmetic: Arithmetic = Arithmetic()) -> list[dict]:
     """The three families, interleaved by a seeded shuffle."""
     rows = arithmetic.rows(n_arithmetic, seed) + ifeval_rows(n_ifeval, seed + 1) + math_rows(n_math, seed + 2)
@@ -143,6 +215,7 @@ def bad_lines(max_tokens: int = 256) -> list[tuple[str, bytes]]:
         ("missing_ground_truth", row(messages=user, dataset="gsm8k")),
         ("missing_verifier", row(messages=user, ground_truth="2")),
         ("unknown_verifier", row(messages=user, ground_truth="2", dataset="code_stdio")),
+        ("bad_ground_truth", row(messages=user, ground_truth=["assert add(1, 1) == 2", "assert add(1,"], dataset="code")),
         ("bad_ground_truth", row(messages=user, ground_truth="two", dataset="gsm8k")),
         ("bad_ground_truth", row(messages=user, ground_truth={"instruction_id": ["keywords:existence"], "kwargs": [{}]}, dataset="ifeval")),
         ("bad_ground_truth", row(messages=user, ground_truth={"func_name": "validate_lowercase"}, dataset="ifeval")),
@@ -162,13 +235,18 @@ def write_jsonl(path: Path, rows: list[dict]) -> int:
     return len(rows)
 
 
+FIXTURE_FILES = ("train.jsonl", "val.jsonl", "sft.jsonl", "code.jsonl", "bad.jsonl")
+
+
 def write_fixtures(directory: Path, seed: int = 0, max_tokens: int = 256) -> dict[str, int]:
     """The test fixture set: train.jsonl (24 arithmetic, 8 ifeval, 4 math rows), val.jsonl (12 arithmetic),
-    bad.jsonl (`bad_lines`, one per kind of refusal), sft.jsonl (24 arithmetic chat records)."""
+    bad.jsonl (`bad_lines`, one per kind of refusal), sft.jsonl (24 arithmetic chat records), code.jsonl (8 code
+    rows)."""
     directory = Path(directory)
     counts = {"train.jsonl": write_jsonl(directory / "train.jsonl", mixed_rows(24, 8, 4, seed)),
               "val.jsonl": write_jsonl(directory / "val.jsonl", Arithmetic().rows(12, seed + 100)),
-              "sft.jsonl": write_jsonl(directory / "sft.jsonl", Arithmetic().chat(24, seed + 200))}
+              "sft.jsonl": write_jsonl(directory / "sft.jsonl", Arithmetic().chat(24, seed + 200)),
+              "code.jsonl": write_jsonl(directory / "code.jsonl", code_rows(8, seed + 300))}
     lines = bad_lines(max_tokens)
     (directory / "bad.jsonl").write_bytes(b"".join(line + b"\n" for _, line in lines))
     counts["bad.jsonl"] = len(lines)
