@@ -453,6 +453,26 @@ class DataLoader:
         self.step += 1
         return batch
 
+    def give_back(self) -> None:
+        """Undo the last `next_batch`: its batch is handed out again, by the next call or after a resume from the state
+        saved next (a step that trained nothing: an RL rollout stopped by a signal)."""
+        self.close()
+        self.step -= 1
+        self.instances_consumed -= self.schedule.at(self.step)
+
+    def prompt_draw(self, step: int, draw: int) -> dict:
+        """This rank's share of extra draw `draw` (1, 2, ...) of RL prompts at step `step` (active sampling): a global
+        batch of the step's size, at stream positions of the step's epoch chosen by (data.seed, step, draw), without
+        repeats within the draw. The same on any number of ranks and after a resume; outside the training order, which
+        stays as it is (the mixture's weights hold, as an epoch's positions carry them)."""
+        size = self.schedule.at(step)
+        per_rank, epoch = size // self.dp_world_size, self.mixture.epoch_size
+        rng = np.random.default_rng([self.cfg.seed, step, draw])
+        start = self.schedule.instances_before(step) // epoch * epoch
+        positions = rng.choice(epoch, size=size, replace=size > epoch) + start
+        mine = positions[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        return self._rows(np.concatenate([self.order.ids(int(p), 1) for p in mine]))
+
     # Resume.
     def state_dict(self) -> dict:
         return {

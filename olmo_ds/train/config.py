@@ -175,6 +175,9 @@ class DPOConfig:
         return self.loss != "simpo"
 
 
+TRUNCATED = ("keep", "mask", "penalty")
+
+
 @dataclass
 class RLConfig:
     """Reinforcement learning with verifiable rewards: GRPO as open-instruct's OlmoRL (`olmo_ds/train/grpo.py`; the loss's
@@ -193,6 +196,13 @@ class RLConfig:
     normalize_advantage_std: bool = False  # divide each group's advantages by its reward std (+1e-8): open-instruct's "standard"
     generation_batch_size: int = 64  # sequences the decode engine holds at once
     seed: int = 0  # keys every sample's random stream with (step, prompt, sample): the same samples on resume
+    top_p: float = 1.0  # nucleus sampling for rollouts, in (0, 1]; the importance weight divides by the nucleus's probability
+    stop: list[str] = field(default_factory=list)  # strings that end a sample (finish "stop"), besides the EOS and turn end
+    truncated: str = "keep"  # samples cut at max_new_tokens (finish "length"): keep | mask (no gradient) | penalty
+    truncated_reward: float = 0.0  # with truncated: penalty, a cut sample's reward (open-instruct's non_stop_penalty_value)
+    active_sampling_draws: int = 0  # 0: off; N: up to N more draws of prompts a step until it holds a full batch of groups with signal
+    verifier_timeout: float = 30.0  # seconds a verifier may take on one sample before it scores 0 (reason "timeout")
+    samples_every: int = 10  # write RUN/samples/step-N.jsonl at steps 1-5, then every this many steps; 0: never
 
     def validate(self, where: str) -> None:
         def bad(key: str, why: str) -> ConfigError:
@@ -222,6 +232,18 @@ class RLConfig:
             raise bad("kl_estimator", f"{self.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
         if not 0 <= self.seed < 2 ** 31:
             raise bad("seed", f"must be in [0, 2**31), got {self.seed}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1] (1: no nucleus), got {self.top_p}")
+        if not isinstance(self.stop, list) or not all(isinstance(x, str) and x for x in self.stop):
+            raise bad("stop", f"must be a list of non-empty strings, got {self.stop!r}")
+        if self.truncated not in TRUNCATED:
+            raise bad("truncated", f"{self.truncated!r} is not one of {', '.join(TRUNCATED)} (what a sample cut at max_new_tokens trains as)")
+        for key in ("active_sampling_draws", "samples_every"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise bad(key, f"must be an integer >= 0 (0: off), got {value!r}")
+        if not self.verifier_timeout > 0:
+            raise bad("verifier_timeout", f"must be > 0 seconds, got {self.verifier_timeout}")
 
     @property
     def cap(self) -> float | None:

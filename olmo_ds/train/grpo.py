@@ -50,7 +50,7 @@ import torch
 
 from olmo_ds.data.loader import validation_prompts
 from olmo_ds.eval.verifiers import reward
-from olmo_ds.model.decode import Request, generate
+from olmo_ds.model.decode import GenerationInterrupted, Request, generate
 from olmo_ds.model.loss import IGNORE_INDEX, grpo_loss, sampled_logprobs, token_mean_divisor
 from olmo_ds.model.sequence_parallel import SequenceParallel
 from olmo_ds.train.config import ConfigError, RLConfig
@@ -58,8 +58,9 @@ from olmo_ds.train.evaluation import val_sources
 from olmo_ds.train.memory import estimate_rollout_memory
 from olmo_ds.data.dataset import Prompt
 from olmo_ds.train.parallel import local_rows
-from olmo_ds.train.rollout import (gather_samples, gathered_policy, group_advantages, group_share, pack_rows, rows_needed,
-                                   sample_groups, score_samples)
+from olmo_ds.train.rollout import (Groups, Sample, gather_samples, gathered_policy, group_advantages, group_share, pack_rows,
+                                   rows_needed, sample_groups, score_samples, update_of)
+from olmo_ds.train.samples_log import SamplesPlace, prune_samples, wanted, write_samples
 from olmo_ds.weights import load_model
 
 log = logging.getLogger("olmo_ds")
@@ -76,70 +77,150 @@ class RLObjective:
 
     def __init__(self, rl: RLConfig, *, seq_len: int, micro_batch: int, world_size: int, vocab_size: int,
                  device: torch.device, tokenizer=None, stop_ids=(), reward_fn: Callable | None = None,
-                 reference=None, decode_dtype: torch.dtype | None = None, sp: SequenceParallel | None = None):
+                 reference=None, decode_dtype: torch.dtype | None = None, sp: SequenceParallel | None = None,
+                 draw_prompts: Callable[[int, int], dict] | None = None, samples: SamplesPlace | None = None):
         self.rl, self.seq_len, self.micro, self.world_size = rl, seq_len, micro_batch, world_size
         self.vocab_size, self.device, self.tokenizer = vocab_size, device, tokenizer
         self.stop_ids = list(stop_ids) or ([tokenizer.eos_id] if tokenizer is not None else [])
-        self.reward_fn = reward_fn or default_reward
+        self.reward_fn = reward_fn  # None: the verifiers, in `olmo_ds.eval.scorer`'s workers under rl.verifier_timeout
         self.reference = reference  # a frozen plain OLMo (beta > 0), else None
         self.decode_dtype = decode_dtype
         self.sp = sp  # this rank's sequence group (None without sequence parallelism)
+        self.sp_size = sp.size if sp is not None else 1
+        self.dp_size = world_size // self.sp_size
+        rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+        self.rank, self.dp_rank = rank, rank // self.sp_size
+        self.draw_prompts = draw_prompts  # (step, draw) -> this rank's share of an extra draw (active sampling)
+        self.samples = samples  # where the samples files go (None: not written)
         self.samples_seen = 0
+        self.idle_steps = 0  # steps in a row that trained nothing (every group dropped)
         self._divisor = None
         self.last_rollout: dict = {}  # this rank's counts and times of the step's rollout (`rollout`), for `end`
+        self.last_samples: tuple = ([], [], 1)  # (samples, prompts, prompts a draw) of the step, for its samples file
         self._ratio_max = None
         self._t_train: float | None = None  # when the step's first update began
 
     # --- the rollout phase --------------------------------------------------------------------
 
-    def rollout(self, engine, batch: dict, *, step: int) -> dict[str, torch.Tensor]:
-        """This rank's prompts -> its training rows for this step (collective: the gathering, the row count)."""
+    def rollout(self, engine, batch: dict, *, step: int, should_stop: Callable[[], bool] | None = None) -> dict[str, torch.Tensor] | None:
+        """This rank's prompts -> its training rows for this step (collective: the gathering, each draw's agreement, the
+        row count). None when `should_stop()` turned True during the rollout on any rank: the step is abandoned on
+        every rank alike (its samples are keyed by step, so a resumed run draws them again)."""
         rl = self.rl
-        prompts = [Prompt(list(ids), v, gt, int(i)) for ids, i, v, gt in
-                   zip(batch["prompt_ids"], batch["prompt_index"].tolist(), batch["verifier"], batch["ground_truth"])]
-        timings: dict = {}
+        prompts = self._prompts(batch)
+        per_draw = len(prompts)
+        timings: dict = {"generation": 0.0, "reward": 0.0}
         module = engine.module if hasattr(engine, "module") else engine
         dtype = self.decode_dtype or (torch.bfloat16 if self.device.type == "cuda" else next(module.parameters()).dtype)
-        sp = self.sp
-        pairs = len(prompts) * rl.samples_per_prompt
-        mine = group_share(pairs, sp.size, sp.rank) if sp is not None else range(pairs)  # a sequence group splits its samples
+        target = per_draw * self.dp_size  # groups a step trains: the global batch of prompts
+        samples: list[Sample] = []
+        draws = 0
         with gathered_policy(module, dtype, timings) as policy:
-            t0 = time.perf_counter()
-            samples = sample_groups(policy, prompts, samples_per_prompt=rl.samples_per_prompt, max_new_tokens=rl.max_new_tokens,
-                                    temperature=rl.temperature, seed=rl.seed, step=step, stop_ids=self.stop_ids,
-                                    tokenizer=self.tokenizer, batch_size=rl.generation_batch_size, pairs=mine)
-            timings["generation"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        score_samples(samples, prompts, self.reward_fn)
-        timings["reward"] = time.perf_counter() - t0
-        if sp is not None:
-            t0 = time.perf_counter()
-            samples = gather_samples(samples, sp.group)
-            timings["generation"] += time.perf_counter() - t0
-        groups = group_advantages(samples, prompts, samples_per_prompt=rl.samples_per_prompt, normalize_std=rl.normalize_advantage_std)
+            while True:
+                new, stopping = self._draw(policy, prompts, draws * per_draw, step, timings, should_stop)
+                samples += new
+                groups = group_advantages(samples, prompts, samples_per_prompt=rl.samples_per_prompt, normalize_std=rl.normalize_advantage_std)
+                agree = torch.tensor([groups.groups - groups.dropped, float(stopping)], dtype=torch.float64, device=self.device)
+                if torch.distributed.is_available() and torch.distributed.is_initialized():
+                    torch.distributed.all_reduce(agree)
+                if agree[1].item():
+                    return None
+                draws += 1
+                if draws > rl.active_sampling_draws or agree[0].item() / self.sp_size >= target:
+                    break
+                prompts += self._prompts(self.draw_prompts(step, draws))
+        surplus = self._keep_first(groups, target, per_draw) if rl.active_sampling_draws else 0
         k = rl.updates_per_rollout
-        need = torch.tensor(rows_needed(groups.kept, prompts, self.seq_len, updates=k), device=self.device)
+        kept = [s for s in groups.kept if s.dropped is None]
+        need = torch.tensor(rows_needed(kept, prompts, self.seq_len, updates=k), device=self.device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX)
         n_rows = max(1, -(-int(need.item()) // self.micro)) * self.micro  # per update: whole micro-batches
-        rows = pack_rows(groups.kept, prompts, self.seq_len, rows=n_rows, updates=k)
+        rows = pack_rows(kept, prompts, self.seq_len, rows=n_rows, updates=k)
         if self.reference is not None:
             rows["reference"] = self.logprobs(self.reference, rows)
         if k > 1:  # updates 2..K's old policy: the weights before this step's first update (module docstring)
             t0 = time.perf_counter()
             rows["old_logprobs"] = self.logprobs(engine, rows, first_row=n_rows)
             timings["old_logprobs"] = time.perf_counter() - t0
-        lengths = [len(s.tokens) for s in samples]
-        counts = {
-            "samples": len(samples), "reward_sum": sum(s.reward for s in samples),
-            "solved": sum(s.reward >= 1.0 for s in samples), "groups": groups.groups, "dropped": groups.dropped,
-            "reward_errors": groups.reward_errors, "length_sum": sum(lengths), "length_max": max(lengths, default=0),
-            "truncated": sum(s.finish == "length" for s in samples),
-            "by_verifier": {v: (sum(r), len(r)) for v, r in groups.by_verifier.items()},
-        }
-        # every rank of a sequence group holds all of the group's samples: its first rank counts them, once
-        self.last_rollout = {**(counts if sp is None or sp.rank == 0 else {}), "time": timings}
+        self.last_samples = (samples, prompts, per_draw)
+        self.last_rollout = {**(self._counts(samples, prompts, groups, draws, surplus) if self.sp is None or self.sp.rank == 0 else {}),
+                             "time": timings}
         return rows
+
+    def _prompts(self, batch: dict) -> list[Prompt]:
+        return [Prompt(list(ids), v, gt, int(i)) for ids, i, v, gt in
+                zip(batch["prompt_ids"], batch["prompt_index"].tolist(), batch["verifier"], batch["ground_truth"])]
+
+    def _draw(self, policy, prompts: list[Prompt], first: int, step: int, timings: dict, should_stop) -> tuple[list[Sample], bool]:
+        """G scored samples of each of prompts `first`.. (with sequence parallelism this rank's share, then the group's
+        all of them); (samples, whether a stop request interrupted the generation: then no samples)."""
+        rl, sp = self.rl, self.sp
+        pairs = (len(prompts) - first) * rl.samples_per_prompt
+        mine = group_share(pairs, sp.size, sp.rank) if sp is not None else range(pairs)  # a sequence group splits its samples
+        t0 = time.perf_counter()
+        try:
+            samples = sample_groups(policy, prompts, samples_per_prompt=rl.samples_per_prompt, max_new_tokens=rl.max_new_tokens,
+                                    temperature=rl.temperature, seed=rl.seed, step=step, stop_ids=self.stop_ids,
+                                    tokenizer=self.tokenizer, batch_size=rl.generation_batch_size, pairs=mine, top_p=rl.top_p,
+                                    stop=rl.stop, first=first, should_stop=should_stop)
+            stopping = False
+        except GenerationInterrupted:
+            samples, stopping = [], True
+        timings["generation"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        score_samples(samples, prompts, self.reward_fn, timeout_s=rl.verifier_timeout, truncated=rl.truncated,
+                      truncated_reward=rl.truncated_reward)
+        timings["reward"] += time.perf_counter() - t0
+        if sp is not None:
+            t0 = time.perf_counter()
+            samples = gather_samples(samples, sp.group)
+            timings["generation"] += time.perf_counter() - t0
+        return samples, stopping
+
+    def _keep_first(self, groups: Groups, target: int, per_draw: int) -> int:
+        """Active sampling: of the groups with signal on every rank, the first `target` in the step's global order
+        (draw, then global prompt position) train; the rest are marked "surplus" (collective). The same groups train
+        on any number of ranks. Returns the surplus groups counted on this rank."""
+        g = self.rl.samples_per_prompt
+        def key(p: int) -> tuple[int, int]:  # rank r's prompt j of a draw is the draw's global prompt r x per_draw + j
+            return p // per_draw, self.dp_rank * per_draw + p % per_draw
+        mine = sorted({key(s.prompt) for s in groups.all if s.dropped is None})
+        everyone = [None] * (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_gather_object(everyone, mine)
+        else:
+            everyone = [mine]
+        chosen = set(sorted({k for part in everyone for k in part})[:target])
+        surplus = 0
+        for start in range(0, len(groups.all), g):
+            group = groups.all[start:start + g]
+            if group[0].dropped is None and key(group[0].prompt) not in chosen:
+                surplus += 1
+                for s in group:
+                    s.dropped = "surplus"
+        return surplus
+
+    def _counts(self, samples: list[Sample], prompts: list[Prompt], groups: Groups, draws: int, surplus: int) -> dict:
+        """This rank's rollout counts, for `end` (which sums them over ranks); each rank of a sequence group holds the
+        group's samples, so only its first rank counts them."""
+        lengths = [len(s.tokens) for s in samples]
+        by_verifier: dict = {}
+        for s in samples:
+            acc = by_verifier.setdefault(prompts[s.prompt].verifier, [0.0, 0, 0, 0, 0])
+            acc[0] += s.reward
+            acc[1] += 1
+            acc[2] += s.finish == "length"
+            acc[3] += len(s.tokens)
+            acc[4] += s.score >= 1.0
+        return {
+            "samples": len(samples), "reward_sum": sum(s.reward for s in samples), "solved": sum(s.score >= 1.0 for s in samples),
+            "groups": groups.groups, "dropped": groups.dropped, "surplus": surplus, "draws": draws - 1,
+            "reward_errors": groups.reward_errors, "length_sum": sum(lengths), "length_max": max(lengths, default=0),
+            "truncated": sum(s.finish == "length" for s in samples), "by_verifier": by_verifier,
+            "trained_samples": sum(s.dropped is None and s.trained for s in samples), "prompts": len(prompts),
+            "row_tokens": sum(len(prompts[s.prompt].ids) + len(s.tokens) for s in samples if s.dropped is None and s.trained),
+        }
 
     @torch.no_grad()
     def logprobs(self, model, rows: dict[str, torch.Tensor], first_row: int = 0) -> torch.Tensor:
@@ -213,48 +294,100 @@ class RLObjective:
                              entropy.sum().double(), terms.kl.sum().double(), terms.ratio.sum().double()])
         return total / self._divisor, stats
 
-    def end(self, sums: torch.Tensor, *, n_micro: int, world_size: int, tokens: int) -> dict:
-        """The step's metrics, over all its updates (collective: the ratio's max and the rollout's counts over every rank)."""
+    def end(self, sums: torch.Tensor, *, n_micro: int, world_size: int, tokens: int, step: int | None = None,
+            per_update: tuple[torch.Tensor, list] | None = None) -> dict:
+        """The step's metrics, over all its updates, and with K > 1 each update's (`per_update`: each update's all-reduced
+        `stats` sums and grad norm); step `step`'s samples file. Collective: the ratio's max, the rollout's counts and the
+        samples over every rank. A metric with nothing to measure (no token trained) is left out, not 0."""
         train_s, self._t_train = time.perf_counter() - self._t_train, None
-        loss, n, clipped, ratio, capped, tis, entropy, kl, policy_ratio = sums.tolist()
-        t = max(n, 1.0)
-        metrics = {"loss": loss / t, "generated_tokens": int(n), "clip_fraction": clipped / t,
-                   "importance_ratio_mean": ratio / t, "tis_capped_fraction": capped / t, "tis_weight_mean": tis / t,
-                   "entropy": entropy / t}
-        if self.rl.beta:
-            metrics["kl"] = kl / t
-        if self.rl.updates_per_rollout > 1:  # exp(lp - old): 1 on the first update, moved by the earlier ones after
-            metrics["policy_ratio_mean"] = policy_ratio / t
+        metrics = self._loss_metrics(sums)
+        if per_update is not None and self.rl.updates_per_rollout > 1:
+            for u, (part, norm) in enumerate(zip(per_update[0], per_update[1])):
+                m = self._loss_metrics(part)
+                metrics.update({f"update_{u + 1}/{k}": m.get(k) for k in ("loss", "clip_fraction", "generated_tokens")})
+                metrics[f"update_{u + 1}/grad_norm"] = None if norm is None else float(norm)
         ratio_max = self._ratio_max.clone()
+        mine = {**self.last_rollout, "train_s": train_s}
         rollouts = [None] * (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(ratio_max, op=torch.distributed.ReduceOp.MAX)
-            torch.distributed.all_gather_object(rollouts, {**self.last_rollout, "train_s": train_s})
+            torch.distributed.all_gather_object(rollouts, mine)
         else:
-            rollouts = [{**self.last_rollout, "train_s": train_s}]
-        metrics["importance_ratio_max"] = float(ratio_max)
+            rollouts = [mine]
+        if metrics["generated_tokens"]:
+            metrics["importance_ratio_max"] = float(ratio_max)
         metrics.update(self.rollout_metrics(rollouts))
+        metrics["tokens"] = sum(r.get("row_tokens", 0) for r in rollouts)  # the rows' real tokens (the trainer's tokens/s)
         self.samples_seen += metrics["rollout/samples"]
+        self.idle_steps = 0 if metrics["generated_tokens"] else self.idle_steps + 1
+        if self.idle_steps:
+            log.warning("step %s trained nothing: every group's rewards were equal (%d steps in a row); the rewards or the "
+                        "prompts' difficulty give no signal%s", step, self.idle_steps,
+                        "" if self.rl.active_sampling_draws else " (rl.active_sampling_draws draws more prompts to fill a step)")
+        if step is not None and self.samples is not None and wanted(step, self.rl.samples_every):
+            self._write_samples(step)
         return metrics
+
+    def _loss_metrics(self, sums: torch.Tensor) -> dict:
+        loss, n, clipped, ratio, capped, tis, entropy, kl, policy_ratio = sums.tolist()
+        metrics = {"loss": loss / max(n, 1.0), "generated_tokens": int(n)}
+        if not n:  # no token trained: nothing to measure
+            return metrics
+        metrics.update(clip_fraction=clipped / n, importance_ratio_mean=ratio / n, tis_capped_fraction=capped / n,
+                       tis_weight_mean=tis / n, entropy=entropy / n)
+        if self.rl.beta:
+            metrics["kl"] = kl / n
+        if self.rl.updates_per_rollout > 1:  # exp(lp - old): 1 on the first update, moved by the earlier ones after
+            metrics["policy_ratio_mean"] = policy_ratio / n
+        return metrics
+
+    def _write_samples(self, step: int) -> None:
+        """Step `step`'s samples file (`olmo_ds.train.samples_log`): every rank's records to rank 0, which writes."""
+        samples, prompts, per_draw = self.last_samples
+        k = self.rl.updates_per_rollout
+        records = [] if self.sp is not None and self.sp.rank else [{
+            "step": step, "draw": s.prompt // per_draw, "prompt_index": prompts[s.prompt].index, "sample": s.index,
+            "prompt": self.tokenizer.decode(list(prompts[s.prompt].ids)) if self.tokenizer is not None else None,
+            "completion": s.text, "verifier": prompts[s.prompt].verifier, "score": s.score, "reward": s.reward,
+            "reason": s.error or s.detail, "advantage": s.advantage, "finish": s.finish, "length": len(s.tokens),
+            "logprob_mean": sum(s.logprobs) / max(len(s.logprobs), 1), "dropped": s.dropped,
+            "trained": s.dropped is None and s.trained, "update": update_of(s, k),
+            "order": (s.prompt // per_draw, self.dp_rank * per_draw + s.prompt % per_draw, s.index)} for s in samples]
+        parts = [None] * (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
+        if torch.distributed.is_initialized():
+            torch.distributed.gather_object(records, parts if self.rank == 0 else None, dst=0)
+        else:
+            parts = [records]
+        if self.rank == 0:
+            ordered = sorted((r for part in parts for r in part), key=lambda r: r.pop("order"))
+            write_samples(self.samples.run_dir, step, ordered)
+            prune_samples(self.samples.run_dir, self.samples.keep_last, self.samples.keep_every)
 
     @staticmethod
     def rollout_metrics(rollouts: list[dict]) -> dict:
         """All ranks' rollout counts as the step's metrics (times: the slowest rank's)."""
         total = lambda k: sum(r.get(k, 0) for r in rollouts)  # noqa: E731
         samples = max(total("samples"), 1)
-        out = {"rollout/samples": total("samples"), "rollout/reward_mean": total("reward_sum") / samples,
+        out = {"rollout/prompts": total("prompts"), "rollout/samples": total("samples"), "rollout/trained_samples": total("trained_samples"),
+               "rollout/reward_mean": total("reward_sum") / samples,
                "rollout/solve_rate": total("solved") / samples, "rollout/groups": total("groups"),
                "rollout/dropped_groups": total("dropped"), "rollout/reward_errors": total("reward_errors"),
-               "rollout/response_length_mean": total("length_sum") / samples,
+               "rollout/generated_tokens": total("length_sum"), "rollout/response_length_mean": total("length_sum") / samples,
                "rollout/response_length_max": max(r.get("length_max", 0) for r in rollouts),
                "rollout/truncated_fraction": total("truncated") / samples}
-        verifiers: dict[str, list[float]] = {}
+        if any("draws" in r and r["draws"] for r in rollouts) or any(r.get("surplus") for r in rollouts):
+            out["rollout/extra_draws"] = max(r.get("draws", 0) for r in rollouts)
+            out["rollout/surplus_groups"] = total("surplus")
+        verifiers: dict[str, list] = {}
         for r in rollouts:
-            for v, (s, c) in r.get("by_verifier", {}).items():
-                acc = verifiers.setdefault(v, [0.0, 0])
-                acc[0] += s
-                acc[1] += c
-        out.update({f"rollout/reward_mean/{v}": s / max(c, 1) for v, (s, c) in sorted(verifiers.items())})
+            for v, acc in r.get("by_verifier", {}).items():
+                mine = verifiers.setdefault(v, [0.0] * len(acc))
+                for i, x in enumerate(acc):
+                    mine[i] += x
+        for v, (reward_sum, n, truncated, length, solved) in sorted(verifiers.items()):
+            n = max(n, 1)
+            out.update({f"rollout/reward_mean/{v}": reward_sum / n, f"rollout/solve_rate/{v}": solved / n,
+                        f"rollout/response_length_mean/{v}": length / n, f"rollout/truncated_fraction/{v}": truncated / n})
         old = ("old_logprobs",) if any("old_logprobs" in r.get("time", {}) for r in rollouts) else ()
         for phase in ("gather", "generation", "reward", *old):
             out[f"time/{phase}_s"] = max(r.get("time", {}).get(phase, 0.0) for r in rollouts)
@@ -262,10 +395,14 @@ class RLObjective:
         return out
 
     def log_metrics(self, m: dict) -> dict:
+        """RL's step metrics, and the trainer's that mean something else here: the global batch counts prompts
+        (`train/prompts`), samples and packed rows apart; `train/ppl` (exp of the GRPO loss) is left out."""
         keys = ("clip_fraction", "importance_ratio_mean", "importance_ratio_max", "tis_capped_fraction", "entropy", "kl",
                 "policy_ratio_mean", "generated_tokens")
-        return {**{f"rl/{k}": m[k] for k in keys if k in m}, **{k: v for k, v in m.items() if k.startswith(("rollout/", "time/"))},
-                "rl/samples_seen": self.samples_seen}
+        return {**{f"rl/{k}": m[k] for k in keys if k in m}, **{f"rl/{k}": v for k, v in m.items() if k.startswith("update_")},
+                **{k: v for k, v in m.items() if k.startswith(("rollout/", "time/"))},
+                "rl/samples_seen": self.samples_seen, "train/ppl": None, "train/global_batch_size": None,
+                "train/rows": m.get("global_batch_size")}
 
     def state_dict(self) -> dict:
         return {"rl_samples_seen": self.samples_seen}
@@ -302,7 +439,9 @@ def rl_objective(plan, *, sp: SequenceParallel | None, device: torch.device) -> 
              estimate.describe(), rl.samples_per_prompt * cfg.batch.global_batch_size, cfg.batch.global_batch_size, rl.max_new_tokens)
     return RLObjective(rl, seq_len=cfg.batch.seq_len, micro_batch=cfg.batch.micro_batch_size, world_size=plan.world_size,
                        vocab_size=plan.model.vocab_size, device=device, tokenizer=plan.tokenizer,
-                       stop_ids=stop_ids(plan.tokenizer), reference=reference, decode_dtype=dtype, sp=sp)
+                       stop_ids=stop_ids(plan.tokenizer), reference=reference, decode_dtype=dtype, sp=sp,
+                       draw_prompts=plan.loader.prompt_draw if rl.active_sampling_draws else None,
+                       samples=SamplesPlace(plan.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every))
 
 
 class RLEvaluator:

@@ -197,6 +197,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
+        metrics = {k: v for k, v in metrics.items() if v is not None}  # a metric with nothing to measure is absent, not null
         record = {"step": step, "time": round(time.time(), 3), **metrics}
         self.jsonl.write(json.dumps(record) + "\n")
         if self.tb is not None:

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from olmo_ds.data.dataset import Prompt
+from olmo_ds.eval.scorer import score_all
 from olmo_ds.model import OLMo
 from olmo_ds.model.decode import Request, Sampling, generate
 from olmo_ds.model.loss import IGNORE_INDEX
@@ -66,9 +67,14 @@ class Sample:
     logprobs: list[float]
     finish: str
     text: str
-    reward: float = 0.0
-    error: str | None = None
+    index: int = 0  # its number in its prompt's group (0 .. G - 1)
+    reward: float = 0.0  # what it trains with: the verifier's score, or `rl.truncated_reward` when penalised
+    score: float = 0.0  # the verifier's score
+    error: str | None = None  # why the verifier scored 0 (a failure: timeout, crash, bad output), else None
+    detail: str | None = None  # the verifier's reason for its score, where it gives one
     advantage: float = 0.0
+    dropped: str | None = None  # why its group trains nothing: "no signal" (equal rewards), "surplus" (active sampling)
+    trained: bool = True  # False: a truncated sample with rl.truncated mask (counted in its group, never trained)
 
 
 @dataclass
@@ -127,20 +133,23 @@ def gathered_policy(module: OLMo, dtype: torch.dtype, timings: dict | None = Non
 
 def sample_groups(policy: OLMo, prompts: Sequence[Prompt], *, samples_per_prompt: int, max_new_tokens: int,
                   temperature: float, seed: int, step: int, stop_ids: Sequence[int], tokenizer,
-                  batch_size: int, pairs: range | None = None) -> list[Sample]:
-    """G samples of every prompt (prompt-major: prompt 0's G samples, then prompt 1's ...), or only the (prompt,
-    sample) pairs `pairs` of that order (a rank's share of its sequence group's, `group_share`): pair k is sample
-    k % G of prompt k // G, keyed as it would be wherever it is drawn."""
+                  batch_size: int, pairs: range | None = None, top_p: float = 1.0, stop: Sequence[str] = (),
+                  first: int = 0, should_stop: Callable[[], bool] | None = None) -> list[Sample]:
+    """G samples of prompts `first`, `first` + 1, ... (prompt-major: that prompt's G samples, then the next one's ...),
+    or only the (prompt, sample) pairs `pairs` of that order (a rank's share of its sequence group's, `group_share`):
+    pair k is sample k % G of prompt `first` + k // G, keyed as it would be wherever it is drawn. `stop`: strings that
+    end a sample; `should_stop`: checked between the decode engine's forwards (`generate`'s `interrupt`)."""
     g = samples_per_prompt
-    pairs = range(len(prompts) * g) if pairs is None else pairs
-    requests = [Request(list(prompts[k // g].ids), max_new_tokens, seed=sample_key(seed, step, prompts[k // g].index, k % g))
+    pairs = range((len(prompts) - first) * g) if pairs is None else pairs
+    at = lambda k: prompts[first + k // g]  # noqa: E731
+    requests = [Request(list(at(k).ids), max_new_tokens, stop=tuple(stop), seed=sample_key(seed, step, at(k).index, k % g))
                 for k in pairs]
     if not requests:
         return []
-    done = generate(policy, requests, batch_size=batch_size, sampling=Sampling(temperature=temperature, seed=seed),
-                    stop_ids=stop_ids, tokenizer=tokenizer)
-    return [Sample(prompt=k // g, tokens=list(c.tokens), logprobs=[float(x) for x in c.logprobs], finish=c.finish,
-                   text=c.text or "") for k, c in zip(pairs, done.completions)]
+    done = generate(policy, requests, batch_size=batch_size, sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed),
+                    stop_ids=stop_ids, tokenizer=tokenizer, interrupt=should_stop)
+    return [Sample(prompt=first + k // g, index=k % g, tokens=list(c.tokens), logprobs=[float(x) for x in c.logprobs],
+                   finish=c.finish, text=c.text or "") for k, c in zip(pairs, done.completions)]
 
 
 def group_share(pairs: int, size: int, rank: int) -> range:
@@ -156,13 +165,31 @@ def gather_samples(samples: list[Sample], group) -> list[Sample]:
     return [s for part in parts for s in part]
 
 
-def score_samples(samples: list[Sample], prompts: Sequence[Prompt], reward_fn: Callable[[str, str, Any], Any]) -> None:
-    """Each sample's reward (and the verifier's error, if any): `reward_fn(verifier, text, ground_truth)` -> an object
-    with `score` and `error`, or a float."""
-    for s in samples:
-        p = prompts[s.prompt]
-        r = reward_fn(p.verifier, s.text, p.ground_truth)
-        s.reward, s.error = (float(r), None) if isinstance(r, (int, float)) else (float(r.score), r.error)
+def score_samples(samples: list[Sample], prompts: Sequence[Prompt], reward_fn: Callable[[str, str, Any], Any] | None = None,
+                  *, timeout_s: float = 30.0, truncated: str = "keep", truncated_reward: float = 0.0) -> None:
+    """Each sample's score from its prompt's verifier (and the verifier's error and reason, if any), then its reward.
+
+    By default the verifiers run in `olmo_ds.eval.scorer`'s worker processes, each sample under `timeout_s` seconds:
+    a verifier that hangs, crashes or runs out of memory scores 0 with its reason, and the step goes on. A
+    `reward_fn(verifier, text, ground_truth)` (-> an object with `score` and `error`, or a float) is called here
+    instead. `truncated` (`rl.truncated`) for samples cut at max_new_tokens (finish "length"), as open-instruct's
+    data_loader.py (e6c3044) l.1187-1202 `maybe_mask_truncated_completions` and ground_truth_utils.py l.1410-1414
+    `non_stop_penalty`: "keep" trains them as scored; "mask" keeps them in their group's mean and std but trains
+    none of their tokens; "penalty" replaces their reward with `truncated_reward`."""
+    if reward_fn is None:
+        items = [(prompts[s.prompt].verifier, s.text, prompts[s.prompt].ground_truth) for s in samples]
+        results = score_all(items, timeout_s=timeout_s) if items else []
+    else:
+        results = [reward_fn(prompts[s.prompt].verifier, s.text, prompts[s.prompt].ground_truth) for s in samples]
+    for s, r in zip(samples, results):
+        if isinstance(r, (int, float)):
+            s.score, s.error, s.detail = float(r), None, None
+        else:
+            s.score, s.error, s.detail = float(r.score), r.error, getattr(r, "detail", None)
+        s.reward = s.score
+        if s.finish == "length" and truncated == "penalty":
+            s.reward = truncated_reward
+        s.trained = not (s.finish == "length" and truncated == "mask")
 
 
 def group_advantages(samples: list[Sample], prompts: Sequence[Prompt], *, samples_per_prompt: int, normalize_std: bool) -> Groups:
@@ -178,11 +205,13 @@ def group_advantages(samples: list[Sample], prompts: Sequence[Prompt], *, sample
         mean, std = rewards.mean(), rewards.std(unbiased=False)
         if bool((rewards == rewards[0]).all()):
             dropped += 1
+            for s in group:
+                s.dropped = "no signal"
             continue
         advantages = (rewards - mean) / (std + 1e-8) if normalize_std else rewards - mean
         for s, a in zip(group, advantages.tolist()):
             s.advantage = a
-        kept.extend(group)
+        kept.extend(s for s in group if s.trained)
     errors = sum(s.error is not None for s in samples)
     return Groups(kept, samples, dropped, len(samples) // max(samples_per_prompt, 1), errors, by_verifier)
 

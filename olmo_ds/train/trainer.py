@@ -136,8 +136,7 @@ class Trainer:
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, resume: str | None = None, start_over: bool = False) -> Trainer:
-        """`Trainer(plan_run(cfg, resume=resume, start_over=start_over))`."""
-        return cls(plan_run(cfg, resume=resume, start_over=start_over))
+        return cls(plan_run(cfg, resume=resume, start_over=start_over))  # `Trainer(plan_run(cfg, ...))`
 
     # --- construction ----------------------------------------------------------------------------
 
@@ -196,15 +195,15 @@ class Trainer:
 
     # --- one optimizer step ----------------------------------------------------------------------
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float] | None:
         """One optimizer step on this rank's rows of a global batch (RL: a rollout's `rl.updates_per_rollout` updates,
-        the objective's `updates`). Returns loss, lr, grad norm, tokens.
-
-        Collective: every rank calls it with its own rows of the same global step.
-        """
+        the objective's `updates`). Returns loss, lr, grad norm, tokens (None: an RL rollout stopped by a signal).
+        Collective: every rank calls it with its own rows of the same global step."""
         cfg, engine = self.cfg, self.engine
         if hasattr(self.objective, "rollout"):  # RL: this rank's prompts become its rows of scored samples (train/grpo.py)
-            batch = self.objective.rollout(engine, batch, step=self.step)
+            batch = self.objective.rollout(engine, batch, step=self.step, should_stop=lambda: self._stop_signal is not None)
+            if batch is None:  # a stop request during the rollout: no step taken, on every rank (fit hands the prompts back)
+                return None
         # RL's rl.updates_per_rollout: the step's rows are K equal parts, each its own optimizer update (train/grpo.py)
         updates = self.objective.updates(batch) if hasattr(self.objective, "updates") else [batch]
         rows = batch["input_ids"].shape[0]
@@ -223,19 +222,18 @@ class Trainer:
         # device's queue; whatever the host does from there to the next forward's first kernel leaves the
         # device idle. So the whole batch is copied once per update, and the loss bookkeeping is queued
         # while the forward still runs (BENCHMARKS.md, "The host between micro-batches").
-        sums = torch.zeros(len(self.objective.stats) + 1, dtype=torch.float64, device=self.device)  # + non-finite micro-batches
+        sums = torch.zeros(len(updates), len(self.objective.stats) + 1, dtype=torch.float64, device=self.device)  # + non-finite
         applied, grad_norms = True, []
-        for part in updates:
+        for u, part in enumerate(updates):
             part = self.objective.begin(part, n_micro)
             for i in range(n_micro):
                 mb = {k: v[i * micro:(i + 1) * micro] for k, v in part.items()}
-                # Said explicitly: DeepSpeed would infer the boundary from its running micro-step count, which
-                # a change of the batch size (and so of the accumulation steps) puts out of phase.
+                # Said explicitly: DeepSpeed's own micro-step count goes out of phase when the batch size changes.
                 engine.set_gradient_accumulation_boundary(i == n_micro - 1)
                 # The labels name these phases in a torch.profiler trace (scripts/bench_train.py --profile-dir).
                 with record_function("olmo_ds.forward"):
                     loss, stats = self.objective.forward(engine, mb)
-                    sums += torch.cat([stats, (~torch.isfinite(loss.detach())).double()[None]])
+                    sums[u] += torch.cat([stats, (~torch.isfinite(loss.detach())).double()[None]])
                 with record_function("olmo_ds.backward"):
                     engine.backward(loss)
                 with record_function("olmo_ds.step"):
@@ -243,14 +241,17 @@ class Trainer:
             applied = applied and engine.was_step_applied()  # DeepSpeed skips a step whose gradients overflow
             grad_norms.append(engine.get_global_grad_norm())
         torch.distributed.all_reduce(sums)
+        per_update, sums = sums, sums.sum(0)
         finite = bool(sums[-1].item() == 0) and applied
         # several updates: their mean (open-instruct's optim/grad_norm)
         grad_norm = None if any(g is None for g in grad_norms) else sum(float(g) for g in grad_norms) / len(grad_norms)
 
         self.step += 1
         tokens = global_batch * cfg.batch.seq_len  # row positions (padding of packed rows included): what the model computed
+        rl = {"step": self.step, "per_update": (per_update[:, :-1], grad_norms)} if hasattr(self.objective, "updates") else {}
+        metrics = self.objective.end(sums[:-1], n_micro=n_micro * len(updates), world_size=self.world_size, tokens=tokens, **rl)
+        tokens = metrics.get("tokens", tokens)  # RL: the rows' real tokens, not their padding
         self.tokens_seen += tokens
-        metrics = self.objective.end(sums[:-1], n_micro=n_micro * len(updates), world_size=self.world_size, tokens=tokens)
         ce_loss = metrics["loss"]
         self.last_metrics = {"loss": ce_loss, "grad_norm": grad_norm}
         finite = finite and (grad_norm is None or math.isfinite(grad_norm))
@@ -316,9 +317,7 @@ class Trainer:
     def save(self, *, final: bool = False) -> Path | None:
         """Collective: checkpoint this step. In the background where allowed (`checkpoint.async_save`):
         then training is blocked only for the copy to host memory and the checkpoint completes later
-        (`_saved`); `final` waits for it. A save still in flight completes before the next one starts.
-
-        A step whose loss or gradient norm was not finite is not saved (None): its weights are the last
+        (`_saved`); `final` waits for it. A save still in flight completes before the next one starts. A step whose loss or gradient norm was not finite is not saved (None): its weights are the last
         step's (DeepSpeed skipped the update), but a model that computes non-finite losses is no checkpoint
         to resume or evaluate; the previous one stays the newest. Every rank decides alike (the check is on
         all-reduced numbers)."""
@@ -405,6 +404,8 @@ class Trainer:
         # The first reason stays: under the deepspeed launcher a Ctrl-C brings SIGINT, then launch.py's SIGTERM.
         if self._stop_signal is None:
             self._stop_signal = LAUNCHER_GONE if signum == signal.SIGTERM and launcher_gone() else signum
+            log.info("%s: the run saves a checkpoint and exits after this step%s", self._stop_reason(self._stop_signal),
+                     " (an RL rollout in progress stops now and is drawn again on resume)" if hasattr(self.objective, "rollout") else "")
 
     def _stop_requested(self) -> int:
         """Why the run stops now (0: it does not): the largest of the ranks' reasons (`LAUNCHER_GONE` or a signal
@@ -446,6 +447,9 @@ class Trainer:
                     status = STOP_STATUS.get(stop, "preempted")
                     break
                 m = self.train_step(self.loader.next_batch())
+                if m is None:  # an RL rollout stopped by a signal: its prompts are handed out again, on resume too
+                    self.loader.give_back()
+                    continue
                 window["tokens"] += m["tokens"]
                 window["steps"] += 1
                 window["loss"] += m["loss"]
@@ -490,12 +494,9 @@ class Trainer:
         return metrics
 
     def close(self) -> None:
-        """End of the process's training: stop the data thread, tear down the process group.
-
-        Also freezes the garbage collector: the interpreter's shutdown runs a full collection per
-        module it unloads, and with DeepSpeed, TensorBoard and their imports loaded that re-scans
-        every live object hundreds of times (~10 s per rank on 2 CPU cores) for nothing.
-        """
+        """End of the process's training: stop the data thread, tear down the process group. Also freezes the garbage
+        collector: the interpreter's shutdown runs a full collection per module it unloads, and with DeepSpeed, TensorBoard
+        and their imports loaded that re-scans every live object hundreds of times (~10 s per rank on 2 CPU cores)."""
         self.loader.close()
         self.remover.wait()
         if torch.distributed.is_initialized():

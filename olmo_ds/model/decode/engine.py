@@ -61,6 +61,10 @@ class Completion:
     logprobs: list[float] = field(default_factory=list, compare=False)
 
 
+class GenerationInterrupted(RuntimeError):
+    """`generate`'s `interrupt()` asked it to stop; nothing it decoded is returned."""
+
+
 @dataclass
 class Generation:
     completions: list[Completion]
@@ -135,7 +139,8 @@ def _completion(seq: _Sequence, tokenizer) -> Completion:
 def generate(model: OLMo, requests: Sequence[Request], *, batch_size: int = 8, sampling: Sampling = Sampling(),
              stop_ids: Sequence[int] = (), tokenizer=None, cache_budget: int | None = None,
              prefill_tokens: int | None = None, cuda_graphs: bool | None = None,
-             progress: Callable[[int, int, int], None] | None = None, attention: str = "auto") -> Generation:
+             progress: Callable[[int, int, int], None] | None = None, attention: str = "auto",
+             interrupt: Callable[[], bool] | None = None) -> Generation:
     """Complete every request (see the module docstring); completions come back in the requests' order.
 
     `stop_ids`: ids that end a sequence (the EOS, a chat model's turn end). `tokenizer`: needed for stop
@@ -143,7 +148,8 @@ def generate(model: OLMo, requests: Sequence[Request], *, batch_size: int = 8, s
     free memory, or 4 GiB on CPU); a batch that cannot fit is refused, saying how many sequences would.
     `cuda_graphs` (default: on a GPU): steps with every slot busy replay CUDA graphs (`graphs.DecodeGraphs`).
     `progress(finished, total, new_tokens)` is called after every forward. `attention`: the decode step's kernel
-    (`olmo_ds.model.decode.attention`: auto, sdpa or triton)."""
+    (`olmo_ds.model.decode.attention`: auto, sdpa or triton). `interrupt()` is asked before every forward: True
+    stops the generation with `GenerationInterrupted` (a training run's stop request during an RL rollout)."""
     cfg = model.cfg
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -233,6 +239,9 @@ def generate(model: OLMo, requests: Sequence[Request], *, batch_size: int = 8, s
 
     try:
         while waiting or active:
+            if interrupt is not None and interrupt():
+                raise GenerationInterrupted(f"generation stopped on request with {len(requests) - len(waiting) - len(active)} of "
+                                            f"{len(requests)} sequences done")
             began = time.perf_counter()  # each branch ends reading its tokens back, so the host clock covers its GPU work
             if waiting and free:
                 wave, total = [], 0

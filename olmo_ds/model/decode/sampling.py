@@ -1,9 +1,10 @@
 """Choosing the next token: greedy, or sampling with temperature, top-k and top-p (nucleus).
 
-Reproducible for any batch size: every sequence draws from its own `torch.Generator`, seeded from
-(seed, the request's own `seed`, else its index), one uniform number per new token; the draw picks a token by inverting the
-cumulative distribution of that sequence's filtered probabilities. What a sequence samples therefore
-depends on its own logits and its own generator only, never on which other sequences share the batch.
+Reproducible for any batch size: every sequence draws from its own `torch.Generator`, seeded from (seed, the
+request's own `seed`, else its index), one uniform number per new token; the draw picks a token by inverting the
+cumulative distribution of that sequence's filtered probabilities (in id order, float64: `next_tokens`). What a
+sequence samples therefore depends on its own logits and its own generator only, never on which other sequences
+share the batch.
 Padded vocabulary rows (the embedding is rounded up to a multiple of 128) are never chosen.
 """
 
@@ -76,13 +77,16 @@ def next_tokens(logits: torch.Tensor, vocab_size: int, sampling: Sampling, gener
     if sampling.greedy:
         ids = logits[:, :vocab_size].float().argmax(-1)
         return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
-    probs, order = logp.exp().sort(dim=-1, descending=True)
+    # The cumulative distribution in id order (not sorted by probability: near-equal probabilities, common in a flat
+    # distribution over 100K ids, swap places in a sort at the slightest change of the logits, and every draw landing
+    # in one of the two intervals then picks the other id), in float64 (interval edges exact to ~1e-16, not fp32's 6e-8).
+    probs = logp.double().exp()
     cdf = probs.cumsum(-1)
     # non_blocking: the copy does not wait for the GPU's queue (pipelined graph steps keep it full)
-    draws = torch.stack([torch.rand((), generator=g) for g in generators]).to(logits.device, non_blocking=True)
-    choice = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).clamp_(max=vocab_size - 1)
+    draws = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators]).to(logits.device, non_blocking=True)
+    ids = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).clamp_(max=vocab_size - 1)
     # An id of probability 0 adds nothing to the cdf, so no draw below the total lands on it; a draw that
-    # rounds up to the total (past the last id) goes to the last kept id.
-    choice = torch.where(probs.gather(-1, choice) > 0, choice, (probs > 0).sum(-1, keepdim=True) - 1)
-    ids = order.gather(-1, choice).squeeze(-1)
+    # rounds up to the total (past the last id) goes to the last id of probability > 0.
+    last = vocab_size - 1 - (probs > 0).flip(-1).int().argmax(-1, keepdim=True)
+    ids = torch.where(probs.gather(-1, ids) > 0, ids, last).squeeze(-1)
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)

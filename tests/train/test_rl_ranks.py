@@ -1,0 +1,80 @@
+"""RL trains the same updates on 1 rank and on 2 (issue 58): through `scripts/pretrain.py`, IFEval prompts from
+`make_rl_prompts.py` prepared with `prepare_data.py --format rl`, a random tiny model with the dolma2 vocabulary
+(a near-uniform distribution over 100K ids at temperature 1: any rounding that depended on the decode batch would
+draw other tokens), two steps. Each step's samples (every token, from the samples files), loss and gradient norm,
+and the weights after the last step agree between the layouts: the samples exactly, the numbers within 1e-5. The
+layouts split the groups differently, and in step 2 one rank keeps no group (every one of its prompts' groups is
+dropped: `rollout/dropped_groups`), with one update per rollout and without KL, and with two updates and KL."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from olmo_ds.model import OLMo
+from olmo_ds.model.config import preset
+from olmo_ds.weights import load_weights, save_model_dir
+
+from train_testlib import ROOT, read_metrics, run, tiny_config, torchrun_cmd, write_config
+
+TOKENIZER = "/work/shared/tokenizers/dolma2-tokenizer.json"
+SEQ = 320
+MODEL = {"preset": "tiny", "d_model": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "mlp_hidden": 128, "max_seq_len": 1024}
+
+
+@pytest.fixture(scope="module")
+def prompts_and_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl-ranks")
+    for args in (("make_rl_prompts.py", "--task", "ifeval", "--count", "200", "--output", root / "prompts.jsonl"),
+                 ("prepare_data.py", "--format", "rl", "--chat-template", "olmo3", "--input", root / "prompts.jsonl",
+                  "--tokenizer", TOKENIZER, "--output", root / "data", "--val-fraction", "0.1", "--max-tokens", "256", "--no-progress")):
+        result = subprocess.run([sys.executable, str(ROOT / "scripts" / args[0]), *map(str, args[1:])], cwd=ROOT,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    cfg = preset("tiny", **{k: v for k, v in MODEL.items() if k != "preset"}, vocab_size=100278)
+    torch.manual_seed(7)
+    save_model_dir(root / "init", cfg, OLMo(cfg).state_dict())
+    return root / "data", root / "init"
+
+
+def train(tmp_path, data, init, name: str, nproc: int, rl: dict):
+    cfg = tiny_config(tmp_path, data, **{
+        "run_dir": str(tmp_path / name), "max_steps": 2, "model": MODEL, "init_from": {"path": str(init)}, "tokenizer": TOKENIZER,
+        "batch": {"global_batch_size": 4, "micro_batch_size": 2, "seq_len": SEQ},
+        "optim": {"lr": 1e-3, "weight_decay": 0.0, "grad_clip": 1.0}, "schedule": {"kind": "constant", "warmup_steps": 0},
+        "rl": {"samples_per_prompt": 8, "max_new_tokens": 24, "generation_batch_size": 32, "tis_cap": 0, **rl},
+        "checkpoint": {"every": 0, "keep_last": 2}, "logging": {"every": 1, "tensorboard": False}})
+    result = run(torchrun_cmd(ROOT / "scripts" / "pretrain.py", "--config", str(write_config(tmp_path / f"{name}.yaml", cfg)), nproc=nproc))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    run_dir = tmp_path / name
+    samples = [[json.loads(line) for line in (run_dir / "samples" / f"step-{s:07d}.jsonl").read_text().splitlines()] for s in (1, 2)]
+    weights = load_weights(sorted((run_dir / "checkpoints").glob("step-*"))[-1]).state_dict
+    return read_metrics(run_dir), samples, weights
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("rl", [{"beta": 0.0, "seed": 3}, {"beta": 0.1, "updates_per_rollout": 2, "seed": 3}], ids=["plain", "kl-2-updates"])
+def test_one_rank_and_two_train_the_same_samples_losses_and_weights(tmp_path, prompts_and_model, rl):
+    data, init = prompts_and_model
+    one = train(tmp_path, data, init, "one", 1, rl)
+    two = train(tmp_path, data, init, "two", 2, rl)
+    for step in range(2):
+        assert [(r["prompt_index"], r["sample"], r["completion"], r["reward"], r["dropped"]) for r in one[1][step]] == \
+               [(r["prompt_index"], r["sample"], r["completion"], r["reward"], r["dropped"]) for r in two[1][step]]
+        a, b = one[0][step], two[0][step]
+        for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "rl/generated_tokens"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5, rel=0), (step + 1, key)
+    # in some step one rank (2 of the global batch's 4 prompts each, in order) kept no group and the other did
+    def halves(records):
+        order = list(dict.fromkeys(r["prompt_index"] for r in records))
+        kept = {r["prompt_index"] for r in records if r["dropped"] is None}
+        return [bool(kept & set(order[:2])), bool(kept & set(order[2:]))]
+    assert any(sorted(halves(step)) == [False, True] for step in one[1]), [halves(step) for step in one[1]]
+    for name, w in one[2].items():
+        assert torch.allclose(w, two[2][name], atol=1e-5, rtol=0), name
+    assert any((one[2][n] - w0).abs().max() > 1e-4 for n, w0 in load_weights(init).state_dict.items())  # the steps moved it
