@@ -215,7 +215,7 @@ class RLObjective:
             acc[4] += s.score >= 1.0
         return {
             "samples": len(samples), "reward_sum": sum(s.reward for s in samples), "solved": sum(s.score >= 1.0 for s in samples),
-            "groups": groups.groups, "dropped": groups.dropped, "surplus": surplus, "draws": draws - 1,
+            "groups": groups.groups, "dropped": groups.dropped, "surplus": surplus, "draws": draws - 1, "nonfinite": groups.nonfinite,
             "reward_errors": groups.reward_errors, "length_sum": sum(lengths), "length_max": max(lengths, default=0),
             "truncated": sum(s.finish == "length" for s in samples), "by_verifier": by_verifier,
             "trained_samples": sum(s.dropped is None and s.trained for s in samples), "prompts": len(prompts),
@@ -375,6 +375,8 @@ class RLObjective:
                "rollout/generated_tokens": total("length_sum"), "rollout/response_length_mean": total("length_sum") / samples,
                "rollout/response_length_max": max(r.get("length_max", 0) for r in rollouts),
                "rollout/truncated_fraction": total("truncated") / samples}
+        if total("nonfinite"):
+            out["rollout/nonfinite_groups"] = total("nonfinite")
         if any("draws" in r and r["draws"] for r in rollouts) or any(r.get("surplus") for r in rollouts):
             out["rollout/extra_draws"] = max(r.get("draws", 0) for r in rollouts)
             out["rollout/surplus_groups"] = total("surplus")

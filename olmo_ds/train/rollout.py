@@ -26,7 +26,8 @@ tokens.
 Advantages follow open-instruct's OlmoRL (commit e6c3044, open_instruct/data_loader.py l.1472-1484): a sample's
 reward minus its group's mean ("centered"), divided by the group's std + 1e-8 when `rl.normalize_advantage_std`
 ("standard"). A group whose rewards are all equal has advantage 0 everywhere, so it carries no gradient; it is
-dropped before packing and counted (`Groups.dropped`), as open-instruct's zero-std filtering does.
+dropped before packing and counted (`Groups.dropped`), as open-instruct's zero-std filtering does; so is a group
+with a non-finite sampled log-probability (`Groups.nonfinite`: it would make the step's loss NaN).
 
 Rows: samples (prompt + completion, the completion's EOS or stop id included) packed first-fit into rows of
 `seq_len` tokens, each a document of its own (`doc_lens`, `positions` restart at 0: attention never crosses
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -87,6 +89,7 @@ class Groups:
     groups: int
     reward_errors: int = 0
     by_verifier: dict[str, list[float]] = field(default_factory=dict)
+    nonfinite: int = 0  # of the dropped groups, those with a non-finite sampled log-probability
 
 
 def sample_key(seed: int, step: int, prompt_index: int, sample: int) -> int:
@@ -198,22 +201,25 @@ def group_advantages(samples: list[Sample], prompts: Sequence[Prompt], *, sample
     by_verifier: dict[str, list[float]] = {}
     for s in samples:
         by_verifier.setdefault(prompts[s.prompt].verifier, []).append(s.reward)
-    kept, dropped = [], 0
+    kept, dropped, nonfinite = [], 0, 0
     for g in range(0, len(samples), samples_per_prompt):
         group = samples[g:g + samples_per_prompt]
         rewards = torch.tensor([s.reward for s in group], dtype=torch.float64)
         mean, std = rewards.mean(), rewards.std(unbiased=False)
-        if bool((rewards == rewards[0]).all()):
+        # a non-finite sampled log-probability (a decode gone wrong) would make the importance weight and loss NaN
+        bad = not all(math.isfinite(x) for s in group for x in s.logprobs)
+        if bad or bool((rewards == rewards[0]).all()):
             dropped += 1
+            nonfinite += bad
             for s in group:
-                s.dropped = "no signal"
+                s.dropped = "non-finite log-probabilities" if bad else "no signal"
             continue
         advantages = (rewards - mean) / (std + 1e-8) if normalize_std else rewards - mean
         for s, a in zip(group, advantages.tolist()):
             s.advantage = a
         kept.extend(s for s in group if s.trained)
     errors = sum(s.error is not None for s in samples)
-    return Groups(kept, samples, dropped, len(samples) // max(samples_per_prompt, 1), errors, by_verifier)
+    return Groups(kept, samples, dropped, len(samples) // max(samples_per_prompt, 1), errors, by_verifier, nonfinite)
 
 
 def update_of(sample: Sample, updates: int) -> int:

@@ -155,3 +155,23 @@ def test_prefetch_gives_the_same_batches(sources):
             assert x["prompt_ids"] == y["prompt_ids"] and torch.equal(x["prompt_index"], y["prompt_index"]) and x["ground_truth"] == y["ground_truth"]
     finally:
         b.close()
+
+
+def test_active_samplings_extra_draws_are_keyed_by_step_and_draw_and_leave_the_order_alone(sources):
+    """`prompt_draw(step, draw)`: a global batch of prompts, the same whatever the ranks (rank r's share is the r-th
+    part) and on every call, another for another step or draw; the training order is untouched, and `give_back`
+    hands the last batch out again."""
+    train, more, _ = sources
+    whole = loader(train, more, batch=8)
+    plain = [whole.next_batch()["prompt_index"].tolist() for _ in range(3)]
+    L = loader(train, more, batch=8)
+    first = L.next_batch()["prompt_index"].tolist()
+    extra = L.prompt_draw(0, 1)["prompt_index"].tolist()
+    assert len(extra) == 8 and len(set(extra)) == 8 and extra == L.prompt_draw(0, 1)["prompt_index"].tolist()
+    assert extra != L.prompt_draw(0, 2)["prompt_index"].tolist() and extra != L.prompt_draw(1, 1)["prompt_index"].tolist()
+    two = [loader(train, more, world=2, rank=r, batch=8) for r in (0, 1)]
+    assert sum((x.prompt_draw(0, 1)["prompt_index"].tolist() for x in two), []) == extra
+    second = L.next_batch()["prompt_index"].tolist()
+    L.give_back()
+    assert [first, second, L.next_batch()["prompt_index"].tolist(), L.next_batch()["prompt_index"].tolist()] == \
+           [plain[0], plain[1], plain[1], plain[2]]
