@@ -7,6 +7,7 @@ dropped groups, packed rows."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -64,10 +65,13 @@ def pretrain(tmp_path, cfg, name, *extra, nproc=1):
     return result.stdout + result.stderr
 
 
-LOGGED = ("train/loss", "rollout/reward_mean", "rollout/reward_mean/ifeval", "rollout/solve_rate", "rollout/dropped_groups",
-          "rollout/groups", "rollout/response_length_mean", "rollout/response_length_max", "rollout/truncated_fraction",
-          "rl/clip_fraction", "rl/importance_ratio_mean", "rl/importance_ratio_max", "rl/tis_capped_fraction", "rl/entropy",
-          "rl/kl", "rl/generated_tokens", "rl/samples_seen")
+ALWAYS = ("train/loss", "train/rows", "rollout/prompts", "rollout/samples", "rollout/trained_samples", "rollout/reward_mean",
+          "rollout/reward_mean/ifeval", "rollout/solve_rate", "rollout/solve_rate/ifeval", "rollout/dropped_groups",
+          "rollout/groups", "rollout/generated_tokens", "rollout/response_length_mean", "rollout/response_length_max",
+          "rollout/truncated_fraction", "rollout/truncated_fraction/ifeval", "rl/generated_tokens", "rl/samples_seen")
+# what a step measures on its trained tokens: absent from a step that trained none (every group dropped), not 0
+MEASURED = ("rl/clip_fraction", "rl/importance_ratio_mean", "rl/importance_ratio_max", "rl/tis_capped_fraction", "rl/entropy", "rl/kl")
+LOGGED = ALWAYS + MEASURED
 
 
 @pytest.mark.slow
@@ -82,19 +86,31 @@ def test_an_rl_run_logs_each_step_and_resumes_exactly(tmp_path, prompts_and_mode
     steps = {r["step"]: r for r in rows if "train/loss" in r}
     assert sorted(steps) == [1, 2, 3, 4]
     for r in steps.values():
-        for key in (*LOGGED, "time/gather_s", "time/generation_s", "time/reward_s", "time/training_s"):
+        for key in (*ALWAYS, "time/gather_s", "time/generation_s", "time/reward_s", "time/training_s"):
             assert key in r, key
-        assert r["rollout/groups"] == 4 and r["rl/samples_seen"] % 16 == 0
+        for key in MEASURED:
+            assert (key in r) == (r["rl/generated_tokens"] > 0), (r["step"], key)
+        assert "train/ppl" not in r and "train/global_batch_size" not in r  # GRPO's loss has no perplexity; rows are not prompts
+        assert r["rollout/groups"] == 4 and r["rollout/prompts"] == 4 and r["rl/samples_seen"] % 16 == 0
         assert 0 < r["rollout/response_length_mean"] <= 16 and r["time/generation_s"] > 0
+        assert r["rollout/generated_tokens"] >= r["rl/generated_tokens"]
+        samples = [json.loads(line) for line in (straight / "samples" / f"step-{r['step']:07d}.jsonl").read_text().splitlines()]
+        assert len(samples) == 16 and sum(x["trained"] for x in samples) == r["rollout/trained_samples"]
+        assert sum(x["length"] for x in samples if x["trained"]) == r["rl/generated_tokens"]
+        assert sum(x["length"] for x in samples) == r["rollout/generated_tokens"]
+        assert {x["update"] for x in samples} == set(range(updates)) and all(x["verifier"] == "ifeval" for x in samples)
     assert any(r["rollout/dropped_groups"] < 4 for r in steps.values())  # some groups had a reward spread and trained
-    assert steps[1]["rl/kl"] == 0.0  # the policy starts as the reference
-    assert any(r["rl/kl"] > 0 for r in steps.values() if r["step"] > 1)
+    assert steps[1].get("rl/kl", 0.0) == 0.0  # the policy starts as the reference
+    assert any(r.get("rl/kl", 0.0) > 0 for r in steps.values() if r["step"] > 1)
     evals = [r for r in rows if "eval/data/solve_rate" in r]
     assert [r["step"] for r in evals] == [2, 4]
     assert "reward" in log and "eval step 2 | data/solve_rate" in log
-    if updates > 1:  # the ratio to the policy that sampled: 1 on update 1, off 1 where update 2 trains (0: no tokens)
-        assert all("time/old_logprobs_s" in r and "rl/policy_ratio_mean" in r for r in steps.values())
-        assert any(r["rl/policy_ratio_mean"] not in (0.0, 1.0) for r in steps.values())
+    if updates > 1:  # the ratio to the policy that sampled: 1 on update 1, off 1 where update 2 trains; each update's own
+        assert all("time/old_logprobs_s" in r for r in steps.values())
+        assert any(r.get("rl/policy_ratio_mean", 1.0) != 1.0 for r in steps.values())
+        for r in steps.values():
+            assert r["rl/update_1/generated_tokens"] + r["rl/update_2/generated_tokens"] == r["rl/generated_tokens"]
+            assert "rl/update_1/grad_norm" in r and "rl/update_2/grad_norm" in r
     else:
         assert not any("rl/policy_ratio_mean" in r or "time/old_logprobs_s" in r for r in steps.values())
 
@@ -105,7 +121,7 @@ def test_an_rl_run_logs_each_step_and_resumes_exactly(tmp_path, prompts_and_mode
     assert sorted(got) == [3, 4]
     for step in (3, 4):
         for key in (*LOGGED, "train/grad_norm", *(("rl/policy_ratio_mean",) if updates > 1 else ())):
-            assert got[step][key] == steps[step][key], (step, key, got[step][key], steps[step][key])
+            assert got[step].get(key) == steps[step].get(key), (step, key, got[step].get(key), steps[step].get(key))
 
 
 @pytest.mark.slow
@@ -123,11 +139,42 @@ def test_an_rl_run_over_a_sequence_group_steps_as_over_data_parallel_ranks(tmp_p
         runs[sp] = read_metrics(tmp_path / f"sp{sp}" / "run")
     assert "1 data-parallel x 2 sequence-parallel" in log
     first = [{r["step"]: r for r in runs[sp] if "train/loss" in r}[1] for sp in (1, 2)]
-    for key in LOGGED:
+    assert {k for k in LOGGED if k in first[0]} == {k for k in LOGGED if k in first[1]}
+    for key in (k for k in LOGGED if k in first[0]):
         assert abs(first[1][key] - first[0][key]) <= 1e-5 * max(1.0, abs(first[0][key])), (key, first[1][key], first[0][key])
-    assert first[1]["rl/samples_seen"] == 16 and first[1]["rl/kl"] == 0.0
+    assert first[1]["rl/samples_seen"] == 16 and first[1].get("rl/kl", 0.0) == 0.0
     evals = [[r for r in runs[sp] if "eval/data/solve_rate" in r] for sp in (1, 2)]
     assert [r["step"] for r in evals[1]] == [2] and evals[1][0]["eval/data/reward_mean"] == evals[0][0]["eval/data/reward_mean"]
+
+
+@pytest.mark.slow
+def test_rollout_options_and_samples_files_through_the_command_line(tmp_path, prompts_and_model):
+    """Stop strings, top-p, truncated samples masked, active sampling with up to 2 more draws, the samples file each
+    step: what each option promises, read back from the samples files and the metrics."""
+    data, init = prompts_and_model
+    cfg = rl_config(tmp_path, data, init, max_steps=3)
+    cfg["rl"].update(beta=0.0, stop=["."], top_p=0.95, truncated="mask", active_sampling_draws=2, samples_every=1)
+    pretrain(tmp_path, cfg, "opts")
+    rows = {r["step"]: r for r in read_metrics(tmp_path / "run") if "train/loss" in r}
+    assert sorted(rows) == [1, 2, 3]
+    finishes = set()
+    for step, r in rows.items():
+        samples = [json.loads(line) for line in (tmp_path / "run" / "samples" / f"step-{step:07d}.jsonl").read_text().splitlines()]
+        draws = 1 + r.get("rollout/extra_draws", 0)
+        assert len(samples) == 16 * draws == 4 * r["rollout/prompts"] and {x["draw"] for x in samples} == set(range(draws))
+        kept_groups = {(x["draw"], x["prompt_index"]) for x in samples if x["dropped"] is None}
+        assert len(kept_groups) <= 4
+        assert r.get("rollout/surplus_groups", 0) == len({(x["draw"], x["prompt_index"]) for x in samples if x["dropped"] == "surplus"})
+        if draws < 3:  # the draws stopped before the bound only because the step held a full batch of groups with signal
+            assert len(kept_groups) == 4
+        for x in samples:
+            finishes.add(x["finish"])
+            assert x["trained"] == (x["dropped"] is None and x["finish"] != "length")  # truncated: masked
+            assert x["finish"] != "stop" or "." not in x["completion"]  # cut before its stop string
+            assert set(x) >= {"prompt", "completion", "verifier", "score", "reward", "reason", "advantage", "finish", "length",
+                              "logprob_mean", "dropped", "trained", "update", "sample", "prompt_index", "step"}
+        assert sum(x["trained"] for x in samples) == r["rollout/trained_samples"]
+    assert "length" in finishes
 
 
 def test_advantages_are_centred_per_group_and_equal_groups_are_dropped():
