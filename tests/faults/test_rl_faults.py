@@ -76,6 +76,7 @@ def trained_prompts(run_dir: Path, step: int) -> list[int]:
     return list(dict.fromkeys(r["prompt_index"] for r in rows))
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_rollout_stops_it_saves_the_step_before_and_resumes_on_the_same_prompts(tmp_path, rl_data):
     data, init = rl_data
     config, run_dir = rl_config(tmp_path, data, init, max_steps=3), tmp_path / "run"
@@ -94,7 +95,8 @@ def test_ctrl_c_during_a_rollout_stops_it_saves_the_step_before_and_resumes_on_t
     resumed = Ranks(config, tmp_path / "logs2", args=("--resume", "auto"))
     assert resumed.wait(600) == [0, 0], resumed.tail()
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
-    loader = DataLoader(DataConfig(sources=[SourceConfig(path=str(data))], seed=3, prefetch=0), seq_len=256, global_batch_size=4)
+    loader = DataLoader(DataConfig(sources=[SourceConfig(path=str(data))], seed=3, prefetch=0), seq_len=256, global_batch_size=4,
+                        dp_rank=0, dp_world_size=1)
     for step in (1, 2, 3):  # every step trained the prompts the data order gives it: the abandoned one's came back
         assert trained_prompts(run_dir, step) == loader.next_batch()["prompt_index"].tolist(), step
 
