@@ -12,24 +12,19 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from olmo_ds import checkpoint as ckpt
 from olmo_ds.data.config import DataConfig, SourceConfig
 from olmo_ds.data.loader import DataLoader
-from olmo_ds.model import OLMo
-from olmo_ds.model.config import preset
 from olmo_ds.tools.check_resume import read_metrics
-from olmo_ds.weights import save_model_dir
-from tests.faults.faultlib import MODE, ROOT, Ranks, kill_group, record, wait_for
-from tests.train.train_testlib import tiny_config, write_config
+from tests.faults.faultlib import MODE, Ranks, kill_group, record, wait_for
+from tests.train.train_testlib import DOLMA2, rl_inputs, tiny_config, write_config
 
-TOKENIZER = "/work/shared/tokenizers/dolma2-tokenizer.json"
+TOKENIZER = str(DOLMA2)
 MODEL = {"preset": "tiny", "d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 64, "max_seq_len": 256}
 FAULT_SIGINT = "SIGINT (Ctrl-C) to every rank during an RL rollout"
 FAULT_KILL = "one rank of 2 dies (SIGKILL) during an RL rollout"
@@ -39,17 +34,7 @@ pytestmark = pytest.mark.multirank
 
 @pytest.fixture(scope="module")
 def rl_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl-faults")
-    for args in (("make_rl_prompts.py", "--task", "ifeval", "--count", "40", "--output", root / "prompts.jsonl"),
-                 ("prepare_data.py", "--format", "rl", "--chat-template", "olmo3", "--input", root / "prompts.jsonl",
-                  "--tokenizer", TOKENIZER, "--output", root / "data", "--max-tokens", "128", "--no-progress")):
-        result = subprocess.run([sys.executable, str(ROOT / "scripts" / args[0]), *map(str, args[1:])], cwd=ROOT,
-                                capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-    cfg = preset("tiny", **{k: v for k, v in MODEL.items() if k != "preset"}, vocab_size=100278)
-    torch.manual_seed(7)
-    save_model_dir(root / "init", cfg, OLMo(cfg).state_dict())
-    return root / "data", root / "init"
+    return rl_inputs(tmp_path_factory.mktemp("rl-faults"), count=40, max_tokens=128, model=MODEL)
 
 
 def rl_config(tmp: Path, data: Path, init: Path, max_steps: int) -> Path:

@@ -9,36 +9,22 @@ dropped: `rollout/dropped_groups`), with one update per rollout and without KL, 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from olmo_ds.model import OLMo
-from olmo_ds.model.config import preset
-from olmo_ds.weights import load_weights, save_model_dir
+from olmo_ds.weights import load_weights
 
-from train_testlib import ROOT, read_metrics, run, tiny_config, torchrun_cmd, write_config
+from train_testlib import DOLMA2, ROOT, read_metrics, rl_inputs, run, tiny_config, torchrun_cmd, write_config
 
-TOKENIZER = "/work/shared/tokenizers/dolma2-tokenizer.json"
+TOKENIZER = str(DOLMA2)
 SEQ = 320
 MODEL = {"preset": "tiny", "d_model": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "mlp_hidden": 128, "max_seq_len": 1024}
 
 
 @pytest.fixture(scope="module")
 def prompts_and_model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl-ranks")
-    for args in (("make_rl_prompts.py", "--task", "ifeval", "--count", "200", "--output", root / "prompts.jsonl"),
-                 ("prepare_data.py", "--format", "rl", "--chat-template", "olmo3", "--input", root / "prompts.jsonl",
-                  "--tokenizer", TOKENIZER, "--output", root / "data", "--val-fraction", "0.1", "--max-tokens", "256", "--no-progress")):
-        result = subprocess.run([sys.executable, str(ROOT / "scripts" / args[0]), *map(str, args[1:])], cwd=ROOT,
-                                capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-    cfg = preset("tiny", **{k: v for k, v in MODEL.items() if k != "preset"}, vocab_size=100278)
-    torch.manual_seed(7)
-    save_model_dir(root / "init", cfg, OLMo(cfg).state_dict())
-    return root / "data", root / "init"
+    return rl_inputs(tmp_path_factory.mktemp("rl-ranks"), count=200, max_tokens=256, model=MODEL, val_fraction=0.1)
 
 
 def train(tmp_path, data, init, name: str, nproc: int, rl: dict):

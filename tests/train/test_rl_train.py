@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from olmo_ds.model import OLMo
-from olmo_ds.model.config import preset
 from olmo_ds.model.loss import IGNORE_INDEX
 from olmo_ds.data.dataset import Prompt
 from olmo_ds.train.rollout import Sample, group_advantages, group_share, pack_rows, rows_needed, sample_key, score_samples, update_of
-from olmo_ds.weights import save_model_dir
 
-from train_testlib import ROOT, read_metrics, run, tiny_config, torchrun_cmd, write_config
+from train_testlib import ROOT, read_metrics, rl_inputs, run, tiny_config, torchrun_cmd, write_config
 
 PRETRAIN = ROOT / "scripts" / "pretrain.py"
 TOKENIZER = "/work/shared/tokenizers/dolma2-tokenizer.json"
@@ -30,23 +25,10 @@ SEQ = 160
 MODEL = {"preset": "tiny", "d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "mlp_hidden": 64, "max_seq_len": SEQ}
 
 
-def script(*args):
-    result = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-
-
 @pytest.fixture(scope="module")
 def prompts_and_model(tmp_path_factory):
-    """IFEval-style prompts (a random model's text meets some of their constraints: rewards spread within groups),
-    prepared with a validation split, and a random tiny model with the tokenizer's vocabulary as init_from."""
-    root = tmp_path_factory.mktemp("rl")
-    script(ROOT / "scripts" / "make_rl_prompts.py", "--task", "ifeval", "--count", "60", "--output", root / "prompts.jsonl")
-    script(ROOT / "scripts" / "prepare_data.py", "--format", "rl", "--chat-template", "olmo3", "--input", root / "prompts.jsonl",
-           "--tokenizer", TOKENIZER, "--output", root / "data", "--val-fraction", "0.1", "--max-tokens", "128", "--no-progress")
-    cfg = preset("tiny", **{k: v for k, v in MODEL.items() if k != "preset"}, vocab_size=100278)
-    torch.manual_seed(7)
-    save_model_dir(root / "init", cfg, OLMo(cfg).state_dict())
-    return root / "data", root / "init"
+    """IFEval-style prompts prepared with a validation split, and a random tiny model with the tokenizer's vocabulary."""
+    return rl_inputs(tmp_path_factory.mktemp("rl"), count=60, max_tokens=128, model=MODEL, val_fraction=0.1)
 
 
 def rl_config(tmp_path, data, init, **sections) -> dict:

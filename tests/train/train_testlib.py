@@ -120,3 +120,30 @@ def deepspeed_cmd(script: Path, *args: str) -> list[str]:
     write_hostfile(hostfile, hostfile_text(env={}, gpus=0))
     return [str(launcher), "--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", "127.0.0.1",
             "--master_port", str(free_port()), str(script), *args]
+
+
+DOLMA2 = SHARED / "tokenizers" / "dolma2-tokenizer.json"
+
+
+def rl_inputs(root: Path, *, count: int, max_tokens: int, model: dict, val_fraction: float | None = None) -> tuple[Path, Path]:
+    """An RL run's inputs as a user makes them: `count` IFEval-style prompts from scripts/make_rl_prompts.py (a random
+    model's text meets some of their constraints, so rewards spread within groups), prepared by scripts/prepare_data.py
+    --format rl with OLMo 3's template and the dolma2 tokenizer (prompts of up to `max_tokens`), and a random model of
+    shape `model` (keys of `preset("tiny", ...)`) with that vocabulary as init_from. Returns (data dir, model dir)."""
+    import torch
+
+    from olmo_ds.model import OLMo
+    from olmo_ds.model.config import preset
+    from olmo_ds.weights import save_model_dir
+
+    split = ("--val-fraction", str(val_fraction)) if val_fraction else ()
+    for args in (("make_rl_prompts.py", "--task", "ifeval", "--count", str(count), "--output", root / "prompts.jsonl"),
+                 ("prepare_data.py", "--format", "rl", "--chat-template", "olmo3", "--input", root / "prompts.jsonl", "--tokenizer",
+                  DOLMA2, "--output", root / "data", *split, "--max-tokens", str(max_tokens), "--no-progress")):
+        result = subprocess.run([sys.executable, str(ROOT / "scripts" / args[0]), *map(str, args[1:])], cwd=ROOT,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    cfg = preset("tiny", **{k: v for k, v in model.items() if k != "preset"}, vocab_size=100278)
+    torch.manual_seed(7)
+    save_model_dir(root / "init", cfg, OLMo(cfg).state_dict())
+    return root / "data", root / "init"
