@@ -52,38 +52,39 @@ def resolve_backend(name: str, device: torch.device, needs_mask: bool, tree: boo
     """The concrete backend for `name` on `device`; `needs_mask` = sliding window or documents; `tree` =
     the mask has branches (`AttentionMask`), which flash-attn's kernels cannot express: those calls go
     to flex_attention on CUDA with triton, else to SDPA with a boolean mask, whatever was asked for."""
-    if tree and name in ("flash_attn", "flash_attn3", "sdpa_flash"):
+    if tree and name in ("flash_attn3", "sdpa_flash"):
         name = "auto"
     resolved = _resolve(name, device, needs_mask or tree)
-    if tree and resolved in ("flash_attn", "flash_attn3"):
+    if tree and resolved == "flash_attn3":
         return "flex" if _has_module("triton") else "sdpa"
     return resolved
 
 
 def _resolve(name: str, device: torch.device, needs_mask: bool) -> str:
     if name != "auto":
-        if name in ("flash_attn", "flash_attn3", "sdpa_cudnn", "sdpa_efficient") and device.type != "cuda":
+        if name in ("flash_attn3", "sdpa_cudnn", "sdpa_efficient") and device.type != "cuda":
             raise ValueError(f"attention_backend {name!r} needs a CUDA device, got {device}; use 'auto' or 'sdpa'")
-        if name == "flash_attn" and not _has_module("flash_attn"):
-            raise ValueError("attention_backend 'flash_attn' needs the flash-attn package: pip install -e .[gpu]")
-        if name == "flash_attn3" and not _has_module("flash_attn_interface"):
-            raise ValueError("attention_backend 'flash_attn3' needs FlashAttention-3 (the flash_attn_interface "
-                             "module, built from flash-attention/hopper)")
+        if name == "flash_attn3":
+            if torch.cuda.get_device_capability(device)[0] != 9:
+                raise ValueError("attention_backend 'flash_attn3' (FlashAttention-3) is built and verified for Hopper "
+                                 f"GPUs (sm90) only; {torch.cuda.get_device_name(device)} is sm"
+                                 f"{''.join(map(str, torch.cuda.get_device_capability(device)))}: use 'auto'")
+            if not _has_module("flash_attn_interface"):
+                raise ValueError("attention_backend 'flash_attn3' needs FlashAttention-3 (the flash_attn_interface "
+                                 "module): build and install it with `make flash-attn`")
         if name == "sdpa_flash" and needs_mask and device.type == "cuda":
             raise ValueError("attention_backend 'sdpa_flash' cannot apply sliding-window or document masks on CUDA; "
-                             "use 'auto', 'flex' or 'flash_attn'")
+                             "use 'auto', 'flex' or 'flash_attn3'")
         return name
     if device.type != "cuda":
         return "sdpa"
     if not needs_mask:
         return "sdpa_cudnn_first"
-    hopper = torch.cuda.get_device_capability(device)[0] >= 9
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
     if hopper and _has_module("flash_attn_interface"):
         return "flash_attn3"
     if _has_module("triton"):
         return "flex"
-    if _has_module("flash_attn"):
-        return "flash_attn"
     return "sdpa"
 
 
@@ -262,11 +263,10 @@ def kernel_attention(q, k, v, scale: float, backend: str, kernel_mask) -> torch.
     return sdpa(q, k, v, scale, backend, kernel_mask)
 
 
-def _flash(q, k, v, mask: AttentionMask, window, scale, version: int):
-    if version == 3:
-        import flash_attn_interface as fa
-    else:
-        import flash_attn as fa
+def flash_attn3(q, k, v, mask: AttentionMask, window, scale) -> torch.Tensor:
+    """FlashAttention-3: `flash_attn_func`, or its varlen form over the flattened batch for documents."""
+    import flash_attn_interface as fa
+
     window_size = (window - 1, 0) if window is not None else (-1, -1)
     if mask.has_documents:
         cu, max_len = mask.cu_seqlens
@@ -286,8 +286,6 @@ def attend(q, k, v, mask: AttentionMask, window: int | None, backend: str, scale
 
     `backend` is a resolved name (see `resolve_backend`); `window` is None for full attention.
     """
-    if backend == "flash_attn":
-        return _flash(q, k, v, mask, window, scale, version=2)
     if backend == "flash_attn3":
-        return _flash(q, k, v, mask, window, scale, version=3)
+        return flash_attn3(q, k, v, mask, window, scale)
     return kernel_attention(q, k, v, scale, backend, mask.kernel_mask(backend, window))
