@@ -172,6 +172,8 @@ DIAGNOSES = [
      "nvcc's CUDA major differs from torch's: set CUDA_HOME to a toolkit of torch's CUDA version"),
     (r"No module named '?(setuptools|wheel|packaging|ninja)'?",
      "a build dependency is missing: `pip install setuptools wheel packaging ninja` (the build runs without isolation)"),
+    (r"No such file or directory: 'git'",
+     "hopper/setup.py runs `git submodule update` even when csrc/cutlass is there: install git"),
     (r"Ninja is required to load C\+\+ extensions|ninja: not found",
      "ninja is missing: `pip install ninja`"),
 ]
