@@ -121,6 +121,15 @@ def test_auto_picks_sdpa_on_cpu_and_gpu_only_backends_refuse_cpu():
             resolve_backend(name, cpu, needs_mask=False)
 
 
+def test_auto_keeps_masked_layers_on_flex_even_with_flash_attn3_installed(monkeypatch):
+    """The measured choice (BENCHMARKS.md, "flash-attn on the GPU"): FlashAttention-3 layers run eagerly and lose
+    the training step to compiled flex, so `auto` never picks it; plain causal layers go to cuDNN first."""
+    monkeypatch.setattr("olmo_ds.model.attention._has_module", lambda name: True)
+    cuda = torch.device("cuda", 0)
+    assert resolve_backend("auto", cuda, needs_mask=True) == "flex"
+    assert resolve_backend("auto", cuda, needs_mask=False) == "sdpa_cudnn_first"
+
+
 def test_unverified_flash_attn_2_is_refused_by_the_config():
     """flash-attn 2.x has never run here (BENCHMARKS.md, "flash-attn on the GPU"): the config says so."""
     with pytest.raises(ValueError, match=r"'flash_attn' is refused: .*unverified.*'flash_attn3'"):
