@@ -19,7 +19,7 @@ ATTENTION_BACKENDS = (
 # "flash-attn on the GPU").
 REFUSED_ATTENTION_BACKENDS = {
     "flash_attn": "the flash-attn 2.x package is unverified: it has never run in this project (PyPI has it as source "
-                  "only, and its build for one GPU outlasts the GPU host's session). Use 'flash_attn3' on Hopper "
+                  "only, and its 72 kernels per GPU architecture were not built on the GPU host). Use 'flash_attn3' on Hopper "
                   "(`make flash-attn`), 'sdpa_flash' (PyTorch's copy of the FlashAttention-2 kernels, causal only), "
                   "'flex' or 'auto'",
 }
