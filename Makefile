@@ -41,7 +41,7 @@ PREPARE_ARGS ?=
 RUN_DIR ?= runs/demo
 
 .DEFAULT_GOAL := help
-.PHONY: help install hostfile demo prepare-data test test-fast test-gpu test-slow test-faults bench-prepare bench-data bench-train bench-checkpoint bench-eval clean
+.PHONY: help install hostfile demo prepare-data test test-fast test-gpu test-slow test-faults bench-prepare bench-data bench-train bench-checkpoint bench-eval flash-attn clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-15s %s\n", $$1, $$2}'
@@ -98,6 +98,11 @@ bench-checkpoint: $(SETUP) ## how long a checkpoint blocks training (blocking vs
 
 bench-eval: $(SETUP) ## evaluation speed, batching exact vs packed: multiple choice, perplexity, in the loop (GPU: olmo2-1b; CPU: tiny)
 	$(RUN) $(PY) scripts/bench_eval.py
+
+# FLASH_ATTN_SRC=DIR: a flash-attention checkout (with csrc/cutlass) to build from instead of cloning; MAX_JOBS=N overrides
+# the parallel nvcc jobs sized from free memory. The log goes to build/flash-attn.log.
+flash-attn: $(SETUP) ## build FlashAttention-3 for this machine's Hopper GPU, install it, check it runs (attention_backend flash_attn3)
+	$(RUN) $(PY) scripts/build_flash_attn.py $(if $(FLASH_ATTN_SRC),--src $(FLASH_ATTN_SRC))
 
 clean: ## remove demo outputs (keeps .venv)
 	rm -rf data/demo runs/demo

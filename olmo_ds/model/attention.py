@@ -1,4 +1,4 @@
-"""One attention interface over several kernels: PyTorch SDPA, flex_attention, FlashAttention 2 and 3.
+"""One attention interface over several kernels: PyTorch SDPA, flex_attention and FlashAttention-3.
 
 Every backend computes the same thing: causal softmax attention with optional grouped-query heads,
 an optional sliding window and optional document masking (tokens attend only within their own
@@ -17,12 +17,18 @@ Backends (`ModelConfig.attention_backend`):
   documents use a boolean mask, which on CUDA only the memory-efficient, cuDNN and math kernels accept.
 - `flex`: `torch.nn.attention.flex_attention` with block masks (tiles classified from the window and
   document boundaries, `masking.flex_block_mask`); compiled on GPU, eager on CPU (forward only there).
-- `flash_attn`: the flash-attn 2.x package (`flash_attn_func` / `flash_attn_varlen_func`).
-- `flash_attn3`: FlashAttention-3 (`flash_attn_interface`, Hopper).
-- `auto`: on CPU, SDPA. On GPU, plain causal attention goes to SDPA with cuDNN first (measured 1.8x
-  FlashAttention-2 on an H200, ../shared/gpu/README.md); sliding windows or documents go to the first
-  available of FlashAttention-3 (Hopper), flex_attention compiled with triton (block-sparse, 568
-  causal-equivalent TFLOP/s at window 1024 on the same H200), flash-attn 2, and SDPA with a mask.
+- `flash_attn3`: FlashAttention-3 (`flash_attn_interface`), Hopper only, built by `make flash-attn`
+  (olmo_ds/tools/flash_attn_build.py). The flash-attn 2.x package (`flash_attn`) is refused by the config
+  as unverified (`config.REFUSED_ATTENTION_BACKENDS`): it has never run here.
+- `auto`: on CPU, SDPA. On GPU, plain causal attention goes to SDPA with cuDNN first, masked attention
+  (sliding windows, documents) to flex_attention when triton is there, else SDPA with a mask. Chosen by
+  measurement on an H100 (BENCHMARKS.md, "flash-attn on the GPU"): FlashAttention-3's kernels are the
+  fastest (forward+backward 541-565 TFLOP/s causal and windowed at seq 4096-8192, against cuDNN's 494-550
+  causal and flex's 328-372), but its layers run the eager modules (`model._COMPILED_BACKENDS`), and the
+  compiled blocks win the training step: the 1B at seq 8192 with OLMo 3's window trains at 46.8K tokens/s
+  with `auto` (flex) against 40.1K when `auto` sent masked layers to FlashAttention-3 and 37.6K with every
+  layer on it; at seq 4096, 52.1K full and 53.3K document-masked against 38.9K and 39.7K. FlashAttention-3
+  stays a backend to ask for (`flash_attn3`), e.g. for eager paths or once it runs inside compiled blocks.
 The GPU-only packages are imported lazily so the CPU install never needs them.
 """
 
@@ -52,38 +58,36 @@ def resolve_backend(name: str, device: torch.device, needs_mask: bool, tree: boo
     """The concrete backend for `name` on `device`; `needs_mask` = sliding window or documents; `tree` =
     the mask has branches (`AttentionMask`), which flash-attn's kernels cannot express: those calls go
     to flex_attention on CUDA with triton, else to SDPA with a boolean mask, whatever was asked for."""
-    if tree and name in ("flash_attn", "flash_attn3", "sdpa_flash"):
+    if tree and name in ("flash_attn3", "sdpa_flash"):
         name = "auto"
     resolved = _resolve(name, device, needs_mask or tree)
-    if tree and resolved in ("flash_attn", "flash_attn3"):
+    if tree and resolved == "flash_attn3":
         return "flex" if _has_module("triton") else "sdpa"
     return resolved
 
 
 def _resolve(name: str, device: torch.device, needs_mask: bool) -> str:
     if name != "auto":
-        if name in ("flash_attn", "flash_attn3", "sdpa_cudnn", "sdpa_efficient") and device.type != "cuda":
+        if name in ("flash_attn3", "sdpa_cudnn", "sdpa_efficient") and device.type != "cuda":
             raise ValueError(f"attention_backend {name!r} needs a CUDA device, got {device}; use 'auto' or 'sdpa'")
-        if name == "flash_attn" and not _has_module("flash_attn"):
-            raise ValueError("attention_backend 'flash_attn' needs the flash-attn package: pip install -e .[gpu]")
-        if name == "flash_attn3" and not _has_module("flash_attn_interface"):
-            raise ValueError("attention_backend 'flash_attn3' needs FlashAttention-3 (the flash_attn_interface "
-                             "module, built from flash-attention/hopper)")
+        if name == "flash_attn3":
+            if torch.cuda.get_device_capability(device)[0] != 9:
+                raise ValueError("attention_backend 'flash_attn3' (FlashAttention-3) is built and verified for Hopper "
+                                 f"GPUs (sm90) only; {torch.cuda.get_device_name(device)} is sm"
+                                 f"{''.join(map(str, torch.cuda.get_device_capability(device)))}: use 'auto'")
+            if not _has_module("flash_attn_interface"):
+                raise ValueError("attention_backend 'flash_attn3' needs FlashAttention-3 (the flash_attn_interface "
+                                 "module): build and install it with `make flash-attn`")
         if name == "sdpa_flash" and needs_mask and device.type == "cuda":
             raise ValueError("attention_backend 'sdpa_flash' cannot apply sliding-window or document masks on CUDA; "
-                             "use 'auto', 'flex' or 'flash_attn'")
+                             "use 'auto', 'flex' or 'flash_attn3'")
         return name
     if device.type != "cuda":
         return "sdpa"
     if not needs_mask:
         return "sdpa_cudnn_first"
-    hopper = torch.cuda.get_device_capability(device)[0] >= 9
-    if hopper and _has_module("flash_attn_interface"):
-        return "flash_attn3"
     if _has_module("triton"):
         return "flex"
-    if _has_module("flash_attn"):
-        return "flash_attn"
     return "sdpa"
 
 
@@ -262,11 +266,10 @@ def kernel_attention(q, k, v, scale: float, backend: str, kernel_mask) -> torch.
     return sdpa(q, k, v, scale, backend, kernel_mask)
 
 
-def _flash(q, k, v, mask: AttentionMask, window, scale, version: int):
-    if version == 3:
-        import flash_attn_interface as fa
-    else:
-        import flash_attn as fa
+def flash_attn3(q, k, v, mask: AttentionMask, window, scale) -> torch.Tensor:
+    """FlashAttention-3: `flash_attn_func`, or its varlen form over the flattened batch for documents."""
+    import flash_attn_interface as fa
+
     window_size = (window - 1, 0) if window is not None else (-1, -1)
     if mask.has_documents:
         cu, max_len = mask.cu_seqlens
@@ -286,8 +289,6 @@ def attend(q, k, v, mask: AttentionMask, window: int | None, backend: str, scale
 
     `backend` is a resolved name (see `resolve_backend`); `window` is None for full attention.
     """
-    if backend == "flash_attn":
-        return _flash(q, k, v, mask, window, scale, version=2)
     if backend == "flash_attn3":
-        return _flash(q, k, v, mask, window, scale, version=3)
+        return flash_attn3(q, k, v, mask, window, scale)
     return kernel_attention(q, k, v, scale, backend, mask.kernel_mask(backend, window))

@@ -13,8 +13,16 @@ from dataclasses import dataclass, field
 
 VOCAB_MULTIPLE = 128  # embedding rows are padded to a multiple of this (tensor-core friendly)
 ATTENTION_BACKENDS = (
-    "auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flex", "flash_attn", "flash_attn3",
+    "auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flex", "flash_attn3",
 )
+# Names refused with their reason: a backend that has never run on a GPU here is not offered (BENCHMARKS.md,
+# "flash-attn on the GPU").
+REFUSED_ATTENTION_BACKENDS = {
+    "flash_attn": "the flash-attn 2.x package is unverified: it has never run in this project (PyPI has it as source "
+                  "only, and its 72 kernels per GPU architecture were not built on the GPU host). Use 'flash_attn3' on Hopper "
+                  "(`make flash-attn`), 'sdpa_flash' (PyTorch's copy of the FlashAttention-2 kernels, causal only), "
+                  "'flex' or 'auto'",
+}
 COMPILE_MODES = ("auto", "blocks", "eager")
 FLOAT8_RECIPES = ("off", "tensorwise", "rowwise")  # olmo_ds/model/float8.py
 # Which model fields may differ between a run and the state it continues or starts from (`model_differences`):
@@ -103,7 +111,7 @@ class ModelConfig:
     sliding_rope_theta: float | None = None  # the sliding-window layers' RoPE base; None = rope_theta
     sliding_yarn: YarnConfig | None = None  # YaRN on the sliding-window layers; None = none (OLMo 3)
     # See olmo_ds/model/attention.py: auto | sdpa | sdpa_cudnn | sdpa_flash | sdpa_efficient |
-    # sdpa_math | flex | flash_attn | flash_attn3.
+    # sdpa_math | flex | flash_attn3.
     attention_backend: str = "auto"
     # Recompute blocks in the backward pass to save activation memory: false | true (= full: every block) |
     # every_k:N (blocks 0, N, 2N, ...: 1/N of the recomputation, about 1 - 1/N of the blocks' activations kept).
@@ -137,6 +145,9 @@ class ModelConfig:
             raise ValueError(f"model head_dim {self.head_dim} (d_model / n_heads) must be even for RoPE")
         self._check_numbers()
         self._check_sliding()
+        if self.attention_backend in REFUSED_ATTENTION_BACKENDS:
+            raise ValueError(f"model.attention_backend {self.attention_backend!r} is refused: "
+                             f"{REFUSED_ATTENTION_BACKENDS[self.attention_backend]}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"model.attention_backend {self.attention_backend!r} is not one of: "
                              f"{', '.join(ATTENTION_BACKENDS)}")

@@ -1,8 +1,8 @@
 """Every attention backend agrees with a float64 reference: causal, sliding-window, document-masked, GQA.
 
-SDPA and flex_attention run here on CPU; the GPU-only kernels (cuDNN/flash SDPA, flash-attn 2,
-FlashAttention-3) run in bf16 against the same reference when a CUDA device is present, and are
-skipped otherwise.
+SDPA and flex_attention run here on CPU; the GPU-only kernels (cuDNN/flash SDPA, FlashAttention-3)
+run in bf16, forward and backward, against the same reference when a CUDA device is present, and are
+skipped otherwise (FlashAttention-3 also where `make flash-attn` has not installed it).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_cpu_backends_match_float64_reference(backend, case):
 
 GPU_BACKENDS = {
     "auto": None, "sdpa": None, "sdpa_cudnn": None, "sdpa_efficient": None, "sdpa_flash": None, "flex": None,
-    "flash_attn": "flash_attn", "flash_attn3": "flash_attn_interface",
+    "flash_attn3": "flash_attn_interface",
 }
 
 
@@ -96,21 +96,52 @@ def test_gpu_backends_match_float64_reference(backend, case, size):
     window, doc_lens = (CASES if size == "small" else LARGE_CASES)[case]
     if backend == "sdpa_flash" and (window or doc_lens is not None):
         pytest.skip("the flash SDPA kernel takes no mask")
-    q, k, v = inputs(torch.bfloat16, "cuda", shape)
+    q, k, v = (t.requires_grad_() for t in inputs(torch.bfloat16, "cuda", shape))
     mask = AttentionMask(shape[0], shape[1], q.device, doc_lens)
     out = attend(q, k, v, mask, window, resolve_backend(backend, q.device, window or doc_lens is not None), shape[-1] ** -0.5)
-    expected = reference(q.cpu(), k.cpu(), v.cpu(), window, doc_lens)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out.backward(grad_out.to(out))
+    ref = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    expected = reference(*ref, window, doc_lens)
+    expected.backward(grad_out)
     err = (out.double().cpu() - expected).abs().max().item()
-    print(f"{backend} {case} {size}: max |out - float64| = {err:.2e}")
-    torch.testing.assert_close(out.double().cpu(), expected, rtol=2e-2, atol=2e-2)
+    grad_errs = [((t.grad.double().cpu() - r.grad).abs().max() / r.grad.abs().max()).item() for t, r in zip((q, k, v), ref)]
+    print(f"{backend} {case} {size}: max |out - float64| = {err:.2e}, grads (q, k, v) relative to their max: "
+          + ", ".join(f"{e:.2e}" for e in grad_errs))
+    torch.testing.assert_close(out.double().cpu(), expected.detach(), rtol=2e-2, atol=2e-2)
+    for name, e in zip("qkv", grad_errs):
+        assert e < 3e-2, f"d{name}: max error {e:.2e} of the largest float64 gradient"
 
 
 def test_auto_picks_sdpa_on_cpu_and_gpu_only_backends_refuse_cpu():
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu, needs_mask=True) == "sdpa"
-    for name in ("flash_attn", "flash_attn3", "sdpa_cudnn", "sdpa_efficient"):
+    for name in ("flash_attn3", "sdpa_cudnn", "sdpa_efficient"):
         with pytest.raises(ValueError, match="CUDA"):
             resolve_backend(name, cpu, needs_mask=False)
+
+
+def test_auto_keeps_masked_layers_on_flex_even_with_flash_attn3_installed(monkeypatch):
+    """The measured choice (BENCHMARKS.md, "flash-attn on the GPU"): FlashAttention-3 layers run eagerly and lose
+    the training step to compiled flex, so `auto` never picks it; plain causal layers go to cuDNN first."""
+    monkeypatch.setattr("olmo_ds.model.attention._has_module", lambda name: True)
+    cuda = torch.device("cuda", 0)
+    assert resolve_backend("auto", cuda, needs_mask=True) == "flex"
+    assert resolve_backend("auto", cuda, needs_mask=False) == "sdpa_cudnn_first"
+
+
+def test_unverified_flash_attn_2_is_refused_by_the_config():
+    """flash-attn 2.x has never run here (BENCHMARKS.md, "flash-attn on the GPU"): the config says so."""
+    with pytest.raises(ValueError, match=r"'flash_attn' is refused: .*unverified.*'flash_attn3'"):
+        ModelConfig(attention_backend="flash_attn")
+
+
+def test_flash_attn3_is_refused_off_hopper(monkeypatch):
+    """FlashAttention-3 was built and verified on sm90 only: an sm80 card is told to use auto."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"Hopper GPUs \(sm90\) only; NVIDIA A100-SXM4-80GB is sm80: use 'auto'"):
+        resolve_backend("flash_attn3", torch.device("cuda", 0), needs_mask=False)
 
 
 def test_bad_doc_lens_are_rejected_before_attention():

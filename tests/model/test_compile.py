@@ -139,9 +139,9 @@ def test_compiled_path_is_skipped_where_it_would_not_be_exact():
     model(ids, labels=labels)
     assert BLOCK_CALLS == {"eager": 2}
     # flash-attn needs CUDA, so its rule is checked without running the block.
-    flash = OLMo(dataclasses.replace(CFG, compile="blocks", attention_backend="flash_attn")).blocks[0]
+    flash = OLMo(dataclasses.replace(CFG, compile="blocks", attention_backend="flash_attn3")).blocks[0]
     x = torch.zeros(2, 32, CFG.d_model)
-    with mock.patch("olmo_ds.model.model._resolved_backend", return_value="flash_attn"):
+    with mock.patch("olmo_ds.model.model._resolved_backend", return_value="flash_attn3"):
         assert flash._compiled_attention(x, AttentionMask(2, 32, x.device), None) is None
     assert compiled.blocks[0]._compiled_attention(x, AttentionMask(2, 32, x.device), None) == ("sdpa", None)
 
