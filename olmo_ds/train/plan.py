@@ -147,8 +147,6 @@ def _plan(cfg: TrainConfig, env: DistEnv, run_dir: Path, run_lock: RunDirLock | 
     check_preference(cfg, loader, run_dir, resume_dir, resume_state)
     evaluator = None
     if cfg.eval.every:  # RL prompts: greedy answers scored by the verifiers
-        if cfg.rl is not None:
-            check_rl_eval(cfg)
         # every rank its own validation prompts, the ranks of a sequence group too (generation is per rank)
         evaluator = (RLEvaluator(cfg, tokenizer, env.rank, env.world_size) if cfg.rl is not None
                      else InLoopEvaluator(cfg, tokenizer, vocab, env.rank, env.world_size))
@@ -199,7 +197,8 @@ def check_preference(cfg: TrainConfig, loader: DataLoader, run_dir: Path, resume
 
 def check_rl(cfg: TrainConfig, loader: DataLoader, tokenizer: Tokenizer | None) -> None:
     """RL prompts and the `rl:` section come together; the verifiers need the tokenizer (they read the samples' text,
-    and `check_run` has checked it is the data's); every prompt leaves room for `rl.max_new_tokens` in a row."""
+    and `check_run` has checked it is the data's); in-loop evaluation has validation prompts (`check_rl_eval`); every
+    prompt leaves room for `rl.max_new_tokens` in a row."""
     where = cfg.source
     sources = ", ".join(s.path for s in cfg.data.sources)
     prompts = bool(getattr(loader, "prompts", False))
@@ -215,6 +214,8 @@ def check_rl(cfg: TrainConfig, loader: DataLoader, tokenizer: Tokenizer | None) 
     if tokenizer is None:
         raise ConfigError(f"{where}: rl needs `tokenizer` (the one the prompts were prepared with): the verifiers score the "
                           f"samples' decoded text")
+    if cfg.eval.every:
+        check_rl_eval(cfg)
     longest, source = max(((int(s.prompt_len.max()), s.directory) for s in loader.sources if len(s.prompt_len)),
                           default=(0, None), key=lambda x: x[0])
     if longest + cfg.rl.max_new_tokens > cfg.batch.seq_len:
