@@ -69,15 +69,16 @@ def path_reason(spec: str | Path) -> str | None:
 
 
 def missing_path(spec: str | Path) -> str | None:
-    """"no such directory (...)" when `spec` reads as a local path (`path_reason`) that does not exist, so that it is
-    reported as the missing path it is, never as a hub id that is not cached; None otherwise."""
+    """"no such checkpoint, run or model directory (...)" when `spec` reads as a local path (`path_reason`) that does
+    not exist, so that it is reported as the missing path it is, never as a hub id that is not cached; None otherwise."""
     path = Path(str(spec)).expanduser()
     if path.exists():
         return None
     reason = path_reason(spec)
     if reason is None:
         return None
-    return f"no such directory ({path.resolve()}; {reason}, so it is a local path, not a Hugging Face hub id such as allenai/OLMo-2-0425-1B)"
+    return (f"no such checkpoint, run or model directory ({path.resolve()}; {reason}, so it is a local path, not a Hugging "
+            f"Face hub id such as allenai/OLMo-2-0425-1B)")
 
 
 def offline(repo_type: str = "model") -> bool:

@@ -168,7 +168,7 @@ HUB_WEIGHT_FILES = [HF_CONFIG_FILE, "*.safetensors", SAFETENSORS_INDEX, "tokeniz
 
 def inspect_weights(spec: str | Path, *, what: str = "") -> Provenance:
     """`describe_weights` of `spec`, which may also be a hub id from the HF cache (what `init_from` names); a missing
-    path that reads as one (`runs/x`, `./x`: `hub.path_reason`) is "no such directory", not a hub id that is not cached."""
+    path that reads as one (`runs/x`, `./x`: `hub.path_reason`) is reported missing, not as a hub id that is not cached."""
     path = Path(str(spec)).expanduser()
     if not path.exists():
         if missing := hub.missing_path(spec):

@@ -82,7 +82,8 @@ def _main() -> int:
                    help="run_dir holds an earlier run: move it aside (to RUN.replaced-<time>; nothing is deleted) and start a new one")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     args = p.parse_args()
-    if args.init_from and (missing := missing_path(args.init_from)):  # named as the flag the user typed, not the key it sets
+    # Named as the flag the user typed, not the key it sets; a resume may not read it (the run's own checkpoint wins).
+    if args.init_from and args.resume in (None, "none") and (missing := missing_path(args.init_from)):
         print(f"error: --init-from {args.init_from}: {missing}", file=sys.stderr)
         return 2
     watch_launcher()  # before anything slow: a rank whose launcher is gone must not start, or train on, alone

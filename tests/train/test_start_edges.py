@@ -1,5 +1,5 @@
 """What a start says before training (issue 58, item 6): a missing `--init-from` / `init_from.path` that reads as a path
-is "no such directory", not a hub id missing from the cache (a hub id keeps the hub's message); data prepared with
+is "no such checkpoint, run or model directory", not a hub id missing from the cache (a hub id keeps the hub's message); data prepared with
 `--allow-split-template-tokens` trains with a warning naming the source; the optimizer op a start builds is decided in
 the plan, where the DeepSpeed JSON is read, not in launch.py; and a run's process ends without nanobind's ~100 lines
 about triton's objects."""
@@ -43,12 +43,12 @@ def test_what_reads_as_a_path(spec, reason):
 def test_a_missing_init_from_path_is_no_such_directory_and_a_hub_id_stays_one(tmp_path, monkeypatch, hf_cache):
     result = pretrain("--config", str(ROOT / "configs" / "demo.yaml"), "--init-from", "runs/no-such-run", cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.strip() == (f"error: --init-from runs/no-such-run: no such directory ({tmp_path / 'runs' / 'no-such-run'}; it "
+    assert result.stderr.strip() == (f"error: --init-from runs/no-such-run: no such checkpoint, run or model directory ({tmp_path / 'runs' / 'no-such-run'}; it "
                                      f"starts with runs/, so it is a local path, not a Hugging Face hub id such as "
                                      f"allenai/OLMo-2-0425-1B)"), result.stderr
     monkeypatch.chdir(tmp_path)
     (tmp_path / "checkpoints").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"^checkpoints/step-9: no such directory \(.*; directory checkpoints/ exists here"):
+    with pytest.raises(FileNotFoundError, match=r"^checkpoints/step-9: no such checkpoint, run or model directory \(.*; directory checkpoints/ exists here"):
         weights.inspect_weights("checkpoints/step-9")
     with pytest.raises(FileNotFoundError, match=r"someorg/somemodel is a Hugging Face hub id, not a local path; .* is not in the HF cache"):
         weights.inspect_weights("someorg/somemodel")
@@ -57,7 +57,7 @@ def test_a_missing_init_from_path_is_no_such_directory_and_a_hub_id_stays_one(tm
 def test_a_missing_init_from_in_the_config_names_the_key(tmp_path):
     data = write_markov_shards(tmp_path / "shards", 5_000)
     cfg = config_from_dict(tiny_config(tmp_path, data, init_from={"path": str(tmp_path / "runs" / "gone")}), source="run.yaml")
-    with pytest.raises(ConfigError, match=rf"run.yaml: init_from.path: {tmp_path}/runs/gone: no such directory \(.*it starts with /"):
+    with pytest.raises(ConfigError, match=rf"run.yaml: init_from.path: {tmp_path}/runs/gone: no such checkpoint, run or model directory \(.*it starts with /"):
         plan_run(cfg, env=ONE_RANK)
 
 
