@@ -43,9 +43,42 @@ class HubError(FileNotFoundError):
 def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
     """(repo_id, revision) when `spec` reads as a hub id rather than a path, else None."""
     m = _HUB_ID.match(str(spec))
-    if m is None or str(spec).startswith((".", "/")) or str(spec).lower().endswith(_FILE_SUFFIXES):
+    if m is None or path_reason(spec) is not None:
         return None
     return m.group("repo"), m.group("revision")
+
+
+# Where this project's runs live (`run_dir: runs/NAME` in every shipped config): `runs/x` names a run, never a hub repo.
+_PATH_PREFIXES = ("./", "../", "/", "~", "runs/")
+
+
+def path_reason(spec: str | Path) -> str | None:
+    """Why `spec` reads as a local path and not as a hub id (`org/name`), whether or not it exists; None when it
+    may be a hub id. A path: it starts with ./ ../ / ~ or runs/, names a file (.json, .safetensors, ...), or its
+    parent directory exists here (`checkpoints/x` beside a `checkpoints/` directory)."""
+    text = str(spec)
+    prefix = next((p for p in _PATH_PREFIXES if text.startswith(p)), None) or (text[:1] if text.startswith(".") else None)
+    if prefix:
+        return f"it starts with {prefix}"
+    if text.lower().endswith(_FILE_SUFFIXES):
+        return "it names a file"
+    parent = Path(text).parent
+    if parent != Path(".") and parent.is_dir():
+        return f"directory {parent}/ exists here"
+    return None
+
+
+def missing_path(spec: str | Path) -> str | None:
+    """"no such checkpoint, run or model directory (...)" when `spec` reads as a local path (`path_reason`) that does
+    not exist, so that it is reported as the missing path it is, never as a hub id that is not cached; None otherwise."""
+    path = Path(str(spec)).expanduser()
+    if path.exists():
+        return None
+    reason = path_reason(spec)
+    if reason is None:
+        return None
+    return (f"no such checkpoint, run or model directory ({path.resolve()}; {reason}, so it is a local path, not a Hugging "
+            f"Face hub id such as allenai/OLMo-2-0425-1B)")
 
 
 def offline(repo_type: str = "model") -> bool:

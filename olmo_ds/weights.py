@@ -167,10 +167,14 @@ HUB_WEIGHT_FILES = [HF_CONFIG_FILE, "*.safetensors", SAFETENSORS_INDEX, "tokeniz
 
 
 def inspect_weights(spec: str | Path, *, what: str = "") -> Provenance:
-    """`describe_weights` of `spec`, which may also be a hub id from the HF cache (what `init_from` names)."""
-    path = Path(spec)
-    if not path.exists() and hub.parse_hub_id(str(spec)) is not None:
-        path = hub.resolve_snapshot(str(spec), HUB_WEIGHT_FILES, what=what)
+    """`describe_weights` of `spec`, which may also be a hub id from the HF cache (what `init_from` names); a missing
+    path that reads as one (`runs/x`, `./x`: `hub.path_reason`) is reported missing, not as a hub id that is not cached."""
+    path = Path(str(spec)).expanduser()
+    if not path.exists():
+        if missing := hub.missing_path(spec):
+            raise FileNotFoundError(f"{what + ': ' if what else ''}{spec}: {missing}")
+        if hub.parse_hub_id(str(spec)) is not None:
+            path = hub.resolve_snapshot(str(spec), HUB_WEIGHT_FILES, what=what)
     return describe_weights(path)
 
 

@@ -56,9 +56,10 @@ class BatchRamp:
 
 @dataclass
 class BatchConfig:
-    global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks (RL: prompts, G samples each)
     # Sequences per rank per forward/backward, or auto: the largest power of two that divides the rows per rank and
     # whose estimated peak memory fits 80% of the GPU (olmo_ds/train/memory.py); chosen at start, logged, kept on resume.
+    # RL: packed rows of samples; each rollout pads its rows to whole micro-batches, so any number divides them.
     micro_batch_size: int | str = 1
     seq_len: int = 256
     # Optional batch-size warm-up, e.g. [{step: 0, global_batch_size: 4}, {step: 100, global_batch_size: 8}];

@@ -113,9 +113,25 @@ def device_type() -> str:
 
 def check_batch_divisible(cfg: TrainConfig, dp_world_size: int) -> None:
     """Every global batch size of the run splits into whole micro-batches on every rank (with
-    `micro_batch_size: auto`, into whole rows per rank: the micro-batch chosen later divides those)."""
+    `micro_batch_size: auto`, into whole rows per rank: the micro-batch chosen later divides those).
+
+    RL (`rl:`) counts its global batch in prompts and its micro-batch in packed rows of samples: each rank takes
+    global / data-parallel prompts, and its rollout pads the rows it packs to whole micro-batches
+    (`olmo_ds.train.grpo`), so only the prompts must split over the ranks, each rank with at least one prompt
+    for every one of `rl.updates_per_rollout` updates (an update of none would step the optimizer on no data)."""
     b = cfg.batch
     for size in sorted({size for _, size in b.size_schedule().points}):
+        if cfg.rl is not None:
+            if size % dp_world_size:
+                raise ConfigError(f"{cfg.source}: global batch size {size} (RL: prompts a step) is not divisible by the "
+                                  f"data-parallel size {dp_world_size}: each rank takes global / {dp_world_size} prompts")
+            updates = cfg.rl.updates_per_rollout
+            if size // dp_world_size < updates:
+                raise ConfigError(f"{cfg.source}: rl.updates_per_rollout {updates} exceeds the {size // dp_world_size} prompts "
+                                  f"each of the {dp_world_size} data-parallel ranks takes at global batch size {size}: every "
+                                  f"update trains its share of each rank's prompts, so some would train none; lower "
+                                  f"rl.updates_per_rollout or raise the global batch to {updates * dp_world_size}")
+            continue
         if b.micro_batch_size == AUTO:
             if size % dp_world_size:
                 raise ConfigError(f"{cfg.source}: global batch size {size} is not divisible by the data-parallel size "
@@ -182,6 +198,18 @@ class ZeroLayout:
         return self.optimizer_offloaded or self.params_on_host
 
 
+def optimizer_op(ds: dict, zero: ZeroLayout) -> str | None:
+    """The DeepSpeed op builder `deepspeed.initialize` runs for the optimizer of `ds`, a resolved config whose ZeRO
+    layout is `zero`: CPU Adam with optimizer offload, FusedAdam for (Adam)W otherwise, none with torch's AdamW
+    (`optimizer.params.torch_adam`); what the launch announces before it compiles (`launch.announce_op_builds`)."""
+    if zero.optimizer_offloaded:
+        return "CPUAdamBuilder"
+    optimizer = ds.get("optimizer") or {}
+    if str(optimizer.get("type", "")).lower() in ("adam", "adamw") and not (optimizer.get("params") or {}).get("torch_adam"):
+        return "FusedAdamBuilder"
+    return None
+
+
 def read_ds_config(cfg: TrainConfig, ds: dict | None = None) -> dict:
     """The run's DeepSpeed JSON (`ds` instead, for tests), copied, with what the train config owns refused:
     a learning-rate scheduler, and a concrete micro-batch or accumulation while the micro-batch is `auto`."""
@@ -241,15 +269,18 @@ def fill_train_fields(ds: dict, cfg: TrainConfig, dp_world_size: int) -> dict:
     r = _Resolver(ds, ds_path, cfg)
     b, o = cfg.batch, cfg.optim
     check_batch_divisible(cfg, dp_world_size)
-    first = b.size_schedule().at(0)
-    r.fill(ds, "train_batch_size", b.global_batch_size, "batch.global_batch_size")
-    ds["train_batch_size"] = first  # a batch-size schedule starts smaller; the trainer steps it up
     r.fill(ds, "train_micro_batch_size_per_gpu", b.micro_batch_size, "batch.micro_batch_size")
-    r.fill(
-        ds, "gradient_accumulation_steps", b.global_batch_size // (b.micro_batch_size * dp_world_size),
-        "batch.global_batch_size / (batch.micro_batch_size x data-parallel size)",
-    )
-    ds["gradient_accumulation_steps"] = first // (b.micro_batch_size * dp_world_size)
+    if cfg.rl is not None:
+        _fill_rl_batch(ds, ds_path, cfg, dp_world_size)
+    else:
+        first = b.size_schedule().at(0)
+        r.fill(ds, "train_batch_size", b.global_batch_size, "batch.global_batch_size")
+        ds["train_batch_size"] = first  # a batch-size schedule starts smaller; the trainer steps it up
+        r.fill(
+            ds, "gradient_accumulation_steps", b.global_batch_size // (b.micro_batch_size * dp_world_size),
+            "batch.global_batch_size / (batch.micro_batch_size x data-parallel size)",
+        )
+        ds["gradient_accumulation_steps"] = first // (b.micro_batch_size * dp_world_size)
     r.fill(ds, "gradient_clipping", o.grad_clip, "optim.grad_clip")
     sp = cfg.parallel.sequence_parallel_size
     if sp > 1 or "sequence_parallel_size" in ds:
@@ -282,6 +313,22 @@ def fill_train_fields(ds: dict, cfg: TrainConfig, dp_world_size: int) -> dict:
     if leftover:
         raise ConfigError(f"{ds_path}: no train-config value fills {', '.join(leftover)} = \"auto\"; set a concrete value")
     return ds
+
+
+def _fill_rl_batch(ds: dict, ds_path: str, cfg: TrainConfig, dp_world_size: int) -> None:
+    """An RL run's DeepSpeed batch at the start: one micro-batch per data-parallel rank (accumulation 1).
+
+    DeepSpeed counts rows, and an RL step's rows are known only once its rollout has packed them (whole
+    micro-batches, as many as the fullest rank needs); the trainer sets DeepSpeed's batch to them at every step
+    (`engine.set_train_batch_size`). The start's value is the least a step trains, so the JSON is consistent
+    (train_batch_size = micro-batch x accumulation x data-parallel ranks) and claims no batch the run never has.
+    A concrete value in the JSON would be a second, contradicted source for that number: it is refused."""
+    for key in ("train_batch_size", "gradient_accumulation_steps"):
+        if ds.get(key, AUTO) != AUTO:
+            raise ConfigError(f"{ds_path}: {key} = {json.dumps(ds[key])}, but an RL run (rl: in {cfg.source}) trains the rows "
+                              f"each rollout packs, which the trainer gives DeepSpeed at every step; set {key} to \"auto\"")
+    ds["train_batch_size"] = cfg.batch.micro_batch_size * dp_world_size
+    ds["gradient_accumulation_steps"] = 1
 
 
 def resolve_zero(ds: dict, cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *, device: str | None = None,

@@ -58,12 +58,13 @@ OP_PURPOSES = {"deepspeed_shm_comm": "shared-memory collectives between CPU rank
                "fused_adam": "fused Adam on the GPU"}
 
 
-def pending_op_builds(ds_config: dict | None = None) -> list[tuple[str, Path]]:
+def pending_op_builds(optimizer_op: str | None = None) -> list[tuple[str, Path]]:
     """(op, cache directory) of each DeepSpeed op this start will compile: not shipped prebuilt and not in the
     torch extensions cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR) yet. `deepspeed.init_distributed`
-    builds the shared-memory collectives on the CPU accelerator; `deepspeed.initialize` builds the optimizer DeepSpeed
-    picks from `ds_config` (CPU Adam with optimizer offload, FusedAdam on GPUs unless torch_adam). A cached op whose
-    sources changed is rebuilt without being listed: finding that out costs what the build costs."""
+    builds the shared-memory collectives on the CPU accelerator; `deepspeed.initialize` builds `optimizer_op`, the
+    builder of the optimizer the plan decided DeepSpeed picks (`DeepSpeedPlan.optimizer_op`: CPU Adam with optimizer
+    offload, FusedAdam on GPUs unless torch_adam). A cached op whose sources changed is rebuilt without being listed:
+    finding that out costs what the build costs."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
@@ -73,16 +74,8 @@ def pending_op_builds(ds_config: dict | None = None) -> list[tuple[str, Path]]:
     except ImportError:
         return []
 
-    wanted = ["ShareMemCommBuilder"]
-    if ds_config:
-        zero = ds_config.get("zero_optimization") or {}
-        optimizer = ds_config.get("optimizer") or {}
-        if (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme"):
-            wanted.append("CPUAdamBuilder")
-        elif str(optimizer.get("type", "")).lower() in ("adam", "adamw") and not (optimizer.get("params") or {}).get("torch_adam"):
-            wanted.append("FusedAdamBuilder")
     pending = []
-    for name in wanted:
+    for name in ["ShareMemCommBuilder", *([optimizer_op] if optimizer_op else [])]:
         try:
             builder = get_accelerator().create_op_builder(name)
         except (ImportError, AttributeError, ValueError):
@@ -95,11 +88,11 @@ def pending_op_builds(ds_config: dict | None = None) -> list[tuple[str, Path]]:
     return pending
 
 
-def announce_op_builds(ds_config: dict | None, rank: int) -> None:
+def announce_op_builds(optimizer_op: str | None, rank: int) -> None:
     """One line on rank 0 for each op `pending_op_builds` finds, before the silence of its compilation."""
     if rank != 0:
         return
-    for op, directory in pending_op_builds(ds_config):
+    for op, directory in pending_op_builds(optimizer_op):
         log.info("DeepSpeed compiles its %s op (%s) before training starts: a few minutes on a few CPU cores, once; cached "
                  "in %s for every later start", op, OP_PURPOSES.get(op, "a C++ extension"), directory)
 
@@ -167,12 +160,13 @@ def detect_environment(environ: dict | None = None) -> DistEnv:
     return DistEnv(launcher, int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]))
 
 
-def init_distributed(ds_config: dict | None = None) -> DistEnv:
+def init_distributed(optimizer_op: str | None = None) -> DistEnv:
     """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on the CPU accelerator).
 
     The process group is built on the store of the preflight rendezvous, so a rank that never comes
     is reported within seconds (`olmo_ds.ranks.rendezvous`) instead of after the process-group timeout.
-    Ops DeepSpeed is about to compile, here and for `ds_config`'s optimizer, are announced first (`announce_op_builds`).
+    Ops DeepSpeed is about to compile, here and `optimizer_op` (the plan's `DeepSpeedPlan.optimizer_op`, read from the
+    resolved DeepSpeed config where it is interpreted), are announced first (`announce_op_builds`).
     """
     import deepspeed
     import torch
@@ -192,7 +186,7 @@ def init_distributed(ds_config: dict | None = None) -> DistEnv:
         device = {"device_id": torch.device("cuda", dist_env.local_rank)} if accel.device_name() == "cuda" else {}
         torch.distributed.init_process_group(backend, store=store, rank=dist_env.rank, world_size=dist_env.world_size,
                                              timeout=default_pg_timeout, **device)
-    announce_op_builds(ds_config, dist_env.rank)
+    announce_op_builds(optimizer_op, dist_env.rank)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     return dist_env
 

@@ -20,7 +20,6 @@ typed record that the trainer, the memory estimate and the tools read, instead o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -34,8 +33,8 @@ from olmo_ds.data.loader import DataLoader
 from olmo_ds.model.config import INIT_CHANGEABLE, ModelConfig, model_differences
 from olmo_ds.tokenizer import Tokenizer, load_tokenizer, same_tokenizer
 from olmo_ds.train.config import ConfigError, TrainConfig
-from olmo_ds.train.ds_config import ZeroLayout, device_type, fill_train_fields, read_ds_config, resolve_zero
-from olmo_ds.train.evaluation import InLoopEvaluator
+from olmo_ds.train.ds_config import ZeroLayout, device_type, fill_train_fields, optimizer_op, read_ds_config, resolve_zero
+from olmo_ds.train.evaluation import InLoopEvaluator, val_sources
 from olmo_ds.train.launch import DistEnv, detect_environment, normalize_cuda_arch_list
 from olmo_ds.train.memory import MicroBatchChoice, choose_micro_batch
 from olmo_ds.train.metrics import roll_back_metrics, setup_console_logging
@@ -57,8 +56,9 @@ class DeepSpeedPlan:
     config: dict
     zero: ZeroLayout  # ZeRO stage, reduce bucket, what CPU offload puts on the host
     micro_batch: MicroBatchChoice
-    accumulation_steps: int  # at step 0 (a batch-size schedule raises it later)
+    accumulation_steps: int  # at step 0 (a batch-size schedule raises it later; RL: 1, each rollout sets its own)
     precision: str
+    optimizer_op: str | None  # the op builder deepspeed.initialize runs for the optimizer (`ds_config.optimizer_op`)
 
 
 @dataclass
@@ -84,6 +84,12 @@ class RunPlan:
     def rank(self) -> int:
         return self.env.rank
 
+    def abandon(self) -> None:
+        """This start ends before training (Ctrl-C or an error while the engine is built or the reference computed):
+        rank 0 gives up the run dir as a refused start does (`RunDirLock.abandon`); other ranks hold nothing."""
+        if self.run_lock is not None:
+            self.run_lock.abandon()
+
     @property
     def world_size(self) -> int:
         return self.env.world_size
@@ -98,17 +104,12 @@ def plan_run(cfg: TrainConfig, *, resume: str | None = None, start_over: bool = 
     for warning in cfg.warnings():
         log.warning(warning)
     run_dir = Path(cfg.run_dir)
-    created = not run_dir.exists()
     run_lock = claim_run_dir(run_dir, resume, start_over, env.rank)
     try:
         return _plan(cfg, env, run_dir, run_lock, resume)
     except BaseException:
         if run_lock is not None:  # a refused start leaves the run dir as it found it
-            run_lock.release()
-            if created:
-                run_lock.path.unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    run_dir.rmdir()  # only if nothing else was written there
+            run_lock.abandon()
         raise
 
 
@@ -119,6 +120,8 @@ def _plan(cfg: TrainConfig, env: DistEnv, run_dir: Path, run_lock: RunDirLock | 
     vocab = tokenizer.vocab_size if tokenizer is not None else loader.vocab_size
     model = cfg.model.build(vocab_size=vocab)
     check_run(cfg, model, loader, tokenizer, env.world_size)
+    for warning in split_template_warnings(loader):
+        log.warning(warning)
     check_rl(cfg, loader, tokenizer)
 
     # The run's own checkpoint is where a continued run starts; weights from elsewhere (`init_from`)
@@ -194,7 +197,8 @@ def check_preference(cfg: TrainConfig, loader: DataLoader, run_dir: Path, resume
 
 def check_rl(cfg: TrainConfig, loader: DataLoader, tokenizer: Tokenizer | None) -> None:
     """RL prompts and the `rl:` section come together; the verifiers need the tokenizer (they read the samples' text,
-    and `check_run` has checked it is the data's); every prompt leaves room for `rl.max_new_tokens` in a row."""
+    and `check_run` has checked it is the data's); in-loop evaluation has validation prompts (`check_rl_eval`); every
+    prompt leaves room for `rl.max_new_tokens` in a row."""
     where = cfg.source
     sources = ", ".join(s.path for s in cfg.data.sources)
     prompts = bool(getattr(loader, "prompts", False))
@@ -210,6 +214,8 @@ def check_rl(cfg: TrainConfig, loader: DataLoader, tokenizer: Tokenizer | None) 
     if tokenizer is None:
         raise ConfigError(f"{where}: rl needs `tokenizer` (the one the prompts were prepared with): the verifiers score the "
                           f"samples' decoded text")
+    if cfg.eval.every:
+        check_rl_eval(cfg)
     longest, source = max(((int(s.prompt_len.max()), s.directory) for s in loader.sources if len(s.prompt_len)),
                           default=(0, None), key=lambda x: x[0])
     if longest + cfg.rl.max_new_tokens > cfg.batch.seq_len:
@@ -217,6 +223,22 @@ def check_rl(cfg: TrainConfig, loader: DataLoader, tokenizer: Tokenizer | None) 
                           f"exceeds batch.seq_len {cfg.batch.seq_len} (a prompt and its sample are one training row): raise "
                           f"batch.seq_len to {longest + cfg.rl.max_new_tokens}, lower rl.max_new_tokens, or prepare the prompts "
                           f"with a lower --max-tokens")
+
+
+def check_rl_eval(cfg: TrainConfig) -> None:
+    """An RL run's in-loop evaluation (`eval.every` > 0) has validation prompts to answer, as pretraining's has rows
+    to score (`InLoopEvaluator`): prompts, not `eval.tasks`, which it does not run."""
+    where, every = cfg.source, cfg.eval.every
+    if cfg.eval.tasks:
+        raise ConfigError(f"{where}: eval.tasks ({', '.join(cfg.eval.tasks)}) with rl: an RL run's in-loop evaluation answers "
+                          f"validation prompts greedily and scores them with their verifiers; it runs no eval.tasks. Remove "
+                          f"eval.tasks (score tasks afterwards: bash scripts/eval.sh RUN)")
+    if not val_sources(cfg):
+        sources = ", ".join(s.path for s in cfg.data.sources)
+        raise ConfigError(f"{where}: eval.every is {every} but there is nothing to evaluate: no RL prompt source ({sources}) has "
+                          f"a validation split (SOURCE/val/, which `prepare_data.py --format rl --val-fraction 0.01` writes) and "
+                          f"data.val_sources is empty. Prepare the prompts with --val-fraction, set data.val_sources, or turn "
+                          f"in-loop evaluation off with --set eval.every=0")
 
 
 def claim_run_dir(run_dir: Path, resume: str | None, start_over: bool, rank: int) -> RunDirLock | None:
@@ -322,6 +344,21 @@ def check_run(cfg: TrainConfig, model: ModelConfig, loader: DataLoader, tokenize
     log.info("%s", run_length(cfg, loader))
 
 
+def split_template_warnings(loader: DataLoader) -> list[str]:
+    """One line per source prepared with `--allow-split-template-tokens` (its manifest's `chat.split_template_tokens`
+    lists the chat template's markers the tokenizer has no special id for): what that means for the model trained."""
+    found = []
+    for src in loader.sources:
+        split = (src.manifest.extra.get("chat") or {}).get("split_template_tokens")
+        if split:
+            found.append(f"{src.directory}: prepared with --allow-split-template-tokens: its tokenizer has no special id for "
+                         f"{', '.join(split)} (manifest.json chat.split_template_tokens), so each is several ordinary tokens at "
+                         f"every turn: the model learns where a turn starts and ends as that text, not as one token, and a turn's end "
+                         f"is no single id for generation to stop on. Meant only with a tokenizer that cannot have them; "
+                         f"otherwise prepare the data again with one that has them (docs/troubleshooting.md)")
+    return found
+
+
 def run_length(cfg: TrainConfig, loader: DataLoader) -> str:
     """How much of the data `max_steps` reads, in epochs (SFT recipes are given in epochs: max_steps from them)."""
     epoch, schedule = loader.mixture.epoch_size, cfg.batch.size_schedule()
@@ -404,7 +441,7 @@ def plan_deepspeed(cfg: TrainConfig, model: ModelConfig, dp_world_size: int, *, 
         log.info("%s: %s", cfg.deepspeed_config, host.describe())
     ds = exact_resume_optimizer(fill_train_fields(ds, cfg, dp_world_size), zero, device)
     return cfg, DeepSpeedPlan(config=ds, zero=zero, micro_batch=micro_batch, accumulation_steps=ds["gradient_accumulation_steps"],
-                              precision=cfg.precision)
+                              precision=cfg.precision, optimizer_op=optimizer_op(ds, zero))
 
 
 def exact_resume_optimizer(ds_config: dict, zero: ZeroLayout, device: str) -> dict:

@@ -24,6 +24,7 @@ this process keeps one handle per run dir (`_HELD`): opening and closing a secon
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -49,6 +50,7 @@ class RunDirLock:
     run_dir: Path
     file: IO[str] | None  # None once released
     locked: bool  # False where the filesystem has no locks
+    created: bool = False  # this process made the run dir (it did not exist when locked)
 
     @property
     def path(self) -> Path:
@@ -74,6 +76,19 @@ class RunDirLock:
             self.file.close()
             self.file = None
 
+    def abandon(self) -> None:
+        """A start that ends before it trained (refused, Ctrl-C in the engine's set-up, a failed reference pass): drop
+        the lock, and where this process made the run dir and nothing but the lock file is in it, remove both, so the
+        start leaves the run dir as it found it. Anything else written there stays (a cache the next start reuses).
+        The file goes while still locked: a start that opens the path from then on makes a file of its own."""
+        if self.file is None:
+            return
+        if self.created and [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]:
+            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.run_dir.rmdir()
+        self.release()
+
 
 _HELD: dict[Path, RunDirLock] = {}
 
@@ -85,6 +100,7 @@ def _key(run_dir: Path) -> Path:
 def lock_run_dir(run_dir: str | Path) -> RunDirLock:
     """Lock `run_dir` (created if missing) for this process, or raise a ConfigError naming the live run that holds it."""
     run_dir = Path(run_dir)
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     if (held := _HELD.get(_key(run_dir))) is not None:
         return held
@@ -108,7 +124,7 @@ def lock_run_dir(run_dir: str | Path) -> RunDirLock:
         log.warning("%s: this filesystem does not support file locks (%s), so a second run started in %s would not be "
                     "stopped; on Lustre mount with -o flock, on NFS run lockd", run_dir / LOCK_FILE, os.strerror(e.errno), run_dir)
         locked = False
-    lock = _HELD[_key(run_dir)] = RunDirLock(run_dir, f, locked)
+    lock = _HELD[_key(run_dir)] = RunDirLock(run_dir, f, locked, created)
     return lock
 
 

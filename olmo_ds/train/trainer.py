@@ -104,7 +104,7 @@ class Trainer:
         self.init_record = self.resume_state.get("init_from") if self.resume_state else None
 
         configure_determinism(cfg.deterministic)
-        init_distributed(self.ds_config)  # announces the DeepSpeed ops a first start compiles
+        init_distributed(plan.deepspeed.optimizer_op)  # announces the DeepSpeed ops a first start compiles
         self.layout = plan.layout
         self.sp = sequence_group(plan.layout)  # this rank's sequence group, None without sequence parallelism
         seed_everything(cfg.seed)  # the same on every rank: ZeRO-3 initialises each weight whole, then partitions it

@@ -21,7 +21,7 @@ from olmo_ds.tools.check_resume import read_metrics
 from olmo_ds.train.config import ConfigError
 from olmo_ds.train.metrics import roll_back_metrics
 from olmo_ds.train.plan import claim_run_dir
-from olmo_ds.train.run_lock import LOCK_FILE
+from olmo_ds.train.run_lock import LOCK_FILE, lock_run_dir
 
 from train_testlib import ROOT, launch_env, tiny_config, write_config, write_markov_shards
 
@@ -127,3 +127,44 @@ def test_second_start_beside_a_live_run_is_refused_and_a_restart_after_sigkill_l
     losses = {m["step"]: m["train/loss"] for m in read_metrics(run_dir)}
     assert [s for s, _ in tb_steps(run_dir)] == list(range(1, 41))  # the dead run's steps past the checkpoint purged
     assert all(abs(v - losses[s]) < 1e-5 for s, v in tb_steps(run_dir))
+
+
+def test_an_abandoned_start_leaves_the_run_dir_as_it_found_it(tmp_path):
+    """A start that ends before training gives the run dir up: a dir it made with nothing but its lock is removed; one
+    that holds anything else, or existed before, stays (lock file included) and is free for the next start."""
+    made = lock_run_dir(tmp_path / "new")
+    made.record()
+    made.abandon()
+    assert not (tmp_path / "new").exists()
+    written = lock_run_dir(tmp_path / "written")
+    (tmp_path / "written" / "reference").mkdir()  # e.g. a DPO reference cache the next start reuses
+    written.abandon()
+    assert sorted(p.name for p in (tmp_path / "written").iterdir()) == ["reference", LOCK_FILE]
+    (tmp_path / "old").mkdir()
+    earlier = lock_run_dir(tmp_path / "old")
+    earlier.abandon()
+    assert [p.name for p in (tmp_path / "old").iterdir()] == [LOCK_FILE]
+    lock_run_dir(tmp_path / "old").release()  # free again in this process
+
+
+@pytest.mark.slow  # a real start interrupted, ~20 s on 2 cores
+def test_ctrl_c_while_the_engine_is_built_leaves_no_run_dir_behind(tmp_path, shards):
+    """SIGINT to a real scripts/pretrain.py once its plan is made (its run dir locked), while DeepSpeed builds the engine:
+    exit 130, the message, the run dir it made gone with its lock file, and no nanobind leak report on the way out."""
+    cfg = tiny_config(tmp_path, shards, max_steps=40, logging={"every": 1, "tensorboard": False})
+    run_dir = Path(cfg["run_dir"])
+    proc = pretrain(write_config(tmp_path / "run.yaml", cfg), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for line in proc.stdout:  # the plan's last line before the trainer starts building the engine
+            if "max_steps 40 reads" in line:
+                break
+        assert (run_dir / LOCK_FILE).is_file() and not (run_dir / "metrics.jsonl").exists()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-2000:] + err[-3000:]
+    assert "rank 0: interrupted before training started; nothing saved" in err, err[-3000:]
+    assert "step 1/" not in out and not run_dir.exists(), sorted(p.name for p in run_dir.iterdir())
+    assert "leaked" not in err, err[-3000:]
