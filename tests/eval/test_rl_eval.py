@@ -168,17 +168,24 @@ def test_bad_rl_rows_and_options_are_refused_before_any_weight_is_read(rl_run, t
     from olmo_ds.model.decode.prompts import read_prompts
     from olmo_ds.tokenizer import load_tokenizer
 
-    bad.write_text(json.dumps({**row, "ground_truth": "two"}) + "\n" + json.dumps({"prompt": "x", "dataset": "gsm8k"}) + "\n")
+    tokenizer = load_tokenizer(DOLMA2)
+    text_row = {"prompt": "What is 1 + 1?", "ground_truth": "2", "dataset": "gsm8k"}
+    bad.write_text(json.dumps(text_row) + "\n" + json.dumps({"prompt": "x", "dataset": "gsm8k"}) + "\n")
     with pytest.raises(ValueError, match=f"{bad}:2: an RL prompt row has both \"dataset\" .* has only dataset"):
-        read_prompts(bad, load_tokenizer(DOLMA2), None)
-    with pytest.raises(ValueError, match=f"{bad}:1: the gsm8k ground truth 'two' is not a number"):
-        check_rows([(f"{bad}:1", "gsm8k", "two")])
+        read_prompts(bad, tokenizer, None)
+    bad.write_text(json.dumps(text_row) + "\n" + json.dumps({**text_row, "ground_truth": "two", "constraint_type": "kept"}) + "\n")
+    prompts = read_prompts(bad, tokenizer, None)  # a mix's other keys are ignored
+    assert check_rows([(p.where, p.verifier, p.ground_truth) for p in prompts[:1]]) == ["gsm8k"]
+    with pytest.raises(ValueError, match=f"{bad}:2: the gsm8k ground truth 'two' is not a number"):
+        check_rows([(p.where, p.verifier, p.ground_truth) for p in prompts])
 
     val = f"rl={rl_run / 'data' / 'val'}"
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "Some text to score."}) + "\n")
     for options, message in [
         ({"data": [val], "samples": 4}, "4 samples a prompt need a temperature above 0"),
         ({"data": [val], "max_new_tokens": SEQ}, f"exceed the model's window of {SEQ}; pass --max-new-tokens"),
-        ({"tasks": [f"ifeval={REPO / 'tests' / 'eval' / 'fixtures' / 'ifeval.jsonl'}"], "temperature": 1.0}, "--data names none"),
+        ({"data": [f"text={text}"], "temperature": 1.0}, "--data names none"),
     ]:
         with pytest.raises(ValueError, match=message):
             run_eval(EvalOptions(target=str(rl_run / "run"), tensorboard=False, out=str(tmp_path / "never"), **options))
