@@ -203,10 +203,11 @@ def _rl_decoding(options: EvalOptions, target: weights.Provenance, rl: list[RLSo
 
 def _rl(loaded: weights.LoadedModel, source: RLSource, decoding: Decoding, dist_ctx: DistContext) -> tuple[dict, list[dict], dict]:
     """An RL prompt source's metrics (`olmo_ds.eval.rl`, as the in-loop evaluation computes them), its per-prompt records
-    and this rank's generation stats. The batch is cut to what the KV cache holds."""
+    and this rank's generation stats. The batch is cut to what the KV cache holds on every rank: the ranks deal out
+    waves of one batch size."""
     model, tokenizer = loaded.model, loaded.tokenizer
     param = next(model.parameters())
-    fit = sequences_that_fit(model.cfg, source.longest + decoding.max_new_tokens, param.dtype, param.device)
+    fit = min(dist_ctx.all_gather(sequences_that_fit(model.cfg, source.longest + decoding.max_new_tokens, param.dtype, param.device)))
     if fit < decoding.batch_size:
         decoding = dataclasses.replace(decoding, batch_size=max(1, fit))
     result = evaluate_prompts(model, source.prompts, tokenizer=tokenizer, decoding=decoding, dist_ctx=dist_ctx,

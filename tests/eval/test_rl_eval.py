@@ -79,7 +79,7 @@ def test_eval_sh_on_an_rl_checkpoint_reports_the_in_loop_numbers(rl_run):
     """`eval.sh RUN` with no --data: the run's validation prompts, greedy, as the trainer evaluated them at step 1."""
     in_loop = {k.removeprefix("eval/data/"): v for r in read_metrics(rl_run / "run") for k, v in r.items() if k.startswith("eval/data/")}
     assert {"solve_rate", "reward_mean", "solve_rate/ifeval", "reward_mean/gsm8k"} <= set(in_loop)
-    assert 0 < in_loop["reward_mean/ifeval"] < 1  # the comparison below means something
+    assert 0 < in_loop["reward_mean/ifeval"] < 1 and in_loop["solve_rate/ifeval"] > 0  # the comparison below means something
     proc = eval_sh([rl_run / "run"])
     result = json.loads((rl_run / "run" / "eval" / "step-0000001" / "results.json").read_text())
     got = result["rl"]["data"]
