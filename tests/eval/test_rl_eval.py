@@ -6,6 +6,7 @@ verifier; sampled pass@k is the same on one and two ranks; the estimator against
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -32,11 +33,21 @@ torch.set_num_threads(1)  # as every rank of a launch: on CPU the sampled number
 SEQ = 160
 
 
-def script(*args, check=True, env=None):
+def script(*args):
     proc = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-    assert not check or proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def generate_py(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """scripts/generate.py's main in this process (its start-up is most of its time here): (exit code, stdout, stderr)."""
+    spec = importlib.util.spec_from_file_location("generate_script", REPO / "scripts" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["generate.py", *map(str, args)])
+    rc = module.main()
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +106,11 @@ def test_eval_sh_on_an_rl_checkpoint_reports_the_in_loop_numbers(rl_run):
 
 @pytest.mark.multirank
 def test_sampled_pass_at_k_is_the_same_on_one_and_two_ranks(rl_run, tmp_path):
-    args = ["--data", f"heldout={rl_run / 'data' / 'val'}", "--samples", "4", "--temperature", "1.0", "--seed", "3", "--gen-batch-size", "3",
-            "--max-new-tokens", "6"]
+    args = ["--data", f"heldout={rl_run / 'data' / 'val'}", "--samples", "4", "--temperature", "1.0", "--seed", "3", "--gen-batch-size", "6",
+            "--max-new-tokens", "4"]
     eval_sh([rl_run / "run", *args, "--out", tmp_path / "two"], nproc=2)
-    (one,) = run_eval(EvalOptions(target=str(rl_run / "run"), data=args[1:2], samples=4, temperature=1.0, seed=3, gen_batch_size=3,
-                                  max_new_tokens=6, out=str(tmp_path / "one"), tensorboard=False))
+    (one,) = run_eval(EvalOptions(target=str(rl_run / "run"), data=args[1:2], samples=4, temperature=1.0, seed=3, gen_batch_size=6,
+                                  max_new_tokens=4, out=str(tmp_path / "one"), tensorboard=False))
     two = json.loads((tmp_path / "two" / "results.json").read_text())
     assert two["config"]["eval"]["world_size"] == 2 and two["rl"]["heldout"] == json.loads(json.dumps(one["rl"]["heldout"]))
     records = [json.loads(line) for line in (tmp_path / "two" / "heldout.outputs.jsonl").read_text().splitlines()]
@@ -143,26 +154,27 @@ def test_metrics_overall_and_per_verifier():
         rl.Decoding(8, 4, samples=4)
 
 
-def test_generate_scores_rl_prompt_rows(rl_run, tmp_path):
+def test_generate_scores_rl_prompt_rows(rl_run, tmp_path, monkeypatch, capsys):
     rows = (rl_run / "prompts.jsonl").read_text().splitlines()
     prompts = tmp_path / "rl.jsonl"
     prompts.write_text("\n".join([rows[0], rows[1], rows[-1], json.dumps({"prompt": "Hello"})]) + "\n")
-    proc = script(REPO / "scripts" / "generate.py", rl_run / "run", "--chat", "--chat-template", "olmo3", "--prompts", prompts,
-                  "--max-new-tokens", "8")
-    out = [json.loads(line) for line in proc.stdout.splitlines()]
+    rc, stdout, stderr = generate_py(monkeypatch, capsys, rl_run / "run", "--chat", "--chat-template", "olmo3", "--prompts", prompts,
+                                     "--max-new-tokens", "8")
+    assert rc == 0, stderr
+    out = [json.loads(line) for line in stdout.splitlines()]
     assert [r.get("dataset") for r in out] == ["ifeval", "ifeval", "gsm8k", None]
     for r in out[:3]:
         assert r["reward"] == reward(r["dataset"], r["completion"], r["ground_truth"]).score and "reason" in r
     assert "reward" not in out[3]
-    assert "generate: rewards of 3 RL prompt rows: solve_rate" in proc.stderr and "; gsm8k (1): solve_rate" in proc.stderr
+    assert "generate: rewards of 3 RL prompt rows: solve_rate" in stderr and "; gsm8k (1): solve_rate" in stderr
 
 
-def test_bad_rl_rows_and_options_are_refused_before_any_weight_is_read(rl_run, tmp_path):
+def test_bad_rl_rows_and_options_are_refused_before_any_weight_is_read(rl_run, tmp_path, monkeypatch, capsys):
     row = {"messages": [{"role": "user", "content": "What is 1 + 1?"}], "ground_truth": "2", "dataset": "gsm8k"}
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(row) + "\n" + json.dumps({**row, "dataset": "nope"}) + "\n")
-    proc = script(REPO / "scripts" / "generate.py", rl_run / "run", "--chat", "--chat-template", "olmo3", "--prompts", bad, check=False)
-    assert proc.returncode == 2 and f"{bad}:2: unknown verifier 'nope'" in proc.stderr and proc.stdout == ""
+    rc, stdout, stderr = generate_py(monkeypatch, capsys, rl_run / "run", "--chat", "--chat-template", "olmo3", "--prompts", bad)
+    assert rc == 2 and f"{bad}:2: unknown verifier 'nope'" in stderr and stdout == ""
 
     from olmo_ds.eval.rl import check_rows
     from olmo_ds.model.decode.prompts import read_prompts
