@@ -146,8 +146,8 @@ def evaluate_prompts(model, prompts: Sequence[Prompt], *, tokenizer, decoding: D
 
     The answers (prompt-major: prompt 0's K samples, then prompt 1's ...) are cut into waves of `decoding.batch_size`
     and wave w is decoded by rank w mod world size, alone in one `generate` call. A sequence's neighbours in its batch
-    therefore depend on the prompts and the batch size only, never on the number of ranks: the decode engine's numbers
-    move with a batch's composition (by ~1e-7 on CPU, more in bf16 on a GPU), and at a near tie that flips a token."""
+    therefore depend on the prompts and the batch size only, never on the number of ranks: where the decode engine's
+    numbers move with a batch's composition (bf16 kernels on a GPU), a near tie would otherwise flip a token."""
     k = decoding.samples
     requests = [Request(list(p.ids), decoding.max_new_tokens, seed=None if decoding.greedy else sample_key(p.index, j))
                 for p in prompts for j in range(k)]

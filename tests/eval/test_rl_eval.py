@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "train"))
 from train_testlib import read_metrics, run, write_config  # noqa: E402
 
-torch.set_num_threads(1)  # as every rank of a launch: on CPU the sampled numbers depend on the threads (docs/evaluation.md)
+torch.set_num_threads(1)  # as every rank of a launch (and the test's subprocesses: OMP_NUM_THREADS=1)
 SEQ = 160
 
 
