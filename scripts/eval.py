@@ -10,6 +10,8 @@
     python scripts/eval.py runs/demo --all-checkpoints                  # every checkpoint + comparison plot
     python scripts/eval.py runs/demo --all-checkpoints --skip-evaluated # only the new ones, then compare all
     python scripts/eval.py exported/ --data c4=data/c4-val.jsonl.gz     # a transformers directory, raw text
+    python scripts/eval.py runs/rl                                      # an RL run: its validation prompts' greedy solve rate
+    python scripts/eval.py runs/rl --data rl=data/rl/val --samples 8 --temperature 1.0   # pass@1 .. pass@8 per verifier
     torchrun --nproc_per_node 8 scripts/eval.py RUN --tasks ...         # split across GPUs, same numbers
 
 Normally run through `bash scripts/eval.sh`, which picks the launcher.
@@ -26,7 +28,9 @@ def parse_args(argv=None) -> EvalOptions:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", nargs="?", default="runs/demo", help="checkpoint dir (RUN/checkpoints/step-N), run dir (its newest checkpoint) or exported transformers dir (default: runs/demo)")
     p.add_argument("--data", nargs="+", action="extend", default=[], metavar="[NAME=]PATH",
-                   help="perplexity sources: shard directories (or their parent with val/) or JSON-lines files tokenized on the fly; default: the run's validation sources")
+                   help="perplexity sources: shard directories (or their parent with val/) or JSON-lines files tokenized on the fly; RL "
+                        "prompt shards (prepare_data.py --format rl): each prompt answered and scored by its verifier (solve rate, "
+                        "reward mean, per verifier); default: the run's validation sources")
     p.add_argument("--tasks", nargs="+", action="extend", default=[], metavar="TASK",
                    help="multiple-choice tasks: OLMES request directories, plain JSON-lines files, task names in --task-dir, "
                         "or olmes-core (the OLMES suite from the datasets in the HF cache; docs/evaluation.md); generative "
@@ -51,7 +55,8 @@ def parse_args(argv=None) -> EvalOptions:
                    help="packed (default): rows of one width in batches of one shape, compiled on GPU; exact: the earlier "
                         "batches of one exact context length, eager (the reference; same numbers up to float rounding)")
     p.add_argument("--gen-batch-size", type=int, metavar="N",
-                   help="generative tasks: sequences decoded at once (default 64 on GPU, 8 on CPU; fewer where their KV cache would not fit)")
+                   help="generative tasks and RL prompts: sequences decoded at once (default: an RL run's rl.generation_batch_size for "
+                        "its prompts, else 64 on GPU, 8 on CPU; fewer where their KV cache would not fit)")
     p.add_argument("--chat-template", metavar="SPEC",
                    help="generative tasks: evaluate through this chat template (olmo3, a tokenizer_config.json or .jinja file), as "
                         "generate.py --chat-template; 'none' for plain text; default: the template saved with the weights or "
@@ -59,6 +64,14 @@ def parse_args(argv=None) -> EvalOptions:
     p.add_argument("--reference", metavar="PATH",
                    help="preference sources: the model they are compared with (the DPO run's starting model; default: the run's "
                         "cached reference of its validation pairs)")
+    p.add_argument("--samples", type=int, default=1, metavar="K",
+                   help="RL prompt sources: K answers a prompt at --temperature, reported as pass@1, pass@2, pass@4, ... pass@K "
+                        "(default 1: one greedy answer, the solve rate the run's in-loop evaluation logs)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="RL prompt sources: sampling temperature (default 0: greedy)")
+    p.add_argument("--seed", type=int, default=0, help="RL prompt sources, sampled: the seed every (prompt, sample) stream is keyed with")
+    p.add_argument("--max-new-tokens", type=int, metavar="N",
+                   help="RL prompt sources: an answer's new tokens at most (default: the run's rl.max_new_tokens; needed for a model "
+                        "not from an RL run)")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", help="do not add scalars to RUN/tb")
     a = p.parse_args(argv)
     return EvalOptions(
@@ -66,6 +79,7 @@ def parse_args(argv=None) -> EvalOptions:
         all_checkpoints=a.all_checkpoints, skip_evaluated=a.skip_evaluated, seq_len=a.seq_len, batch_tokens=a.batch_tokens, max_tokens=a.max_tokens, limit=a.limit,
         uncond=a.uncond, device=a.device, dtype=a.dtype, backend=a.backend, text_field=a.text_field, tensorboard=a.tensorboard,
         batching=a.batching, gen_batch_size=a.gen_batch_size, reference=a.reference, chat_template=a.chat_template,
+        samples=a.samples, temperature=a.temperature, seed=a.seed, max_new_tokens=a.max_new_tokens,
     )
 
 

@@ -4,6 +4,7 @@
     python scripts/generate.py models/olmo2-1b --prompt "The capital of France is" --temperature 0.8 --top-p 0.95
     python scripts/generate.py runs/sft --chat --prompt "Name three primes." [--system "Be brief."] [--chat-template olmo3]
     python scripts/generate.py models/olmo2-1b --prompts prompts.jsonl --batch-size 64 --out completions.jsonl
+    python scripts/generate.py runs/first-rl --chat --chat-template olmo3 --prompts data/rl/prompts.jsonl   # RL rows: scored
 
 CHECKPOINT is a training checkpoint, a run dir, an olmo-ds model directory or an export, loaded by
 `olmo_ds.weights.load_model`; the tokenizer is the one beside the weights unless --tokenizer is given. Runs on a
@@ -14,6 +15,13 @@ GPU in bf16 when one is present, else on CPU in fp32.
 else to stdout), one per prompt in the file's order: the record's id and prompt or messages, "completion" (the new
 text, cut before a stop string), "tokens" (how many new ids) and "finish" (eos, stop or length). Progress goes to
 stderr. --prompt TEXT (repeatable) prints each prompt and its continuation instead.
+
+RL prompt rows ({"messages": [...], "ground_truth": ..., "dataset": VERIFIER}, as scripts/make_rl_prompts.py and
+the public RLVR mixes write them) are answered like any prompt and scored by their verifier
+(olmo_ds/eval/verifiers.py, the RL reward): each output line adds "dataset", "ground_truth", "reward" and "reason"
+(why the verifier could not score the answer, else null), and stderr ends with a summary line (the solve rate and
+mean reward, per verifier). A row with an unknown verifier or a ground truth no answer could match is refused, with
+its file and line, before any weight is read.
 
 Decoding (olmo_ds/model/decode/): up to --batch-size sequences at once; a finished one hands its cache slot to the
 next prompt. Greedy by default; --temperature with --top-p / --top-k samples, reproducibly per prompt for a --seed
@@ -37,6 +45,7 @@ import orjson
 import torch
 
 from olmo_ds.chat import ChatEncoder, load_chat_template
+from olmo_ds.eval.rl import Decoding, answer_record, check_rows, metrics, score_answer
 from olmo_ds.model.decode import Request, Sampling, check_requests, generate
 from olmo_ds.model.decode.prompts import read_prompts, text_prompt
 from olmo_ds.tokenizer import load_tokenizer
@@ -83,6 +92,8 @@ def main() -> int:
         encoder = chat_encoder(args, provenance, tokenizer) if args.chat else None
         if args.prompts:
             prompts = read_prompts(args.prompts, tokenizer, encoder, args.system)
+            rl_rows = [pr for pr in prompts if pr.verifier is not None]
+            verifiers = dict(zip((pr.where for pr in rl_rows), check_rows([(pr.where, pr.verifier, pr.ground_truth) for pr in rl_rows])))
         else:
             prompts = [text_prompt(text, f"--prompt {n + 1}", tokenizer, encoder, args.system) for n, text in enumerate(args.prompt)]
         stop_ids = encoder.turn_end_ids() if encoder else [tokenizer.eos_id]
@@ -98,8 +109,15 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.prompts:
-        lines = b"".join(orjson.dumps({**pr.echo, "completion": c.text, "tokens": len(c.tokens), "finish": c.finish}) + b"\n"
-                         for pr, c in zip(prompts, result.completions))
+        records, scored = [], []
+        for pr, c in zip(prompts, result.completions):
+            record = {**pr.echo, "completion": c.text, "tokens": len(c.tokens), "finish": c.finish}
+            if pr.verifier is not None:
+                score = score_answer(verifiers[pr.where], c.text, pr.ground_truth)
+                record.update(dataset=pr.verifier, ground_truth=pr.ground_truth, reward=score["reward"], reason=score["reason"])
+                scored.append(answer_record(score))
+            records.append(record)
+        lines = b"".join(orjson.dumps(r) + b"\n" for r in records)
         if args.out:
             Path(args.out).write_bytes(lines)
         else:
@@ -109,11 +127,24 @@ def main() -> int:
               f"({s['new_tokens_per_second']:,.0f} tokens/s), batch {s['batch_size']}, KV cache "
               f"{s['cache_bytes_per_sequence'] / 2**10:,.0f} KiB per sequence" + (f"; written to {args.out}" if args.out else ""),
               file=sys.stderr)
+        if scored:
+            print(rewards_line(scored, Decoding(args.max_new_tokens, args.batch_size, temperature=args.temperature, seed=args.seed)),
+                  file=sys.stderr)
         return 0
     for pr, c in zip(prompts, result.completions):
         text = pr.echo["prompt"]
         print(f"=== {text!r}\n{c.text}\n" if encoder else f"=== {text!r}\n{text}{c.text}\n")
     return 0
+
+
+def rewards_line(scored: list[dict], decoding: Decoding) -> str:
+    """The summary of the RL rows' answers: the solve rate (pass@1 when sampled) and mean reward, then per verifier."""
+    m = metrics(scored, decoding)
+    rate = "solve_rate" if decoding.greedy else "pass_at_1"
+    counts = {v: sum(r["verifier"] == v for r in scored) for v in sorted({r["verifier"] for r in scored})}
+    per = "; ".join(f"{v} ({n}): {rate} {m[f'{rate}/{v}']:.3f}, reward {m[f'reward_mean/{v}']:.3f}" for v, n in counts.items())
+    return (f"generate: rewards of {len(scored)} RL prompt rows: {rate} {m[rate]:.3f}, reward mean {m['reward_mean']:.3f}"
+            f" ({sum(r['solved'] for r in scored)} solved); {per}")
 
 
 class Progress:

@@ -14,6 +14,11 @@ printed table, the TensorBoard tags `eval/<suite>/<task>_<formulation>` and the 
 A generative task (`olmo_ds.eval.generative`) has its metrics in `tasks` like any other (marked
 "kind": "generative", its primary metric first in the comparison) and its per-example prompts, completions
 and scores in `<task>.outputs.jsonl` beside results.json, for inspection.
+
+An RL prompt source (`olmo_ds.eval.rl`) has its metrics under `rl` (per source: `solve_rate` and `reward_mean`, or
+`pass_at_k` and `reward_mean` when sampled, each also per verifier as `<metric>/<verifier>`; the prompts, the
+verifiers' prompt counts, how it was decoded), TensorBoard tags `eval/<source>/<metric>` (the in-loop evaluation's),
+and every prompt's answers, rewards and the verifier's reasons in `<source>.outputs.jsonl`.
 """
 
 from __future__ import annotations
@@ -52,13 +57,16 @@ def versions() -> dict[str, str]:
 
 
 def build_results(*, target: dict, perplexity: dict[str, dict], tasks: dict[str, dict], stats: dict, config: dict,
-                  suites: dict[str, dict] | None = None, preference: dict[str, dict] | None = None) -> dict:
+                  suites: dict[str, dict] | None = None, preference: dict[str, dict] | None = None,
+                  rl: dict[str, dict] | None = None) -> dict:
     """The results.json document (see the module docstring); `preference`: per preference source, the metrics of
-    `olmo_ds.eval.preference` (loss, rewards/*, logps/*, pairs) and where its reference came from."""
+    `olmo_ds.eval.preference` (loss, rewards/*, logps/*, pairs) and where its reference came from; `rl`: per RL
+    prompt source, the metrics of `olmo_ds.eval.rl` and how its prompts were answered."""
     return {
         **target,
         "perplexity": perplexity,
         "preference": preference or {},
+        "rl": rl or {},
         "tasks": tasks,
         "suites": suites or {},
         "stats": stats,
@@ -97,6 +105,19 @@ def preference_scalars(preference: dict[str, dict]) -> dict[str, float]:
     """`eval/<source>/<metric>` of each preference source, the tags in-loop evaluation writes for its pairs."""
     return {f"eval/{source}/{metric}": float(v) for source, r in preference.items() for metric, v in r.items()
             if metric == "loss" or metric == "pairs" or metric.startswith(("rewards/", "logps/"))}
+
+
+def _rl_metric(name: str) -> bool:
+    return name.startswith(("solve_rate", "reward_mean", "pass_at_"))
+
+
+def rl_scalars(rl: dict[str, dict]) -> dict[str, float]:
+    """`eval/<source>/<metric>[/<verifier>]` of each RL prompt source: greedily, the tags the in-loop evaluation writes."""
+    return {f"eval/{source}/{metric}": float(v) for source, r in rl.items() for metric, v in r.items() if _rl_metric(metric)}
+
+
+def _rl_primary(r: dict) -> str:
+    return "solve_rate" if "solve_rate" in r else "pass_at_1"
 
 
 def scalars(perplexity: dict[str, dict], tasks: dict[str, dict]) -> dict[str, float]:
@@ -179,6 +200,22 @@ def markdown(results: dict) -> str:
         rows = [[name, r["pairs"], r["loss"], r["rewards/accuracy"], r["rewards/margin"], r["rewards/chosen"], r["rewards/rejected"],
                  r["reference"]] for name, r in results["preference"].items()]
         parts.append(_table(["pairs source", "pairs", "loss", "accuracy", "margin", "chosen reward", "rejected reward", "reference"], rows))
+    if results.get("rl"):
+        rows = []
+        for name, r in results["rl"].items():
+            d = r["decoding"]
+            how = "greedy" if d["temperature"] == 0 else f"{d['samples']} samples, T {d['temperature']:g}, seed {d['seed']}"
+            for verifier in [None, *r["verifiers"]]:
+                at = f"/{verifier}" if verifier else ""
+                passes = ", ".join(f"{m.split('/')[0]} {v:.4f}" for m, v in r.items() if m.startswith("pass_at_") and m.endswith(at)
+                                   and (verifier or "/" not in m))
+                rows.append([name, verifier or "all", r["verifiers"][verifier] if verifier else r["prompts"], r.get(f"solve_rate{at}"),
+                             passes or "–", r[f"reward_mean{at}"], how])
+        parts.append(_table(["RL prompts", "verifier", "prompts", "solve rate", "pass@k", "reward mean", "answers"], rows))
+        gen = results["stats"].get("rl_generation", {})
+        if gen:
+            parts.append(f"{gen['requests']:,} answers, {gen['new_tokens']:,} new tokens in {gen['seconds']:.2f} s: "
+                         f"{gen['new_tokens_per_second']:,.0f} new tokens/s (rank 0)")
     alone = {name: r for name, r in results["tasks"].items() if not _in_suite(r) and not _generative(r)}
     if alone:
         rows = []
@@ -217,6 +254,8 @@ def headline_metrics(results: dict) -> dict[str, float]:
     out = {}
     for source, r in results.get("perplexity", {}).items():
         out[f"{source} bits/byte"] = r["bits_per_byte"]
+    for source, r in results.get("rl", {}).items():
+        out[f"{source} {_rl_primary(r)}"] = r[_rl_primary(r)]
     for task, r in results.get("tasks", {}).items():
         if not _in_suite(r):
             out[f"{task} {r['primary_metric']}"] = r["primary"]

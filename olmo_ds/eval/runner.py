@@ -29,14 +29,16 @@ from olmo_ds.data.dataset import TokenSource
 from olmo_ds.data.loader import validation_batches
 from olmo_ds.eval import olmes_suite
 from olmo_ds.eval import results as res
-from olmo_ds.eval.generative import GenerativeTask, evaluate_generative, is_generative, load_generative
+from olmo_ds.eval.generative import GenerativeTask, Progress, evaluate_generative, is_generative, load_generative
 from olmo_ds.eval.multiple_choice import PreparedTasks, evaluate_tasks, prepare_tasks
 from olmo_ds.eval.perplexity import TextSource, conversation_batches, evaluate_perplexity, load_source, token_byte_lengths, window_batches
 from olmo_ds.eval.preference import compute_pair_logprobs, evaluate_preference
+from olmo_ds.eval.rl import Decoding, RLSource, evaluate_prompts, is_rl_source, load_rl_source
 from olmo_ds.eval.scoring import DistContext, check_batching
 from olmo_ds.eval.tasks import Task, load_task, resolve_task
 from olmo_ds.model import OLMo
 from olmo_ds.model.config import INIT_CHANGEABLE
+from olmo_ds.model.decode import sequences_that_fit
 from olmo_ds.ranks import check_host, rendezvous
 
 
@@ -63,6 +65,10 @@ class EvalOptions:
     gen_batch_size: int | None = None  # sequences generated at once (generative tasks); default 64 on GPU, 8 on CPU
     chat_template: str | None = None  # generative tasks: a template (olmo3, a file) or "none"; default: the checkpoint's
     reference: str | None = None  # preference sources: the starting model to compare with (default: the run's cache)
+    samples: int = 1  # RL prompt sources: answers a prompt (> 1: pass@k, needs temperature > 0)
+    temperature: float = 0.0  # RL prompt sources: 0 = greedy (the in-loop evaluation's solve rate)
+    seed: int = 0  # RL prompt sources, sampled: keys every sample's stream with (prompt, sample)
+    max_new_tokens: int | None = None  # RL prompt sources: default the run's rl.max_new_tokens
 
 
 def _init_distributed(device_name: str | None) -> tuple[DistContext, torch.device]:
@@ -88,9 +94,10 @@ def _init_distributed(device_name: str | None) -> tuple[DistContext, torch.devic
 
 
 def _default_sources(train_config: dict) -> list[str]:
-    """The run's validation sources: `data.val_sources`, else each training source's `val/` split."""
+    """The run's validation sources: `data.val_sources`, else each training source's `val/` split, each named as the
+    in-loop evaluation names it (its `name`, else its directory's), so offline and in-loop tags are the same."""
     data = train_config.get("data", {})
-    specs = [f"{s['name']}={s['path']}" if s.get("name") else s["path"] for s in data.get("val_sources", [])]
+    specs = [f"{s.get('name') or Path(s['path']).name}={s['path']}" for s in data.get("val_sources", [])]
     if specs:
         return specs
     for s in data.get("sources", []):
@@ -142,6 +149,7 @@ class _Inputs:
     tasks: PreparedTasks | None
     token_bytes: np.ndarray
     generative: list[GenerativeTask] = field(default_factory=list)
+    rl: list[RLSource] = field(default_factory=list)  # RL prompt sources: answered and scored by their verifiers
 
 
 def _prepare_inputs(options: EvalOptions, target: weights.Provenance, tokenizer, tasks: list[Task],
@@ -149,14 +157,64 @@ def _prepare_inputs(options: EvalOptions, target: weights.Provenance, tokenizer,
     specs = options.data
     if not specs and target.kind == "checkpoint":
         specs = _default_sources(target.train_config)
-    sources = [load_source(s, tokenizer, max_tokens=options.max_tokens, text_field=options.text_field) for s in specs]
-    names = [s.name for s in sources]
+    rl = [load_rl_source(s, tokenizer) for s in specs if is_rl_source(s)]
+    sources = [load_source(s, tokenizer, max_tokens=options.max_tokens, text_field=options.text_field) for s in specs if not is_rl_source(s)]
+    names = [s.name for s in [*sources, *rl]]
     if len(set(names)) != len(names):
         raise ValueError(f"--data: two sources are named alike ({', '.join(names)}); name them with NAME=PATH")
-    if not sources and not tasks and not generative:
-        raise ValueError(f"{target.directory}: nothing to evaluate: give --data (validation shards or JSON lines) and/or --tasks")
+    clash = sorted({s.name for s in rl} & {g.name for g in generative})
+    if clash:
+        raise ValueError(f"--data {clash[0]}=...: an RL prompt source is named as the generative task {clash[0]}, whose outputs file "
+                         f"it would share; name it otherwise with NAME=PATH")
+    if not rl and (options.samples != 1 or options.temperature or options.seed or options.max_new_tokens is not None):
+        raise ValueError("--samples, --temperature, --seed and --max-new-tokens apply to RL prompt sources (shards of prepare_data.py "
+                         "--format rl), and --data names none")
+    if not sources and not rl and not tasks and not generative:
+        raise ValueError(f"{target.directory}: nothing to evaluate: give --data (validation shards, RL prompt shards or JSON lines) "
+                         "and/or --tasks")
     prepared = prepare_tasks(tokenizer, tasks, uncond=options.uncond, limit=options.limit) if tasks else None
-    return _Inputs(sources, prepared, token_byte_lengths(tokenizer), generative)
+    return _Inputs(sources, prepared, token_byte_lengths(tokenizer), generative, rl)
+
+
+def _rl_decoding(options: EvalOptions, target: weights.Provenance, rl: list[RLSource], device: torch.device) -> Decoding | None:
+    """How RL prompts are answered, settled before any weights load: the run's `rl.max_new_tokens` and
+    `rl.generation_batch_size` (the in-loop evaluation's) unless `--max-new-tokens` / `--gen-batch-size` say otherwise,
+    greedy unless `--temperature`; a prompt whose answer would not fit the model's window is refused here."""
+    if not rl:
+        return None
+    if options.backend != "olmo":
+        raise ValueError(f"--data {rl[0].name}={rl[0].path}: RL prompts are answered by our decode engine, which runs our OLMo: "
+                         f"leave out --backend {options.backend}")
+    trained = (target.train_config or {}).get("rl") or {}
+    max_new = options.max_new_tokens or trained.get("max_new_tokens")
+    if max_new is None:
+        raise ValueError(f"--data {rl[0].name}={rl[0].path}: RL prompts need a new-token limit: {target.directory} is not from an RL "
+                         "run (no rl.max_new_tokens in its config); pass --max-new-tokens N")
+    batch = options.gen_batch_size or trained.get("generation_batch_size") or (64 if device.type == "cuda" else 8)
+    decoding = Decoding(max_new_tokens=max_new, batch_size=batch, samples=options.samples, temperature=options.temperature,
+                        seed=options.seed)
+    window = target.cfg.max_seq_len
+    for source in rl:
+        if source.longest + max_new > window:
+            raise ValueError(f"--data {source.name}={source.path}: its longest prompt ({source.longest} tokens) and {max_new} new tokens "
+                             f"exceed the model's window of {window}; pass --max-new-tokens {window - source.longest} or less")
+    return decoding
+
+
+def _rl(loaded: weights.LoadedModel, source: RLSource, decoding: Decoding, dist_ctx: DistContext) -> tuple[dict, list[dict], dict]:
+    """An RL prompt source's metrics (`olmo_ds.eval.rl`, as the in-loop evaluation computes them), its per-prompt records
+    and this rank's generation stats. The batch is cut to what the KV cache holds on every rank: the ranks deal out
+    waves of one batch size."""
+    model, tokenizer = loaded.model, loaded.tokenizer
+    param = next(model.parameters())
+    fit = min(dist_ctx.all_gather(sequences_that_fit(model.cfg, source.longest + decoding.max_new_tokens, param.dtype, param.device)))
+    if fit < decoding.batch_size:
+        decoding = dataclasses.replace(decoding, batch_size=max(1, fit))
+    result = evaluate_prompts(model, source.prompts, tokenizer=tokenizer, decoding=decoding, dist_ctx=dist_ctx,
+                              progress=Progress(source.name) if dist_ctx.rank == 0 else None)
+    metrics = {**result.metrics, "prompts": len(source.prompts), "verifiers": source.verifiers, "path": str(source.path),
+               "kind": source.kind, "decoding": decoding.describe(), "outputs": f"{source.name}.outputs.jsonl"}
+    return metrics, result.records, result.stats
 
 
 def _load_model(target: weights.Provenance, device: torch.device, dtype: torch.dtype, backend: str, dist_ctx: DistContext) -> weights.LoadedModel:
@@ -204,8 +262,10 @@ def _chat_encoder(options: EvalOptions, target, tokenizer) -> ChatEncoder | None
 
 
 def _evaluate(loaded: weights.LoadedModel, inputs: _Inputs, options: EvalOptions, dist_ctx: DistContext,
-              batch_tokens: int, references: dict[str, _Reference], chat: ChatEncoder | None = None) -> tuple[dict, dict, dict, dict]:
-    """(perplexity per source, metrics per task, stats, per-example outputs of generative tasks) of one loaded model."""
+              batch_tokens: int, references: dict[str, _Reference], chat: ChatEncoder | None = None,
+              decoding: Decoding | None = None) -> tuple[dict, dict, dict, dict]:
+    """(perplexity per source, metrics per task, stats, per-example outputs of generative tasks and RL prompt
+    sources) of one loaded model; stats["preference"] and stats["rl"] hold those sources' metrics."""
     max_len = loaded.provenance.cfg.max_seq_len  # the model's window: longer inputs are truncated from the left
     seq_len = options.seq_len or max_len
     if seq_len > max_len:
@@ -222,7 +282,13 @@ def _evaluate(loaded: weights.LoadedModel, inputs: _Inputs, options: EvalOptions
                    else window_batches(source.tokens, seq_len, rows))
         r = evaluate_perplexity(loaded.model, batches, inputs.token_bytes, dist_ctx=dist_ctx, batching=options.batching).to_dict()
         ppl[source.name] = {**r, "path": str(source.path), "kind": source.kind, "documents": source.documents, "seq_len": seq_len}
-    task_metrics, stats, outputs = {}, {"preference": pref}, {}
+    rl, outputs, rl_stats = {}, {}, {"requests": 0, "new_tokens": 0, "seconds": 0.0}
+    for source in inputs.rl:
+        rl[source.name], outputs[source.name], st = _rl(loaded, source, decoding, dist_ctx)
+        rl_stats = {k: rl_stats[k] + st[k] for k in rl_stats}
+    task_metrics, stats = {}, {"preference": pref, "rl": rl}
+    if rl:
+        stats["rl_generation"] = {**rl_stats, "new_tokens_per_second": rl_stats["new_tokens"] / max(rl_stats["seconds"], 1e-9)}
     if inputs.tasks is not None:
         mc = evaluate_tasks(loaded.model, loaded.tokenizer, inputs.tasks, dist_ctx.rank, dist_ctx.world, max_len=max_len,
                             batch_tokens=batch_tokens, batching=options.batching)
@@ -236,7 +302,7 @@ def _evaluate(loaded: weights.LoadedModel, inputs: _Inputs, options: EvalOptions
         batch = options.gen_batch_size or (64 if device.type == "cuda" else 8)
         gen = evaluate_generative(loaded.model, loaded.tokenizer, inputs.generative, chat=chat, dist_ctx=dist_ctx,
                                   batch_size=batch, limit=options.limit)
-        task_metrics, stats, outputs = {**task_metrics, **gen.tasks}, {**stats, "generation": gen.stats}, gen.outputs
+        task_metrics, stats, outputs = {**task_metrics, **gen.tasks}, {**stats, "generation": gen.stats}, {**outputs, **gen.outputs}
     return ppl, task_metrics, stats, outputs
 
 
@@ -409,10 +475,11 @@ def run(options: EvalOptions) -> list[dict]:
             inputs_for[tokenizer.fingerprint] = _prepare_inputs(options, target, tokenizer, tasks, generative)
         references = _references(options, target, inputs_for[tokenizer.fingerprint].sources)
         chat = _chat_encoder(options, target, tokenizer) if generative else None
+        decoding = _rl_decoding(options, target, inputs_for[tokenizer.fingerprint].rl, device)
         loaded = _load_model(target, device, dtype, options.backend, dist_ctx)
         ppl, task_metrics, stats, outputs = _evaluate(loaded, inputs_for[tokenizer.fingerprint], options, dist_ctx, batch_tokens,
-                                                      references, chat)
-        preference = stats.pop("preference")
+                                                      references, chat, decoding)
+        preference, rl = stats.pop("preference"), stats.pop("rl")
         suites = _suites(tasks, task_metrics)
 
         labels = {"path": str(target.directory), "kind": target.kind, "run_dir": str(target.run_dir) if target.run_dir else None,
@@ -422,12 +489,12 @@ def run(options: EvalOptions) -> list[dict]:
                            "batch_tokens": batch_tokens, "tasks": task_sources},
                   "model": target.cfg.to_dict(), "train": target.train_config}
         document = res.build_results(target=labels, perplexity=ppl, tasks=task_metrics, stats=stats, config=config, suites=suites,
-                                     preference=preference)
+                                     preference=preference, rl=rl)
         if is_main:
             path = res.write_results(_out_dir(options, kind, directory, len(targets) > 1), document, outputs)
             if options.tensorboard and target.run_dir is not None and target.step is not None:
                 res.write_tensorboard(target.run_dir / res.TB_DIR, target.step, res.scalars(ppl, task_metrics) | res.suite_scalars(suites)
-                                      | res.preference_scalars(preference))
+                                      | res.preference_scalars(preference) | res.rl_scalars(rl))
             print(res.markdown(document), flush=True)
             print(f"\nresults: {path}", flush=True)
         documents.append(document)

@@ -44,13 +44,15 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from olmo_ds.data.loader import validation_prompts
-from olmo_ds.eval.verifiers import reward
-from olmo_ds.model.decode import GenerationInterrupted, Request, generate
+from olmo_ds.eval.rl import Decoding, evaluate_prompts, stop_ids
+from olmo_ds.eval.scoring import DistContext
+from olmo_ds.model.decode import GenerationInterrupted
 from olmo_ds.model.loss import IGNORE_INDEX, grpo_loss, sampled_logprobs, token_mean_divisor
 from olmo_ds.model.sequence_parallel import SequenceParallel
 from olmo_ds.train.config import ConfigError, RLConfig
@@ -64,10 +66,6 @@ from olmo_ds.train.samples_log import SamplesPlace, prune_samples, wanted, write
 from olmo_ds.weights import load_model
 
 log = logging.getLogger("olmo_ds")
-
-
-def default_reward(verifier: str, text: str, ground_truth: Any):
-    return reward(verifier, text, ground_truth)
 
 
 class RLObjective:
@@ -413,15 +411,6 @@ class RLObjective:
         self.samples_seen = state.get("rl_samples_seen", 0)
 
 
-def stop_ids(tokenizer) -> list[int]:
-    """The ids that end a sample: the tokenizer's EOS and, where the vocabulary has it, the chat turn end."""
-    ids = [tokenizer.eos_id]
-    turn_end = tokenizer.token_to_id("<|im_end|>")
-    if turn_end is not None:
-        ids.append(turn_end)
-    return list(dict.fromkeys(ids))
-
-
 def rl_objective(plan, *, sp: SequenceParallel | None, device: torch.device) -> RLObjective:
     """The RL objective of a planned run (`sp`: this rank's sequence group, or None): its tokenizer (the verifiers read the samples' text), and with `rl.beta > 0`
     the reference: init_from's weights, frozen, in the decode dtype on every rank (a resume reads them from
@@ -449,21 +438,23 @@ def rl_objective(plan, *, sp: SequenceParallel | None, device: torch.device) -> 
 class RLEvaluator:
     """In-loop evaluation of an RL run: each validation source's prompts (`data.val_sources`, else each training
     source's val/ split) answered greedily by the current weights (gathered as for a rollout) and scored by the same
-    verifiers. Returns `eval/<source>/solve_rate` (the share of prompts whose answer scores 1) and
-    `eval/<source>/reward_mean`, over every rank's prompts. Each rank answers every world-size-th prompt, the ranks
-    of a sequence group different ones (the evaluation generates per rank, never spread over a group). Collective:
-    every rank calls it."""
+    verifiers, through `olmo_ds.eval.rl.evaluate_prompts` (what `eval.sh` runs on a checkpoint: the same numbers).
+    Returns `eval/<source>/solve_rate` (the share of prompts whose answer scores 1) and `eval/<source>/reward_mean`,
+    and each per verifier (`eval/<source>/solve_rate/<verifier>`). Every rank holds every prompt and answers its waves
+    of them (the ranks of a sequence group different ones: the evaluation generates per rank, never spread over a
+    group). Collective: every rank calls it."""
 
     def __init__(self, cfg, tokenizer, rank: int, world_size: int, reward_fn: Callable | None = None):
-        self.rl, self.tokenizer, self.reward_fn = cfg.rl, tokenizer, reward_fn or default_reward
-        self.stop_ids = stop_ids(tokenizer)
+        self.tokenizer, self.reward_fn, self.dist = tokenizer, reward_fn, DistContext(rank, world_size)  # None: the scorer
+        self.timeout_s = cfg.rl.verifier_timeout
+        self.decoding = Decoding(max_new_tokens=cfg.rl.max_new_tokens, batch_size=cfg.rl.generation_batch_size)
         self.sets: list[tuple[str, list[Prompt]]] = []
         for src in val_sources(cfg):
             try:
-                mine = validation_prompts(src, rank, world_size)
+                prompts = validation_prompts(src, 0, 1)  # all of them: `evaluate_prompts` deals them out
             except (FileNotFoundError, ValueError) as e:
                 raise ConfigError(f"{cfg.source}: eval: validation source {src.path}: {e}") from None
-            self.sets.append((src.name or src.path, list(mine)))
+            self.sets.append((src.name or Path(src.path).name, prompts))
 
     def __call__(self, engine) -> dict[str, float]:
         module = engine.module if hasattr(engine, "module") else engine
@@ -472,17 +463,7 @@ class RLEvaluator:
         metrics = {}
         with gathered_policy(module, dtype) as policy:
             for name, prompts in self.sets:
-                sums = torch.zeros(3, dtype=torch.float64, device=device)
-                if prompts:
-                    done = generate(policy, [Request(p.ids, self.rl.max_new_tokens) for p in prompts],
-                                    batch_size=self.rl.generation_batch_size, stop_ids=self.stop_ids, tokenizer=self.tokenizer)
-                    for p, c in zip(prompts, done.completions):
-                        r = self.reward_fn(p.verifier, c.text or "", p.ground_truth)
-                        score = float(r) if isinstance(r, (int, float)) else float(r.score)
-                        sums += torch.tensor([score >= 1.0, score, 1.0], dtype=torch.float64, device=device)
-                if torch.distributed.is_available() and torch.distributed.is_initialized():
-                    torch.distributed.all_reduce(sums)
-                solved, total, n = sums.tolist()
-                metrics[f"eval/{name}/solve_rate"] = solved / max(n, 1.0)
-                metrics[f"eval/{name}/reward_mean"] = total / max(n, 1.0)
+                result = evaluate_prompts(policy, prompts, tokenizer=self.tokenizer, decoding=self.decoding,
+                                          dist_ctx=self.dist, reward_fn=self.reward_fn, timeout_s=self.timeout_s)
+                metrics.update({f"eval/{name}/{k}": v for k, v in result.metrics.items()})
         return metrics

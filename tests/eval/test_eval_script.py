@@ -66,7 +66,8 @@ def test_eval_sh_reports_bad_input_before_loading(exported, tmp_path):
 def test_default_sources_are_the_runs_validation_data(tmp_path):
     from olmo_ds.eval.runner import _default_sources
 
-    assert _default_sources({"data": {"val_sources": [{"path": "d/shards/val"}, {"path": "w/val", "name": "wiki"}]}}) == ["d/shards/val", "wiki=w/val"]
+    # named as the in-loop evaluation names them (its name, else its directory's), so offline and in-loop tags agree
+    assert _default_sources({"data": {"val_sources": [{"path": "d/shards/val"}, {"path": "w/val", "name": "wiki"}]}}) == ["val=d/shards/val", "wiki=w/val"]
     (tmp_path / "c4" / "val").mkdir(parents=True)
     (tmp_path / "c4" / "val" / "manifest.json").write_text("{}")
     (tmp_path / "code").mkdir()

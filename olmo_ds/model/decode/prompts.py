@@ -3,6 +3,13 @@
     {"prompt": "The capital of France is"}                                   text, continued as written
     {"messages": [{"role": "user", "content": "Name three primes."}]}        chat, rendered with the chat template
     optional on either: "id" (echoed back), "max_new_tokens" (this prompt's limit), "stop" (a list of strings)
+    {"messages": [...], "ground_truth": "6", "dataset": "gsm8k"}             an RL prompt row: answered, then scored
+
+An RL prompt row is the layout of `scripts/make_rl_prompts.py`, `prepare_data.py --format rl` and the public RLVR
+mixes (allenai/RLVR-GSM-MATH-IF-Mixed-Constraints): "dataset" names the verifier that scores the answer against
+"ground_truth"; both come together, and other keys such a mix carries ("constraint_type", ...) are ignored, as data
+preparation ignores them. Decoding only carries them (`Prompt.verifier`, `Prompt.ground_truth`): the verifiers are
+evaluation's (`olmo_ds.eval.rl.check_rows` checks them, `score_answer` scores), which generation may not import.
 
 A `prompt` record in a chat run (`--chat`) becomes a user turn (after the system turn, if one is given); a
 `messages` record needs a chat template. Every record is read, checked and encoded before any weight is
@@ -26,6 +33,8 @@ class Prompt:
     ids: list[int]
     max_new_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    verifier: str | None = None  # an RL prompt row's "dataset": the verifier of its answer (None: not an RL row)
+    ground_truth: object = None  # ... and what the verifier checks the answer against
 
 
 def text_prompt(text: str, where: str, tokenizer, encoder: ChatEncoder | None, system: str | None) -> Prompt:
@@ -54,10 +63,14 @@ def read_prompts(path: str | Path, tokenizer, encoder: ChatEncoder | None, syste
             raise ValueError(f"{where}: malformed JSON ({e})") from None
         if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
             raise ValueError(f"{where}: expected an object with either \"prompt\" (text) or \"messages\" (chat)")
+        rl_row = "ground_truth" in record or "dataset" in record
+        if rl_row and not ("ground_truth" in record and "dataset" in record):
+            raise ValueError(f"{where}: an RL prompt row has both \"dataset\" (the verifier) and \"ground_truth\"; this one has only "
+                             f"{'dataset' if 'dataset' in record else 'ground_truth'}")
         unknown = set(record) - {"prompt", "messages", "id", "max_new_tokens", "stop"}
-        if unknown:
+        if unknown and not rl_row:
             raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} (a record has prompt or messages, "
-                             "and optionally id, max_new_tokens, stop)")
+                             "and optionally id, max_new_tokens, stop; an RL prompt row also dataset and ground_truth)")
         try:
             if "prompt" in record:
                 if not isinstance(record["prompt"], str):
@@ -79,6 +92,8 @@ def read_prompts(path: str | Path, tokenizer, encoder: ChatEncoder | None, syste
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"{where}: \"stop\" must be a list of non-empty strings, got {stop!r}")
         prompt.max_new_tokens, prompt.stop = limit, tuple(stop)
+        if rl_row:
+            prompt.verifier, prompt.ground_truth = record["dataset"], record["ground_truth"]
         prompts.append(prompt)
     if not prompts:
         raise ValueError(f"--prompts {path}: no prompts in the file")
