@@ -26,20 +26,23 @@ no-grad forward for logits) runs the modules eagerly. `BLOCK_CALLS` counts which
 
 One compiled function serves every layer and every row shape (`_RowShapedCompile`): rows of any length and
 micro-batch (RL's, SFT's, DPO's) cost at most 3 graphs per kind of call, not one per shape, and no graph
-depends on which layer's weights it got. The choice, measured on CPU with real ZeRO-3 on torch 2.11 (the GPU
-machine's) and 2.13 (tests/model/test_compile_zero3.py):
-- The per-layer graphs came from DeepSpeed, not from the weights: with `memory_efficient_linear` on,
+depends on which layer's weights it got. The choices, measured on CPU under real ZeRO-3 with torch 2.11 (the GPU
+machine's) and 2.13 (tests/model/test_compile_zero3.py; not yet on a GPU):
+- Layers. The per-layer graphs came from DeepSpeed, not from the weights: with `memory_efficient_linear` on,
   `torch.nn.functional.linear` is DeepSpeed's autograd function, whose backward asks `hasattr(weight, "ds_id")`,
-  and dynamo 2.11 guards on the value (`wk.ds_id == 79`): 16 layers, 16 graphs, then eager. `block_math` calls
-  torch's own linear (`_linear`), so no graph reads a parameter's attributes, whatever the DeepSpeed config.
-  Passing the weights as plain tensors instead (views or `.data`) would keep a gathered weight alive after
-  ZeRO-3 released it (the graph saves its inputs for backward), and a compiled function per block (16 and more
-  compiles per shape) or DeepSpeed's DeepCompile guards (PR #8328: one guard per `ds_id` and `ds_shape`, so
-  per layer) would multiply graphs by layers.
-- Shapes: static graphs for the first rows' shape (what a fixed-shape run like pretraining compiles, and
-  measured), then dynamic row dimensions, instead of `dynamic=False` (one graph per shape: 8 shapes and the
-  blocks ran eagerly) or dynamic from the start (every run on dynamic-shape kernels) or bucketing (padding
-  the rows changes nothing in the math but costs compute). Raising `recompile_limit` would only move the wall.
+  and dynamo 2.11 guards on the value (`wk.ds_id == 79`): a graph per layer, and past dynamo's recompile limit
+  (8) the remaining calls ran eagerly. `block_math` calls torch's own linear (`_linear`), so no graph reads a
+  parameter's attributes, whatever the DeepSpeed config; a block compiles only as a ZeRO-3 leaf, whose hooks
+  gather its weights for the backward, the one thing DeepSpeed's function was there to do. Not taken: plain
+  tensors for the weights (a view keeps the gathered storage alive after ZeRO-3 releases the weight, since the
+  graph saves it for backward; `.data` loses the gradient); a guard filter dropping the `ds_id` guards (DeepSpeed's
+  backward would stay traced as it looked at compile time); a compiled function per block, or DeepSpeed's
+  DeepCompile, whose guards since PR #8328 name each parameter's `ds_id` and `ds_shape` (a graph per layer either
+  way, each compiled apart).
+- Shapes. A static graph for the first rows' shape (what a fixed-shape run such as pretraining compiles, and
+  what its measurements are of), then dynamic rows. Not taken: `dynamic=False` (a graph per shape: 8 shapes and
+  the blocks ran eagerly); dynamic from the start (every run on dynamic-shape kernels); bucketing (padded rows
+  cost compute); a higher `recompile_limit` (a compile per shape and layer, and a wall further on).
 
 FP8 (`ModelConfig.float8`): the block's seven matmuls go through `olmo_ds.model.float8.linear` on both
 paths (`block_math` and the eager `Linear` modules) in forwards with gradients enabled; `BLOCK_CALLS`

@@ -36,7 +36,7 @@ from olmo_ds.model import OLMo, preset
 from olmo_ds.model.decode import Request, Sampling, generate
 from olmo_ds.model.model import make_blocks_zero3_leaves
 from olmo_ds.tools.bench_generate import make_prompts
-from olmo_ds.tools.harness import current_device, environment, sync
+from olmo_ds.tools.harness import block_counts, current_device, environment, sync
 from olmo_ds.train.config import RLConfig
 from olmo_ds.train.ds_config import device_type, zero3_knobs
 from olmo_ds.train.grpo import RLObjective
@@ -190,10 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         "generate_tokens_per_s": gen_tokens / gen_s,
         "training_row_tokens_per_s": last["row_tokens"] / last["training_s"],
         "sft_row_tokens_per_s": int(sft_rows["input_ids"].numel()) / sft_s,
+        "blocks": block_counts(),  # dynamo_graphs at ~8 or more per kind of block call: recompiles, eager blocks
     }
     out["rollout_vs_generate"] = out["rollout_tokens_per_s"] / out["generate_tokens_per_s"]
     out["training_vs_sft"] = out["training_row_tokens_per_s"] / out["sft_row_tokens_per_s"]
     total = last["gather_s"] + last["generation_s"] + last["reward_s"] + last["training_s"]
+    blocks = out["blocks"]
+    print(f"block calls: {blocks['blocks_compiled']:,} compiled, {blocks['blocks_eager']:,} eager; "
+          f"{blocks['dynamo_graphs']} graphs compiled in all")
     print("\n| part | seconds | share | tokens/s | against |")
     print("|---|---|---|---|---|")
     print(f"| weight gathering | {last['gather_s']:.2f} | {last['gather_s'] / total:.1%} | | target <= 1 s for the 1B |")
