@@ -24,6 +24,26 @@ each block a leaf module (the block's own hooks gather all its weights; the skip
 would otherwise be the ones that gather them). Anything else (flash-attn backends, generation, a
 no-grad forward for logits) runs the modules eagerly. `BLOCK_CALLS` counts which way each block call went.
 
+One compiled function serves every layer and every row shape (`_RowShapedCompile`): rows of any length and
+micro-batch (RL's, SFT's, DPO's) cost at most 3 graphs per kind of call, not one per shape, and no graph
+depends on which layer's weights it got. The choices, measured on CPU under real ZeRO-3 with torch 2.11 (the GPU
+machine's) and 2.13 (tests/model/test_compile_zero3.py; not yet on a GPU):
+- Layers. The per-layer graphs came from DeepSpeed, not from the weights: with `memory_efficient_linear` on,
+  `torch.nn.functional.linear` is DeepSpeed's autograd function, whose backward asks `hasattr(weight, "ds_id")`,
+  and dynamo 2.11 guards on the value (`wk.ds_id == 79`): a graph per layer, and past dynamo's recompile limit
+  (8) the remaining calls ran eagerly. `block_math` calls torch's own linear (`_linear`), so no graph reads a
+  parameter's attributes, whatever the DeepSpeed config; a block compiles only as a ZeRO-3 leaf, whose hooks
+  gather its weights for the backward, the one thing DeepSpeed's function was there to do. Not taken: plain
+  tensors for the weights (a view keeps the gathered storage alive after ZeRO-3 releases the weight, since the
+  graph saves it for backward; `.data` loses the gradient); a guard filter dropping the `ds_id` guards (DeepSpeed's
+  backward would stay traced as it looked at compile time); a compiled function per block, or DeepSpeed's
+  DeepCompile, whose guards since PR #8328 name each parameter's `ds_id` and `ds_shape` (a graph per layer either
+  way, each compiled apart).
+- Shapes. A static graph for the first rows' shape (what a fixed-shape run such as pretraining compiles, and
+  what its measurements are of), then dynamic rows. Not taken: `dynamic=False` (a graph per shape: 8 shapes and
+  the blocks ran eagerly); dynamic from the start (every run on dynamic-shape kernels); bucketing (padded rows
+  cost compute); a higher `recompile_limit` (a compile per shape and layer, and a wall further on).
+
 FP8 (`ModelConfig.float8`): the block's seven matmuls go through `olmo_ds.model.float8.linear` on both
 paths (`block_math` and the eager `Linear` modules) in forwards with gradients enabled; `BLOCK_CALLS`
 counts them as `float8_matmuls` (forward matmuls; each has two FP8 matmuls in backward). The LM head,
@@ -277,24 +297,58 @@ def block_math(x, cos, sin, wq, wk, wv, wo, gq, gk, g_attn, w_gate, w_up, w_down
     """
     b, t, _ = x.shape
     head_dim = wq.shape[0] // n_heads
-    q = rms_norm(fp8.linear(x, wq, float8), gq, eps).view(b, t, n_heads, head_dim)
-    k = rms_norm(fp8.linear(x, wk, float8), gk, eps).view(b, t, n_kv_heads, head_dim)
-    v = fp8.linear(x, wv, float8).view(b, t, n_kv_heads, head_dim)
+    q = rms_norm(_linear(x, wq, float8), gq, eps).view(b, t, n_heads, head_dim)
+    k = rms_norm(_linear(x, wk, float8), gk, eps).view(b, t, n_kv_heads, head_dim)
+    v = _linear(x, wv, float8).view(b, t, n_kv_heads, head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if sp_group is not None:
         out = ulysses_attention(q, k, v, sp_group, sp_size,
                                 lambda q, k, v: kernel_attention(q, k, v, head_dim ** -0.5, backend, kernel_mask))
     else:
         out = kernel_attention(q, k, v, head_dim ** -0.5, backend, kernel_mask)
-    x = x + rms_norm(fp8.linear(out.reshape(b, t, -1), wo, float8), g_attn, eps)
-    return x + rms_norm(fp8.linear(F.silu(fp8.linear(x, w_gate, float8)) * fp8.linear(x, w_up, float8), w_down, float8), g_mlp, eps)
+    x = x + rms_norm(_linear(out.reshape(b, t, -1), wo, float8), g_attn, eps)
+    return x + rms_norm(_linear(F.silu(_linear(x, w_gate, float8)) * _linear(x, w_up, float8), w_down, float8), g_mlp, eps)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, float8: str) -> torch.Tensor:
+    """`block_math`'s matmul: torch's own linear (`torch._C._nn.linear`, what `F.linear` is until something replaces
+    it), not whatever `torch.nn.functional.linear` is now. `deepspeed.zero.Init` with `memory_efficient_linear`
+    (DeepSpeed's default) replaces it process-wide with its own autograd function, whose backward asks each weight
+    `hasattr(weight, "ds_id")`: dynamo (torch 2.11) then guards on every layer's `ds_id`, so 16 layers are 16 graphs
+    and past the recompile limit the blocks run eagerly. Inside a leaf block the block's hooks gather its weights
+    for the backward too, so that function has nothing to do here. FP8 recipes go through `float8.linear`."""
+    return torch._C._nn.linear(x, weight) if float8 == "off" else fp8.linear(x, weight, float8)
+
+
+class _RowShapedCompile:
+    """`fn` compiled once for every row shape: the first rows' shape gets a static-shape graph (a run that keeps to
+    one shape, as pretraining does, runs exactly that), and from the first other shape on, the rows' batch and
+    length dimensions of `x` are marked dynamic together, so one more graph serves every later shape (torch
+    specialises a batch of 1 apart: one graph more). The weights' shapes stay static (torch's default for
+    parameters). So a function holds at most 3 graphs per kind of call (attention backend, mask kind, FP8 recipe,
+    sequence parallelism), and a run makes at most 2 kinds (full and sliding-window layers): 6, under dynamo's
+    `recompile_limit` of 8, whatever the rows' shapes. Left to itself (`dynamic=None`), dynamo would mark a
+    dimension dynamic only once it changed: the length first, then the batch, one graph each."""
+
+    def __init__(self, fn):
+        self.fn = torch.compile(fn, dynamic=None)
+        self.first_shape: tuple[int, int] | None = None
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        shape = tuple(x.shape[:2])
+        if self.first_shape is None:
+            self.first_shape = shape
+        elif shape != self.first_shape:
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            torch._dynamo.maybe_mark_dynamic(x, 1)
+        return self.fn(x, *args, **kwargs)
 
 
 @functools.cache
-def _compiled_block_math():
-    """One compiled `block_math` per process, built on first use; shapes are static (dynamic=False),
-    so every layer of a model shares one graph per batch shape."""
-    return torch.compile(block_math, dynamic=False)
+def _compiled_block_math() -> _RowShapedCompile:
+    """One compiled `block_math` per process, built on first use, that every layer shares (the weights are
+    arguments, and nothing in the graph reads a ZeRO-3 parameter's attributes: `_linear`)."""
+    return _RowShapedCompile(block_math)
 
 
 def _scoring_block_math(*args, **kwargs) -> torch.Tensor:
@@ -302,10 +356,10 @@ def _scoring_block_math(*args, **kwargs) -> torch.Tensor:
 
 
 @functools.cache
-def _compiled_scoring_block_math():
+def _compiled_scoring_block_math() -> _RowShapedCompile:
     """`block_math` compiled for no-grad scoring forwards, through a function of its own: torch.compile
     keeps its graphs and its recompile limit per function, so scoring's shapes never crowd out training's."""
-    return torch.compile(_scoring_block_math, dynamic=False)
+    return _RowShapedCompile(_scoring_block_math)
 
 
 # How each block call ran ("compiled" or "eager"); recomputation under activation checkpointing counts
@@ -313,9 +367,27 @@ def _compiled_scoring_block_math():
 BLOCK_CALLS: collections.Counter = collections.Counter()
 
 
-def _gathered(params) -> bool:
-    """Whether every parameter holds its full data: not a ZeRO-3 parameter, or one that is AVAILABLE."""
-    return all(getattr(getattr(p, "ds_status", None), "name", "AVAILABLE") == "AVAILABLE" for p in params)
+def _weights_ready(block: nn.Module, params) -> bool:
+    """Whether a compiled block may take these weights: plain tensors, or ZeRO-3 parameters that are all gathered
+    (AVAILABLE) in a block that is a ZeRO-3 leaf module. Only a leaf block's own hooks gather all its weights, for
+    the backward as for the forward; otherwise each submodule's hooks gather its own, and the compiled function
+    calls no submodule, so its backward could find a weight partitioned."""
+    params = list(params)
+    if not any(hasattr(p, "ds_id") for p in params):
+        return True
+    from deepspeed.utils import z3_leaf_module
+
+    return z3_leaf_module(block) and all(p.ds_status.name == "AVAILABLE" for p in params)
+
+
+def make_blocks_zero3_leaves(model: nn.Module) -> None:
+    """Make every `Block` of `model` a ZeRO-3 leaf module (`deepspeed.utils.set_z3_leaf_modules`), as compiled blocks
+    under ZeRO-3 need (`_weights_ready`): the block's own hooks then gather all its weights, before its forward and
+    again before its backward, and release them after; weights stay partitioned between blocks. Call it after
+    building the model under `deepspeed.zero.Init` and before `deepspeed.initialize`."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    set_z3_leaf_modules(model, [Block])
 
 
 class Attention(nn.Module):
@@ -386,15 +458,15 @@ class Block(nn.Module):
         if cache is not None or mask is None:
             return None
         if not torch.is_grad_enabled() and not mask.static_shapes:
-            # Other no-grad forwards (generation, the exact-length scoring path, a transformers-style
-            # call for logits) stay eager: their batch shapes vary, and each new shape would be another
-            # static-shape compile. Scoring (`OLMo.forward(score=...)`) keeps to a few shapes.
+            # Other no-grad forwards (the exact-length scoring path, a transformers-style call for logits,
+            # RL's old-policy and reference log-probs) stay eager; scoring and per-document forwards
+            # (evaluation, DPO's reference) opt in through the mask. Generation has a KV cache.
             return None
         if not self.cfg.compiles_blocks(x.device.type):
             return None
         window = self.attn.window
         backend = _resolved_backend(self.attn.backend, x.device, window is not None or mask.has_documents, mask.has_branches)
-        if backend not in _COMPILED_BACKENDS or not _gathered(self.weights()):
+        if backend not in _COMPILED_BACKENDS or not _weights_ready(self, self.weights()):
             return None
         return backend, mask.kernel_mask(backend, window)
 

@@ -34,9 +34,11 @@ import torch
 
 from olmo_ds.model import OLMo, preset
 from olmo_ds.model.decode import Request, Sampling, generate
+from olmo_ds.model.model import make_blocks_zero3_leaves
 from olmo_ds.tools.bench_generate import make_prompts
-from olmo_ds.tools.harness import current_device, environment, sync
+from olmo_ds.tools.harness import block_counts, current_device, environment, sync
 from olmo_ds.train.config import RLConfig
+from olmo_ds.train.ds_config import device_type, zero3_knobs
 from olmo_ds.train.grpo import RLObjective
 from olmo_ds.train.objective import NextTokenLoss
 from olmo_ds.train.parallel import ParallelLayout
@@ -63,11 +65,15 @@ def engine_for(cfg, micro: int, dtype: torch.dtype, lr: float = 1e-6):
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
         os.environ.setdefault(key, value)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", auto_mpi_discovery=False)
+    compiled = cfg.compiles_blocks(device_type())
+    # the ZeRO-3 knobs and leaf blocks the trainer gives this model (`ds_config.zero3_knobs`, `Trainer._build_engine`)
     ds = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-          "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
-          "bf16": {"enabled": dtype == torch.bfloat16}}
+          "zero_optimization": {"stage": 3, **zero3_knobs(cfg.d_model, 3, compiled, dp_world_size=1)},
+          "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}}, "bf16": {"enabled": dtype == torch.bfloat16}}
     with deepspeed.zero.Init(config_dict_or_path=ds):
         model = OLMo(cfg)
+    if compiled:
+        make_blocks_zero3_leaves(model)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     return engine
 
@@ -184,10 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         "generate_tokens_per_s": gen_tokens / gen_s,
         "training_row_tokens_per_s": last["row_tokens"] / last["training_s"],
         "sft_row_tokens_per_s": int(sft_rows["input_ids"].numel()) / sft_s,
+        "blocks": block_counts(),  # dynamo_graphs at ~8 or more per kind of block call: recompiles, eager blocks
     }
     out["rollout_vs_generate"] = out["rollout_tokens_per_s"] / out["generate_tokens_per_s"]
     out["training_vs_sft"] = out["training_row_tokens_per_s"] / out["sft_row_tokens_per_s"]
     total = last["gather_s"] + last["generation_s"] + last["reward_s"] + last["training_s"]
+    blocks = out["blocks"]
+    print(f"block calls: {blocks['blocks_compiled']:,} compiled, {blocks['blocks_eager']:,} eager; "
+          f"{blocks['dynamo_graphs']} graphs compiled in all")
     print("\n| part | seconds | share | tokens/s | against |")
     print("|---|---|---|---|---|")
     print(f"| weight gathering | {last['gather_s']:.2f} | {last['gather_s'] / total:.1%} | | target <= 1 s for the 1B |")

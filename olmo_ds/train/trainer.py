@@ -41,7 +41,7 @@ from olmo_ds import checkpoint as ckpt
 from olmo_ds.checkpoint.async_save import AsyncSaveError, AsyncSaver, host_copy_fits, snapshot_bytes_estimate
 from olmo_ds.model import OLMo
 from olmo_ds.model.float8 import MATMULS_PER_BLOCK
-from olmo_ds.model.model import BLOCK_CALLS, Block
+from olmo_ds.model.model import BLOCK_CALLS, make_blocks_zero3_leaves
 from olmo_ds.ranks import local_world_size
 from olmo_ds.train.config import ConfigError, TrainConfig
 from olmo_ds.train.ds_config import device_type
@@ -142,7 +142,6 @@ class Trainer:
 
     def _build_engine(self):
         import deepspeed
-        from deepspeed.utils import set_z3_leaf_modules
 
         stage = self.plan.deepspeed.zero.stage
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config, enabled=stage == 3):
@@ -151,11 +150,8 @@ class Trainer:
             fingerprint = init_weights(model, self.init_info.directory, self.model_cfg, self.rank, self.world_size)
             self.init_record = init_record(self.cfg.init_from, self.init_info, fingerprint)
         compiled = self.model_cfg.compiles_blocks(device_type())
-        if compiled and stage == 3:
-            # A compiled block runs as one function of its weights, so its submodules' forwards, whose
-            # hooks would gather their weights, never run: as leaf modules, ZeRO-3 gathers all of a
-            # block's weights in the block's own hooks instead, and the compiled path finds them ready.
-            set_z3_leaf_modules(model, [Block])
+        if compiled and stage == 3:  # the compiled path takes ZeRO-3 weights in leaf blocks only
+            make_blocks_zero3_leaves(model)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, self.cfg.optim), config=self.ds_config)
         placement = getattr(engine.optimizer, "subgroup_to_device", None)  # ZeRO-3 with optimizer offload
         if placement:

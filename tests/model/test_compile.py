@@ -17,7 +17,7 @@ import torch
 from olmo_ds.model import ModelConfig, OLMo
 from olmo_ds.model.attention import AttentionMask
 from olmo_ds.model.decode import Request, generate
-from olmo_ds.model.model import BLOCK_CALLS
+from olmo_ds.model.model import BLOCK_CALLS, _RowShapedCompile, block_math
 
 # GQA (2 heads, 1 kv head) like the 2-rank trainer test's model, so both compile the same graphs.
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, mlp_hidden=64, vocab_size=256, max_seq_len=64, compile="eager")
@@ -183,6 +183,41 @@ def test_scoring_forwards_run_compiled_blocks_under_no_grad_and_compile_once_per
             assert torch.equal(got.greedy, want.greedy)
             graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[1] == graphs[2], graphs
+
+
+def test_block_math_multiplies_with_torchs_linear_whatever_replaces_functional_linear():
+    """`deepspeed.zero.Init` with `memory_efficient_linear` (DeepSpeed's default) replaces `torch.nn.functional.linear`
+    process-wide with an autograd function whose backward reads each weight's ZeRO-3 attributes, and torch 2.11's dynamo
+    guards on them: a graph per layer. The compiled block calls torch's own linear, so no graph depends on the layer
+    (under ZeRO-3: test_compile_zero3.py)."""
+    eager, compiled = twin_models()
+    x = torch.randn(2, 32, CFG.d_model, generator=torch.Generator().manual_seed(3))
+    cos, sin = compiled._cached_rope_tables(32, x.device)[False]
+    want = eager.blocks[0](x, cos, sin, AttentionMask(2, 32, x.device))
+
+    def replaced(*args, **kwargs):
+        raise AssertionError("block_math called torch.nn.functional.linear")
+
+    block = compiled.blocks[0]
+    with mock.patch("torch.nn.functional.linear", replaced):
+        got = block_math(x, cos, sin, *block.weights(), eps=block.attn_norm.eps, n_heads=block.attn.n_heads,
+                         n_kv_heads=block.attn.n_kv_heads, backend="sdpa")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_row_shaped_compile_holds_three_graphs_for_any_number_of_row_shapes():
+    """The first rows' shape compiles a static graph, a batch of one its own, and every other shape one graph with
+    dynamic rows: 3 for 6 shapes (a graph per shape would be 6), each giving the uncompiled function's values."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def rows_times(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(x @ w).sum(-1, keepdim=True) * x
+
+    fn, w = _RowShapedCompile(rows_times), torch.randn(8, 8)
+    for b, t in [(2, 16), (2, 24), (3, 8), (1, 5), (1, 40), (5, 3)]:
+        x = torch.randn(b, t, 8)
+        torch.testing.assert_close(fn(x, w), rows_times(x, w), rtol=1e-5, atol=1e-5)
+    assert len(_debug_get_cache_entry_list(rows_times.__code__)) == 3
 
 
 def test_compile_mode_must_be_known():
