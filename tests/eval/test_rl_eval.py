@@ -104,6 +104,7 @@ def test_eval_sh_on_an_rl_checkpoint_reports_the_in_loop_numbers(rl_run):
     assert sum(r["solved"] for r in records) / len(records) == got["solve_rate"]
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_sampled_pass_at_k_is_the_same_on_one_and_two_ranks(rl_run, tmp_path):
     args = ["--data", f"heldout={rl_run / 'data' / 'val'}", "--samples", "4", "--temperature", "1.0", "--seed", "3", "--gen-batch-size", "6",
