@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 

@@ -313,7 +313,9 @@ class Trainer:
     def save(self, *, final: bool = False) -> Path | None:
         """Collective: checkpoint this step. In the background where allowed (`checkpoint.async_save`):
         then training is blocked only for the copy to host memory and the checkpoint completes later
-        (`_saved`); `final` waits for it. A save still in flight completes before the next one starts. A step whose loss or gradient norm was not finite is not saved (None): its weights are the last
+        (`_saved`); `final` waits for it. A save still in flight completes before the next one starts.
+
+        A step whose loss or gradient norm was not finite is not saved (None): its weights are the last
         step's (DeepSpeed skipped the update), but a model that computes non-finite losses is no checkpoint
         to resume or evaluate; the previous one stays the newest. Every rank decides alike (the check is on
         all-reduced numbers)."""
