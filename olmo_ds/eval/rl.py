@@ -30,7 +30,6 @@ its reward and the verifier's reason.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -44,7 +43,7 @@ from olmo_ds.eval.perplexity import parse_source_spec
 from olmo_ds.eval.scoring import DistContext
 from olmo_ds.eval.scorer import DEFAULT_TIMEOUT_S, score_all
 from olmo_ds.eval.verifiers import check
-from olmo_ds.model.decode import Request, Sampling, generate
+from olmo_ds.model.decode import Request, Sampling, generate, stream_key
 
 
 @dataclass(frozen=True)
@@ -96,8 +95,7 @@ def stop_ids(tokenizer) -> list[int]:
 
 def sample_key(prompt_index: int, sample: int) -> int:
     """The random-stream key of sample `sample` of prompt `prompt_index` (within its source), in [0, 2**32)."""
-    digest = hashlib.blake2b(f"{prompt_index}:{sample}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little")
+    return stream_key(prompt_index, sample)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

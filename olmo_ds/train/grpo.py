@@ -181,8 +181,7 @@ class RLObjective:
         (draw, then global prompt position) train; the rest are marked "surplus" (collective). The same groups train
         on any number of ranks. Returns the surplus groups counted on this rank."""
         g = self.rl.samples_per_prompt
-        def key(p: int) -> tuple[int, int]:  # rank r's prompt j of a draw is the draw's global prompt r x per_draw + j
-            return p // per_draw, self.dp_rank * per_draw + p % per_draw
+        key = lambda p: self._global_place(p, per_draw)  # noqa: E731
         mine = sorted({key(s.prompt) for s in groups.all if s.dropped is None})
         everyone = [None] * (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
         if torch.distributed.is_initialized():
@@ -198,6 +197,11 @@ class RLObjective:
                 for s in group:
                     s.dropped = "surplus"
         return surplus
+
+    def _global_place(self, prompt: int, per_draw: int) -> tuple[int, int]:
+        """(draw, place in the draw's global batch) of this rank's prompt `prompt`: rank r's prompt j of a draw is the
+        draw's global prompt r x per_draw + j, on any number of ranks."""
+        return prompt // per_draw, self.dp_rank * per_draw + prompt % per_draw
 
     def _counts(self, samples: list[Sample], prompts: list[Prompt], groups: Groups, draws: int, surplus: int) -> dict:
         """This rank's rollout counts, for `end` (which sums them over ranks); each rank of a sequence group holds the
@@ -350,7 +354,7 @@ class RLObjective:
             "reason": s.error or s.detail, "advantage": s.advantage, "finish": s.finish, "length": len(s.tokens),
             "logprob_mean": sum(s.logprobs) / max(len(s.logprobs), 1), "dropped": s.dropped,
             "trained": s.dropped is None and s.trained, "update": update_of(s, k),
-            "order": (s.prompt // per_draw, self.dp_rank * per_draw + s.prompt % per_draw, s.index)} for s in samples]
+            "order": (*self._global_place(s.prompt, per_draw), s.index)} for s in samples]
         parts = [None] * (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
         if torch.distributed.is_initialized():
             torch.distributed.gather_object(records, parts if self.rank == 0 else None, dst=0)

@@ -46,7 +46,6 @@ the same prompts however many ranks share the step (rank r's prompt j is the glo
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -58,7 +57,7 @@ import torch
 from olmo_ds.data.dataset import Prompt
 from olmo_ds.eval.scorer import score_all
 from olmo_ds.model import OLMo
-from olmo_ds.model.decode import Request, Sampling, generate
+from olmo_ds.model.decode import Request, Sampling, generate, stream_key
 from olmo_ds.model.loss import IGNORE_INDEX
 
 
@@ -94,8 +93,7 @@ class Groups:
 
 def sample_key(seed: int, step: int, prompt_index: int, sample: int) -> int:
     """The random-stream key of sample `sample` of global prompt `prompt_index` at step `step`, in [0, 2**32)."""
-    digest = hashlib.blake2b(f"{seed}:{step}:{prompt_index}:{sample}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little")
+    return stream_key(seed, step, prompt_index, sample)
 
 
 @contextlib.contextmanager

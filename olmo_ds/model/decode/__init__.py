@@ -2,7 +2,7 @@
 
 from olmo_ds.model.decode.cache import SlotCache, bytes_per_sequence, check_fits, sequences_that_fit
 from olmo_ds.model.decode.engine import Completion, Generation, GenerationInterrupted, Request, check_requests, generate
-from olmo_ds.model.decode.sampling import Sampling, filtered_logits, next_tokens, token_logprobs
+from olmo_ds.model.decode.sampling import Sampling, filtered_logits, next_tokens, stream_key, token_logprobs
 
 __all__ = ["Completion", "Generation", "GenerationInterrupted", "Request", "Sampling", "SlotCache", "bytes_per_sequence", "check_fits",
-           "check_requests", "filtered_logits", "generate", "next_tokens", "sequences_that_fit", "token_logprobs"]
+           "check_requests", "filtered_logits", "generate", "next_tokens", "sequences_that_fit", "stream_key", "token_logprobs"]

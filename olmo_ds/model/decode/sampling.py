@@ -10,6 +10,7 @@ Padded vocabulary rows (the embedding is rounded up to a multiple of 128) are ne
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,13 @@ class Sampling:
     def generator(self, key: int) -> torch.Generator | None:
         """The generator of the request keyed `key` (its `Request.seed`, else its index; None when greedy)."""
         return None if self.greedy else torch.Generator().manual_seed(self.seed << 32 | key)
+
+
+def stream_key(*parts) -> int:
+    """A random-stream key in [0, 2**32) from `parts` (e.g. seed, step, prompt, sample), for `Request.seed`: the same
+    parts give the same stream wherever and whenever the request is decoded."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
 
 def filtered_logits(logits: torch.Tensor, vocab_size: int, sampling: Sampling) -> torch.Tensor:
