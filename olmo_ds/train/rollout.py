@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from olmo_ds.data.dataset import Prompt
-from olmo_ds.eval.scorer import score_all
+from olmo_ds.eval.scorer import DEFAULT_TIMEOUT_S, score_all
 from olmo_ds.model import OLMo
 from olmo_ds.model.decode import Request, Sampling, generate, stream_key
 from olmo_ds.model.loss import IGNORE_INDEX
@@ -74,7 +74,8 @@ class Sample:
     error: str | None = None  # why the verifier scored 0 (a failure: timeout, crash, bad output), else None
     detail: str | None = None  # the verifier's reason for its score, where it gives one
     advantage: float = 0.0
-    dropped: str | None = None  # why its group trains nothing: "no signal" (equal rewards), "surplus" (active sampling)
+    dropped: str | None = None  # why its group trains nothing: "no signal" (equal rewards), "surplus" (active sampling),
+    # "non-finite log-probabilities"
     trained: bool = True  # False: a truncated sample with rl.truncated mask (counted in its group, never trained)
 
 
@@ -167,7 +168,7 @@ def gather_samples(samples: list[Sample], group) -> list[Sample]:
 
 
 def score_samples(samples: list[Sample], prompts: Sequence[Prompt], reward_fn: Callable[[str, str, Any], Any] | None = None,
-                  *, timeout_s: float = 30.0, truncated: str = "keep", truncated_reward: float = 0.0) -> None:
+                  *, timeout_s: float = DEFAULT_TIMEOUT_S, truncated: str = "keep", truncated_reward: float = 0.0) -> None:
     """Each sample's score from its prompt's verifier (and the verifier's error and reason, if any), then its reward.
 
     By default the verifiers run in `olmo_ds.eval.scorer`'s worker processes, each sample under `timeout_s` seconds:

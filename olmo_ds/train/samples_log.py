@@ -13,7 +13,7 @@ A line holds:
 - `advantage`, `finish` (eos, stop or length), `length` (generated tokens), `logprob_mean` (the mean sampled
   log-probability of its tokens, as the decode engine drew them);
 - `dropped` (null, or why its group trained nothing: "no signal" when every reward was equal, "surplus" when active
-  sampling had filled the step already), `trained` (whether its tokens had a gradient: false for a dropped group
+  sampling had filled the step already, "non-finite log-probabilities"), `trained` (whether its tokens had a gradient: false for a dropped group
   and for a truncated sample with `rl.truncated: mask`), `update` (which of the step's `rl.updates_per_rollout`
   optimizer updates trained it, 0-based).
 
