@@ -122,7 +122,8 @@ def test_an_rl_run_over_a_sequence_group_steps_as_over_data_parallel_ranks(tmp_p
     assert "1 data-parallel x 2 sequence-parallel" in log
     first = [{r["step"]: r for r in runs[sp] if "train/loss" in r}[1] for sp in (1, 2)]
     assert {k for k in LOGGED if k in first[0]} == {k for k in LOGGED if k in first[1]}
-    for key in (k for k in LOGGED if k in first[0]):
+    assert first[0]["train/rows"] == 2 * first[1]["train/rows"]  # packed rows: each data-parallel rank's, the group's once
+    for key in (k for k in LOGGED if k in first[0] and k != "train/rows"):
         assert abs(first[1][key] - first[0][key]) <= 1e-5 * max(1.0, abs(first[0][key])), (key, first[1][key], first[0][key])
     assert first[1]["rl/samples_seen"] == 16 and first[1].get("rl/kl", 0.0) == 0.0
     evals = [[r for r in runs[sp] if "eval/data/solve_rate" in r] for sp in (1, 2)]
