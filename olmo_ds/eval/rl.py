@@ -2,7 +2,7 @@
 that number again or pass@k over samples (`eval.sh --data NAME=DIR` on shards of `prepare_data.py --format rl`).
 
 One function, `evaluate_prompts`, serves both, so the two numbers cannot drift apart: the trainer's `RLEvaluator`
-(olmo_ds/train/grpo.py) hands it the policy gathered from ZeRO-3 and a validation source's prompts, `scripts/eval.py`
+(olmo_ds/train/rl/grpo.py) hands it the policy gathered from ZeRO-3 and a validation source's prompts, `scripts/eval.py`
 a checkpoint's weights and the same prompts. The answers are cut into waves of the batch size, dealt out to the
 ranks (`evaluate_prompts`: a wave's sequences are decoded together whatever the number of ranks), generated
 (`olmo_ds.model.decode.generate`, stopping at the EOS or the chat turn end: `stop_ids`) and scored by each prompt's

@@ -8,7 +8,7 @@ DeepSpeed ZeRO-3 (`ds_configs/zero3_bf16.json`'s settings; fp32 on CPU). Prompts
 lengths; a random model rarely samples its EOS, so nearly every sample runs to `--new-tokens`. Rewards are a
 deterministic coin per sample (a verifier's cost is not what this measures; `time/reward_s` is reported anyway),
 so groups keep a reward spread and train. After `--warmup` steps, `--steps` RL steps are timed through
-`olmo_ds.train.grpo.RLObjective` exactly as the trainer calls it (`rollout`, then `begin` / `forward` /
+`olmo_ds.train.rl.grpo.RLObjective` exactly as the trainer calls it (`rollout`, then `begin` / `forward` /
 `engine.backward` / `engine.step` per micro-batch), and reported as the step's split: weight gathering,
 generation, reward, training. Then, in the same process:
 
@@ -39,10 +39,10 @@ from olmo_ds.tools.bench_generate import make_prompts
 from olmo_ds.tools.harness import block_counts, current_device, environment, sync
 from olmo_ds.train.config import RLConfig
 from olmo_ds.train.ds_config import device_type, zero3_knobs
-from olmo_ds.train.grpo import RLObjective
+from olmo_ds.train.rl.grpo import RLObjective
 from olmo_ds.train.objective import NextTokenLoss
 from olmo_ds.train.parallel import ParallelLayout
-from olmo_ds.train.rollout import gathered_policy, sample_key
+from olmo_ds.train.rl.rollout import gathered_policy, sample_key
 
 
 class IdsAsText:

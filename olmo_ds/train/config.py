@@ -181,7 +181,7 @@ TRUNCATED = ("keep", "mask", "penalty")
 
 @dataclass
 class RLConfig:
-    """Reinforcement learning with verifiable rewards: GRPO as open-instruct's OlmoRL (`olmo_ds/train/grpo.py`; the loss's
+    """Reinforcement learning with verifiable rewards: GRPO as open-instruct's OlmoRL (`olmo_ds/train/rl/grpo.py`; the loss's
     formulas in `olmo_ds/model/loss.py: grpo_loss`). A run on RL prompts needs this section, and this section needs them
     (`olmo_ds/train/plan.py`). The global batch size counts prompts; each gets `samples_per_prompt` samples."""
 

@@ -117,7 +117,7 @@ def check_batch_divisible(cfg: TrainConfig, dp_world_size: int) -> None:
 
     RL (`rl:`) counts its global batch in prompts and its micro-batch in packed rows of samples: each rank takes
     global / data-parallel prompts, and its rollout pads the rows it packs to whole micro-batches
-    (`olmo_ds.train.grpo`), so only the prompts must split over the ranks, each rank with at least one prompt
+    (`olmo_ds.train.rl.grpo`), so only the prompts must split over the ranks, each rank with at least one prompt
     for every one of `rl.updates_per_rollout` updates (an update of none would step the optimizer on no data)."""
     b = cfg.batch
     for size in sorted({size for _, size in b.size_schedule().points}):

@@ -252,7 +252,7 @@ def choose_micro_batch(cfg: TrainConfig, model: ModelConfig, dp_world_size: int,
 
 @dataclass
 class RolloutEstimate:
-    """One rank's estimated peak during an RL rollout (`olmo_ds.train.rollout`), in bytes, by part: the training
+    """One rank's estimated peak during an RL rollout (`olmo_ds.train.rl.rollout`), in bytes, by part: the training
     state that stays resident, the whole-weights copy the decode engine runs on, its KV cache, and the largest module
     gathered while the copy is built."""
 

@@ -6,7 +6,7 @@
     metrics = objective.end(all_reduced_stats, n_micro=..., world_size=...)
 
 `build_objective` picks the objective the data trains with: preference pairs -> `PreferenceLoss` (train/preference.py),
-RL prompts -> `RLObjective` (train/grpo.py, which also has `rollout`: the trainer turns a step's prompts into rows
+RL prompts -> `RLObjective` (train/rl/grpo.py, which also has `rollout`: the trainer turns a step's prompts into rows
 with it before `begin`), else `NextTokenLoss`.
 
 The trainer's step (`Trainer.train_step`) is the same for every objective: cut the rows into micro-batches, forward,
@@ -34,7 +34,7 @@ import torch
 
 from olmo_ds.model.loss import count_targets, token_mean_divisor
 from olmo_ds.model.sequence_parallel import SequenceParallel
-from olmo_ds.train.grpo import rl_objective
+from olmo_ds.train.rl import RLEvaluator, rl_objective
 from olmo_ds.train.parallel import ParallelLayout, local_rows
 from olmo_ds.train.preference import PreferenceLoss
 
@@ -48,6 +48,12 @@ def build_objective(plan, *, sp: SequenceParallel | None, device: torch.device):
         return rl_objective(plan, sp=sp, device=device)
     return NextTokenLoss(masked=bool(getattr(plan.loader, "masked", False)), sp=sp, layout=plan.layout,
                          z_loss_coef=cfg.optim.z_loss, device=device)
+
+
+def build_evaluator(cfg, tokenizer, rank: int, world_size: int):
+    """The objective's own in-loop evaluation, or None for the trainer's (`InLoopEvaluator`): an RL run's greedy answers
+    to its validation prompts, scored by the verifiers (`olmo_ds.train.rl.RLEvaluator`)."""
+    return RLEvaluator(cfg, tokenizer, rank, world_size) if cfg.rl is not None else None
 
 
 class NextTokenLoss:

@@ -36,10 +36,10 @@ from olmo_ds.train.config import ConfigError, TrainConfig
 from olmo_ds.train.ds_config import ZeroLayout, device_type, fill_train_fields, optimizer_op, read_ds_config, resolve_zero
 from olmo_ds.train.evaluation import InLoopEvaluator, val_sources
 from olmo_ds.train.launch import DistEnv, detect_environment, normalize_cuda_arch_list
+from olmo_ds.train.objective import build_evaluator
 from olmo_ds.train.memory import MicroBatchChoice, choose_micro_batch
 from olmo_ds.train.metrics import roll_back_metrics, setup_console_logging
 from olmo_ds.train.parallel import ParallelLayout
-from olmo_ds.train.grpo import RLEvaluator
 from olmo_ds.train.preference import reference_identity
 from olmo_ds.train.preflight import check_launch
 from olmo_ds.checkpoint.reference import ReferenceCacheError, load_reference, reference_dir, reference_exists
@@ -77,7 +77,7 @@ class RunPlan:
     resume_state: dict | None  # its train_state.json
     init_from: weights.Provenance | None  # the weights a new run starts from (`init_from`); None when resuming
     init_state_fingerprint: str | None  # with init_from.load_optimizer: the source's train_state.json's, recorded by the run
-    evaluator: InLoopEvaluator | RLEvaluator | None
+    evaluator: object | None  # InLoopEvaluator, or the objective's own (`objective.build_evaluator`)
     run_lock: RunDirLock | None = None  # rank 0's lock on the run dir (`claim_run_dir`), held while the process lives
 
     @property
@@ -148,8 +148,8 @@ def _plan(cfg: TrainConfig, env: DistEnv, run_dir: Path, run_lock: RunDirLock | 
     evaluator = None
     if cfg.eval.every:  # RL prompts: greedy answers scored by the verifiers
         # every rank its own validation prompts, the ranks of a sequence group too (generation is per rank)
-        evaluator = (RLEvaluator(cfg, tokenizer, env.rank, env.world_size) if cfg.rl is not None
-                     else InLoopEvaluator(cfg, tokenizer, vocab, env.rank, env.world_size))
+        evaluator = build_evaluator(cfg, tokenizer, env.rank, env.world_size) or InLoopEvaluator(cfg, tokenizer, vocab, env.rank,
+                                                                                                  env.world_size)
     if env.rank == 0 and resume not in (None, "none"):  # last: a refused resume moves nothing
         continue_metrics(run_dir, resume_state["step"] if resume_state else 0, resume_dir)
     if layout.sp_size > 1:

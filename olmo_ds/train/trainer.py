@@ -196,11 +196,11 @@ class Trainer:
         the objective's `updates`). Returns loss, lr, grad norm, tokens (None: an RL rollout stopped by a signal).
         Collective: every rank calls it with its own rows of the same global step."""
         cfg, engine = self.cfg, self.engine
-        if hasattr(self.objective, "rollout"):  # RL: this rank's prompts become its rows of scored samples (train/grpo.py)
+        if hasattr(self.objective, "rollout"):  # RL: this rank's prompts become its rows of scored samples (train/rl/grpo.py)
             batch = self.objective.rollout(engine, batch, step=self.step, should_stop=lambda: self._stop_signal is not None)
             if batch is None:  # a stop request during the rollout: no step taken, on every rank (fit hands the prompts back)
                 return None
-        # RL's rl.updates_per_rollout: the step's rows are K equal parts, each its own optimizer update (train/grpo.py)
+        # RL's rl.updates_per_rollout: the step's rows are K equal parts, each its own optimizer update (train/rl/grpo.py)
         updates = self.objective.updates(batch) if hasattr(self.objective, "updates") else [batch]
         rows = batch["input_ids"].shape[0]
         micro = cfg.batch.micro_batch_size

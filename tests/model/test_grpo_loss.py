@@ -16,7 +16,7 @@ from olmo_ds.model import ModelConfig
 from olmo_ds.model.hf import to_hf_state_dict
 from olmo_ds.model.loss import IGNORE_INDEX, grpo_loss, sampled_logprobs
 from olmo_ds.data.dataset import Prompt
-from olmo_ds.train.rollout import Sample, pack_rows
+from olmo_ds.train.rl.rollout import Sample, pack_rows
 
 from model_testlib import OLMO3_TINY, hf_model_from, random_model
 

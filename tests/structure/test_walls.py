@@ -3,6 +3,7 @@
 - eval, model and data import nothing from train; model imports nothing from data;
 - the shard format and the read path (olmo_ds.data outside data/prepare/) import nothing from the offline pipeline (data/prepare/);
 - the checkpoint layer imports only `olmo_ds.atomic` and `olmo_ds.model.config` (and itself); `atomic`, `hub` and `ranks` import nothing of olmo_ds;
+- RL (olmo_ds/train/rl/) is reached from the rest of the package only through `olmo_ds.train.objective` (and the tools);
 - nothing under olmo_ds/ builds a path to, or runs, a file under scripts/ (messages may name a command).
 """
 
@@ -79,6 +80,22 @@ def breaches(path: Path, source: str | None = None) -> list[str]:
 def test_the_walls_hold():
     bad = [b for path in SOURCES for b in breaches(path)]
     assert not bad, "imports across the package's walls:\n" + "\n".join(bad)
+
+
+def rl_breaches(path: Path, source: str | None = None) -> list[str]:
+    """Imports of olmo_ds.train.rl from outside it, other than by the objective (the trainer's one door) and the tools."""
+    me = module_name(path)
+    if under(me, "olmo_ds.train.rl") or me == "olmo_ds.train.objective" or under(me, "olmo_ds.tools"):
+        return []
+    return [f"{path.relative_to(PACKAGE.parent)}:{line}: {me} imports {target} (reach RL through olmo_ds.train.objective)"
+            for line, target in imports_of(path, path.read_text() if source is None else source) if under(target, "olmo_ds.train.rl")]
+
+
+def test_rl_is_reached_only_through_the_objective():
+    bad = [b for path in SOURCES for b in rl_breaches(path)]
+    assert not bad, "\n".join(bad)
+    assert rl_breaches(PACKAGE / "train" / "trainer.py", "from olmo_ds.train.rl.rollout import Sample\n")
+    assert not rl_breaches(PACKAGE / "train" / "objective.py", "from olmo_ds.train.rl import rl_objective\n")
 
 
 def test_the_check_catches_function_local_imports():

@@ -24,8 +24,8 @@ from olmo_ds.model import OLMo
 from olmo_ds.model.config import preset
 from olmo_ds.tokenizer import load_tokenizer
 from olmo_ds.train.config import RLConfig
-import olmo_ds.train.grpo as grpo
-from olmo_ds.train.grpo import RLObjective
+import olmo_ds.train.rl.grpo as grpo
+from olmo_ds.train.rl.grpo import RLObjective
 from olmo_ds.train.launch import init_distributed
 from olmo_ds.train.parallel import ParallelLayout, sequence_group
 

@@ -11,9 +11,9 @@ import pytest
 
 from olmo_ds.data.dataset import Prompt
 from olmo_ds.train.config import ConfigError, RLConfig
-from olmo_ds.train.grpo import RLObjective
-from olmo_ds.train.rollout import Sample, group_advantages, score_samples
-from olmo_ds.train.samples_log import prune_samples, wanted, write_samples
+from olmo_ds.train.rl.grpo import RLObjective
+from olmo_ds.train.rl.rollout import Sample, group_advantages, score_samples
+from olmo_ds.train.rl.samples_log import prune_samples, wanted, write_samples
 
 import torch
 

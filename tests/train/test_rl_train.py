@@ -15,7 +15,7 @@ import torch
 
 from olmo_ds.model.loss import IGNORE_INDEX
 from olmo_ds.data.dataset import Prompt
-from olmo_ds.train.rollout import Sample, group_advantages, group_share, pack_rows, rows_needed, sample_key, score_samples, update_of
+from olmo_ds.train.rl.rollout import Sample, group_advantages, group_share, pack_rows, rows_needed, sample_key, score_samples, update_of
 
 from train_testlib import ROOT, read_metrics, rl_inputs, run, tiny_config, torchrun_cmd, write_config
 

@@ -4,17 +4,17 @@ loss, the step's metrics (`olmo_ds.train.objective`'s interface: `rollout`, `beg
 
 One step (a rollout, then one optimizer update, or `rl.updates_per_rollout` of them):
 1. `rollout(engine, batch, step=...)`: this rank's prompts (the loader's prompt batch) -> G samples each from the
-   current policy (`olmo_ds.train.rollout`: the ZeRO-3 weights gathered once into a plain model, the decode engine,
+   current policy (`olmo_ds.train.rl.rollout`: the ZeRO-3 weights gathered once into a plain model, the decode engine,
    each sample keyed by (step, prompt, sample)), rewards from each prompt's verifier, advantages per group, groups
    without a reward spread dropped (counted), the rest packed into rows. With `rl.beta > 0` the reference model
    (init_from's weights, frozen, on every rank) scores each sampled token there too ("cached": once per rollout,
    no gradient). Every rank ends with the same number of rows, a multiple of the micro-batch. With
-   `rl.updates_per_rollout` K > 1 the rows are K blocks, one per optimizer update (`olmo_ds.train.rollout.pack_rows`:
+   `rl.updates_per_rollout` K > 1 the rows are K blocks, one per optimizer update (`olmo_ds.train.rl.rollout.pack_rows`:
    update k trains the groups of the rank's prompts k, k + K, ...), each a multiple of the micro-batch, and the old
    policy's log-probabilities are scored here (`old_logprobs`, below).
    With sequence parallelism (N ranks a row) the ranks of a sequence group hold the same prompts: each draws and
    scores its 1/N of the group's samples, the group all-gathers them, and every rank of it packs the same rows
-   (`olmo_ds.train.rollout`); the reference (and the old policy) scores each rank's slice of them.
+   (`olmo_ds.train.rl.rollout`); the reference (and the old policy) scores each rank's slice of them.
 2. `updates(rows)`: the rows cut into the step's K updates; the trainer runs steps 3-4 once for each, each its own
    optimizer update (its accumulation boundary at the update's last micro-batch).
 3. `begin(rows, n_micro)`: the update's generated tokens over every rank (one all-reduce, before the first forward)
@@ -44,25 +44,21 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from olmo_ds.data.loader import validation_prompts
-from olmo_ds.eval.rl import Decoding, evaluate_prompts, stop_ids
-from olmo_ds.eval.scoring import DistContext
+from olmo_ds.data.dataset import Prompt
+from olmo_ds.eval.rl import stop_ids
 from olmo_ds.model.decode import GenerationInterrupted
 from olmo_ds.model.loss import IGNORE_INDEX, grpo_loss, sampled_logprobs, token_mean_divisor
 from olmo_ds.model.sequence_parallel import SequenceParallel
-from olmo_ds.train.config import ConfigError, RLConfig
-from olmo_ds.train.evaluation import val_sources
+from olmo_ds.train.config import RLConfig
 from olmo_ds.train.memory import estimate_rollout_memory
-from olmo_ds.data.dataset import Prompt
 from olmo_ds.train.parallel import local_rows
-from olmo_ds.train.rollout import (Groups, Sample, gather_samples, gathered_policy, group_advantages, group_share, pack_rows,
+from olmo_ds.train.rl.rollout import (Groups, Sample, gather_samples, gathered_policy, group_advantages, group_share, pack_rows,
                                    rows_needed, sample_groups, score_samples, update_of)
-from olmo_ds.train.samples_log import SamplesPlace, prune_samples, wanted, write_samples
+from olmo_ds.train.rl.samples_log import SamplesPlace, prune_samples, wanted, write_samples
 from olmo_ds.weights import load_model
 
 log = logging.getLogger("olmo_ds")
@@ -344,7 +340,7 @@ class RLObjective:
         return metrics
 
     def _write_samples(self, step: int) -> None:
-        """Step `step`'s samples file (`olmo_ds.train.samples_log`): every rank's records to rank 0, which writes."""
+        """Step `step`'s samples file (`olmo_ds.train.rl.samples_log`): every rank's records to rank 0, which writes."""
         samples, prompts, per_draw = self.last_samples
         k = self.rl.updates_per_rollout
         records = [] if self.sp is not None and self.sp.rank else [{
@@ -437,37 +433,3 @@ def rl_objective(plan, *, sp: SequenceParallel | None, device: torch.device) -> 
                        stop_ids=stop_ids(plan.tokenizer), reference=reference, decode_dtype=dtype, sp=sp,
                        draw_prompts=plan.loader.prompt_draw if rl.active_sampling_draws else None,
                        samples=SamplesPlace(plan.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every))
-
-
-class RLEvaluator:
-    """In-loop evaluation of an RL run: each validation source's prompts (`data.val_sources`, else each training
-    source's val/ split) answered greedily by the current weights (gathered as for a rollout) and scored by the same
-    verifiers, through `olmo_ds.eval.rl.evaluate_prompts` (what `eval.sh` runs on a checkpoint: the same numbers).
-    Returns `eval/<source>/solve_rate` (the share of prompts whose answer scores 1) and `eval/<source>/reward_mean`,
-    and each per verifier (`eval/<source>/solve_rate/<verifier>`). Every rank holds every prompt and answers its waves
-    of them (the ranks of a sequence group different ones: the evaluation generates per rank, never spread over a
-    group). Collective: every rank calls it."""
-
-    def __init__(self, cfg, tokenizer, rank: int, world_size: int, reward_fn: Callable | None = None):
-        self.tokenizer, self.reward_fn, self.dist = tokenizer, reward_fn, DistContext(rank, world_size)  # None: the scorer
-        self.timeout_s = cfg.rl.verifier_timeout
-        self.decoding = Decoding(max_new_tokens=cfg.rl.max_new_tokens, batch_size=cfg.rl.generation_batch_size)
-        self.sets: list[tuple[str, list[Prompt]]] = []
-        for src in val_sources(cfg):
-            try:
-                prompts = validation_prompts(src, 0, 1)  # all of them: `evaluate_prompts` deals them out
-            except (FileNotFoundError, ValueError) as e:
-                raise ConfigError(f"{cfg.source}: eval: validation source {src.path}: {e}") from None
-            self.sets.append((src.name or Path(src.path).name, prompts))
-
-    def __call__(self, engine) -> dict[str, float]:
-        module = engine.module if hasattr(engine, "module") else engine
-        device = next(module.parameters()).device
-        dtype = torch.bfloat16 if device.type == "cuda" else next(module.parameters()).dtype
-        metrics = {}
-        with gathered_policy(module, dtype) as policy:
-            for name, prompts in self.sets:
-                result = evaluate_prompts(policy, prompts, tokenizer=self.tokenizer, decoding=self.decoding,
-                                          dist_ctx=self.dist, reward_fn=self.reward_fn, timeout_s=self.timeout_s)
-                metrics.update({f"eval/{name}/{k}": v for k, v in result.metrics.items()})
-        return metrics
