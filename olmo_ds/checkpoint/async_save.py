@@ -301,9 +301,10 @@ class AsyncSaver:
         """(seconds `start` held training, of which allocating host memory) for the save in flight."""
         return (self._in_flight["blocked"], self._in_flight["alloc"]) if self._in_flight else None
 
-    def start(self, step: int, train_state: dict, *, tokenizer_path) -> Path:
-        """Snapshot this step's state (blocking only for the copy to host memory) and start writing it.
-        A save still in flight completes first (call `wait` before, to receive its summary)."""
+    def start(self, step: int, train_state: dict, *, tokenizer_path, rank_files: dict | None = None) -> Path:
+        """Snapshot this step's state (blocking only for the copy to host memory) and start writing it; `rank_files`
+        (`save.write_rng`) are written before this returns. A save still in flight completes first (call `wait` before,
+        to receive its summary)."""
         self.wait()
         t0 = time.perf_counter()
         ckpt_dir = prepare_checkpoint_dir(self.run_dir, step, self.rank)
@@ -315,7 +316,7 @@ class AsyncSaver:
         finally:
             self.engine.checkpoint_engine = previous
         snapshot_s = time.perf_counter() - t_snapshot
-        rng_entry = write_rng(ckpt_dir, self.rank)
+        rng_entry = write_rng(ckpt_dir, self.rank, rank_files)
         files = self.snapshots.take()
         self._error, self._phases = None, {}
         self._thread = threading.Thread(target=self._write, args=(files, ckpt_dir, rng_entry), name=f"olmo_ds-save-{step}", daemon=True)

@@ -78,8 +78,10 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def save_checkpoint(engine, run_dir: str | Path, step: int, train_state: dict, *, rank: int, tokenizer_path: str | Path | None) -> Path:
+def save_checkpoint(engine, run_dir: str | Path, step: int, train_state: dict, *, rank: int, tokenizer_path: str | Path | None,
+                    rank_files: dict[str, Any] | None = None) -> Path:
     """Collective, blocking: every rank calls it. Returns the checkpoint directory once it is complete.
+    `rank_files`: this rank's own files beside the engine's ({path in the checkpoint: object}, `write_rng`).
     (`olmo_ds.checkpoint.async_save.AsyncSaver` does the same with the writing off the training path.)"""
     ckpt = prepare_checkpoint_dir(run_dir, step, rank)
     recorder = _RecordingEngine(engine.checkpoint_engine, ckpt)
@@ -91,7 +93,7 @@ def save_checkpoint(engine, run_dir: str | Path, step: int, train_state: dict, *
     for directory in {Path(p).parent for p in recorder.paths}:  # the files themselves were fsynced as written
         fsync_path(directory)
     files = dict(recorder.files)
-    files.update(write_rng(ckpt, rank))
+    files.update(write_rng(ckpt, rank, rank_files))
     write_part(ckpt, rank, files)
     barrier()  # every rank's ZeRO shard, RNG file and part of the manifest is on disk
     if rank == 0:
@@ -136,12 +138,16 @@ def prepare_checkpoint_dir(run_dir: str | Path, step: int, rank: int) -> Path:
     return ckpt
 
 
-def write_rng(ckpt_dir: Path, rank: int) -> dict[str, dict]:
-    """This rank's RNG file; its manifest entry ({name: entry})."""
-    data = _torch_bytes(rng_state())
-    path = rng_file(ckpt_dir, rank)
-    atomic_write_bytes(path, data)
-    return {path.name: entry_of_bytes(data)}
+def write_rng(ckpt_dir: Path, rank: int, rank_files: dict[str, Any] | None = None) -> dict[str, dict]:
+    """This rank's RNG file, and its `rank_files` ({path in the checkpoint: object}: state an objective keeps per rank,
+    RL's samples in flight), each with torch.save, atomically; their manifest entries ({name: entry})."""
+    entries = {}
+    for name, obj in [(rng_file(ckpt_dir, rank).name, rng_state()), *(rank_files or {}).items()]:
+        data, path = _torch_bytes(obj), Path(ckpt_dir) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, data)
+        entries[name] = entry_of_bytes(data)
+    return entries
 
 
 def finalize_checkpoint(ckpt: Path, step: int, train_state: dict, *, tokenizer_path: str | Path | None) -> None:

@@ -460,6 +460,15 @@ class DataLoader:
         self.step -= 1
         self.instances_consumed -= self.schedule.at(self.step)
 
+    def prompts_at(self, step: int) -> dict:
+        """This rank's share of global batch `step` of RL prompts, without moving the loader: what `next_batch` returns
+        (or returned) at that step, for in-flight rollouts, which decode the prompts of steps ahead of training. Pure in
+        the step: its stream position is counted from the loader's own (step, instances consumed) through the batch-size
+        schedule, which every `next_batch` moves together, so a schedule changed on resume holds here as there."""
+        at = self.schedule.at
+        position = self.instances_consumed + sum(at(k) for k in range(self.step, step)) - sum(at(k) for k in range(step, self.step))
+        return self._make_batch(step, position)
+
     def prompt_draw(self, step: int, draw: int) -> dict:
         """This rank's share of extra draw `draw` (1, 2, ...) of RL prompts at step `step` (active sampling): a global
         batch of the step's size, at stream positions of the step's epoch chosen by (data.seed, step, draw), without

@@ -204,6 +204,7 @@ class RLConfig:
     active_sampling_draws: int = 0  # 0: off; N: up to N more draws of prompts a step until it holds a full batch of groups with signal
     verifier_timeout: float = 30.0  # seconds a verifier may take on one sample before it scores 0 (reason "timeout")
     samples_every: int = 10  # write RUN/samples/step-N.jsonl at steps 1-5, then every this many steps; 0: never
+    async_steps: int = 0  # 0: synchronous steps; A: in-flight rollouts, prompts decoded up to A steps ahead of training
 
     def validate(self, where: str) -> None:
         def bad(key: str, why: str) -> ConfigError:
@@ -239,12 +240,16 @@ class RLConfig:
             raise bad("stop", f"must be a list of non-empty strings, got {self.stop!r}")
         if self.truncated not in TRUNCATED:
             raise bad("truncated", f"{self.truncated!r} is not one of {', '.join(TRUNCATED)} (what a sample cut at max_new_tokens trains as)")
-        for key in ("active_sampling_draws", "samples_every"):
+        for key in ("active_sampling_draws", "samples_every", "async_steps"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise bad(key, f"must be an integer >= 0 (0: off), got {value!r}")
         if not self.verifier_timeout > 0:
             raise bad("verifier_timeout", f"must be > 0 seconds, got {self.verifier_timeout}")
+        if self.async_steps and self.active_sampling_draws:
+            raise bad("async_steps", f"{self.async_steps} with rl.active_sampling_draws {self.active_sampling_draws}: an extra draw "
+                      f"decides its prompts from the step's rewards, after its samples are in, which samples decoded ahead of "
+                      f"training cannot wait for; set one of them to 0")
 
     @property
     def cap(self) -> float | None:
@@ -394,6 +399,10 @@ class TrainConfig:
             if self.rl.max_new_tokens >= b.seq_len:
                 raise ConfigError(f"{where}: rl.max_new_tokens {self.rl.max_new_tokens} leaves no room for a prompt in batch.seq_len "
                                   f"{b.seq_len} (a prompt plus its sample is one training row): raise batch.seq_len or lower rl.max_new_tokens")
+            if self.rl.async_steps and sp > 1:
+                raise ConfigError(f"{where}: rl.async_steps {self.rl.async_steps} with parallel.sequence_parallel_size {sp}: the "
+                                  f"ranks of a sequence group split each step's samples and gather them, which a decoder running "
+                                  f"ahead on each rank does not; use rl.async_steps 0 or parallel.sequence_parallel_size 1")
             if not self.init_from.path:
                 raise ConfigError(f"{where}: rl needs init_from.path: RL starts from a model that can already answer (an SFT or "
                                   f"DPO run's checkpoint, or released weights), not from random weights")

@@ -327,6 +327,7 @@ class Trainer:
         if not self.weights_finite():
             raise NonFiniteLossError(f"step {self.step}: the weights hold non-finite values; refusing to save them over good checkpoints")
         tokenizer_path = self.tokenizer.path if self.tokenizer else None
+        rank_files = getattr(self.objective, "rank_files", dict)()  # each rank's own files (RL's samples in flight)
         try:
             if self._save_async():
                 t0 = time.perf_counter()
@@ -334,7 +335,7 @@ class Trainer:
                 if (waited := time.perf_counter() - t0) >= 1.0 and self.rank == 0:
                     log.info("checkpoint: training waited %.1fs for the previous background save to be written "
                              "(checkpoint.every is shorter than a write takes)", waited)
-                path = self.saver.start(self.step, self.train_state(), tokenizer_path=tokenizer_path)
+                path = self.saver.start(self.step, self.train_state(), tokenizer_path=tokenizer_path, rank_files=rank_files)
                 if final:
                     self._saved(self.saver.wait())
                 return path
@@ -342,7 +343,8 @@ class Trainer:
             self.saver.snapshots.release()  # host memory kept for background saves is not needed by this one
             self.remover.wait()
             t0 = time.perf_counter()
-            path = ckpt.save_checkpoint(self.engine, self.run_dir, self.step, self.train_state(), rank=self.rank, tokenizer_path=tokenizer_path)
+            path = ckpt.save_checkpoint(self.engine, self.run_dir, self.step, self.train_state(), rank=self.rank, tokenizer_path=tokenizer_path,
+                                        rank_files=rank_files)
             self._saved({"ckpt_dir": path, "blocked_s": time.perf_counter() - t0, "total_s": time.perf_counter() - t0})
             return path
         except AsyncSaveError as e:
@@ -403,7 +405,7 @@ class Trainer:
         if self._stop_signal is None:
             self._stop_signal = LAUNCHER_GONE if signum == signal.SIGTERM and launcher_gone() else signum
             log.info("%s: the run saves a checkpoint and exits after this step%s", self._stop_reason(self._stop_signal),
-                     " (an RL rollout in progress stops now and is drawn again on resume)" if hasattr(self.objective, "rollout") else "")
+                     " (an RL rollout in progress stops now; a resume draws the same samples)" if hasattr(self.objective, "rollout") else "")
 
     def _stop_requested(self) -> int:
         """Why the run stops now (0: it does not): the largest of the ranks' reasons (`LAUNCHER_GONE` or a signal

@@ -3,6 +3,8 @@
 
 - `grpo`: `RLObjective`, the step's rollout, loss and metrics;
 - `rollout`: gathering the policy, sampling, scoring, group advantages, packed rows;
+- `inflight`: in-flight rollouts (`rl.async_steps`): the decode copy and engine kept across steps, samples decoded
+  ahead of training, their versions and staleness, the queue saved with each checkpoint;
 - `samples_log`: the RUN/samples/ files;
 - `evaluator`: the in-loop greedy evaluation.
 """

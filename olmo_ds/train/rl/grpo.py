@@ -12,6 +12,9 @@ One step (a rollout, then one optimizer update, or `rl.updates_per_rollout` of t
    `rl.updates_per_rollout` K > 1 the rows are K blocks, one per optimizer update (`olmo_ds.train.rl.rollout.pack_rows`:
    update k trains the groups of the rank's prompts k, k + K, ...), each a multiple of the micro-batch, and the old
    policy's log-probabilities are scored here (`old_logprobs`, below).
+   With `rl.async_steps` A >= 1 the policy is a decode copy kept across steps and updated in place, and the samples
+   come from a decode engine that runs up to A steps ahead of training (`olmo_ds.train.rl.inflight`); the rest is
+   the same.
    With sequence parallelism (N ranks a row) the ranks of a sequence group hold the same prompts: each draws and
    scores its 1/N of the group's samples, the group all-gathers them, and every rank of it packs the same rows
    (`olmo_ds.train.rl.rollout`); the reference (and the old policy) scores each rank's slice of them.
@@ -56,6 +59,7 @@ from olmo_ds.model.sequence_parallel import SequenceParallel
 from olmo_ds.train.config import RLConfig
 from olmo_ds.train.memory import estimate_rollout_memory
 from olmo_ds.train.parallel import local_rows
+from olmo_ds.train.rl.inflight import InflightRollouts, inflight_file, restore_inflight
 from olmo_ds.train.rl.rollout import (Groups, Sample, gather_samples, gathered_policy, group_advantages, group_share, pack_rows,
                                    rows_needed, sample_groups, score_samples, update_of)
 from olmo_ds.train.rl.samples_log import SamplesPlace, prune_samples, wanted, write_samples
@@ -72,7 +76,8 @@ class RLObjective:
     def __init__(self, rl: RLConfig, *, seq_len: int, micro_batch: int, world_size: int, vocab_size: int,
                  device: torch.device, tokenizer=None, stop_ids=(), reward_fn: Callable | None = None,
                  reference=None, decode_dtype: torch.dtype | None = None, sp: SequenceParallel | None = None,
-                 draw_prompts: Callable[[int, int], dict] | None = None, samples: SamplesPlace | None = None):
+                 draw_prompts: Callable[[int, int], dict] | None = None, samples: SamplesPlace | None = None,
+                 prompts_at: Callable[[int], dict] | None = None, sample_lengths: Callable | None = None):
         self.rl, self.seq_len, self.micro, self.world_size = rl, seq_len, micro_batch, world_size
         self.vocab_size, self.device, self.tokenizer = vocab_size, device, tokenizer
         self.stop_ids = list(stop_ids) or ([tokenizer.eos_id] if tokenizer is not None else [])
@@ -86,6 +91,10 @@ class RLObjective:
         self.rank, self.dp_rank = rank, rank // self.sp_size
         self.draw_prompts = draw_prompts  # (step, draw) -> this rank's share of an extra draw (active sampling)
         self.samples = samples  # where the samples files go (None: not written)
+        self.sample_lengths = sample_lengths  # benchmarks only: each sample's own limit (`rollout.sample_requests`)
+        # rl.async_steps >= 1: the decode copy, decoder and queue kept across steps (`olmo_ds.train.rl.inflight`)
+        self.inflight = InflightRollouts(rl, max_len=seq_len, stop_ids=self.stop_ids, tokenizer=tokenizer, lengths=sample_lengths,
+                                         prompts_at=lambda step: self._prompts(prompts_at(step))) if rl.async_steps else None
         self.samples_seen = 0
         self.idle_steps = 0  # steps in a row that trained nothing (every group dropped)
         self._divisor = None
@@ -109,7 +118,9 @@ class RLObjective:
         target = per_draw * self.dp_size  # groups a step trains: the global batch of prompts
         samples: list[Sample] = []
         draws = 0
-        with gathered_policy(module, dtype, timings) as policy:
+        self._decode: dict = {}  # the step's decode rows and slots (occupancy), in-flight staleness
+        policy_at = gathered_policy(module, dtype, timings) if self.inflight is None else self.inflight.policy_at(module, dtype, step, timings)
+        with policy_at as policy:
             while True:
                 new, stopping = self._draw(policy, prompts, draws * per_draw, step, timings, should_stop)
                 samples += new
@@ -139,7 +150,7 @@ class RLObjective:
             timings["old_logprobs"] = time.perf_counter() - t0
         self.last_samples = (samples, prompts, per_draw)
         self.last_rollout = {**(self._counts(samples, prompts, groups, draws, surplus) if self.sp is None or self.sp.rank == 0 else {}),
-                             "time": timings}
+                             "time": timings, "decode": self._decode}
         return rows
 
     def _prompts(self, batch: dict) -> list[Prompt]:
@@ -154,10 +165,14 @@ class RLObjective:
         mine = group_share(pairs, sp.size, sp.rank) if sp is not None else range(pairs)  # a sequence group splits its samples
         t0 = time.perf_counter()
         try:
-            samples = sample_groups(policy, prompts, samples_per_prompt=rl.samples_per_prompt, max_new_tokens=rl.max_new_tokens,
-                                    temperature=rl.temperature, seed=rl.seed, step=step, stop_ids=self.stop_ids,
-                                    tokenizer=self.tokenizer, batch_size=rl.generation_batch_size, pairs=mine, top_p=rl.top_p,
-                                    stop=rl.stop, first=first, should_stop=should_stop)
+            if self.inflight is not None:  # no sequence parallelism, no extra draws (`RLConfig.validate`): all of the step's
+                samples = self.inflight.collect(step, prompts, should_stop, self._decode)
+            else:
+                samples = sample_groups(policy, prompts, samples_per_prompt=rl.samples_per_prompt, max_new_tokens=rl.max_new_tokens,
+                                        temperature=rl.temperature, seed=rl.seed, step=step, stop_ids=self.stop_ids,
+                                        tokenizer=self.tokenizer, batch_size=rl.generation_batch_size, pairs=mine, top_p=rl.top_p,
+                                        stop=rl.stop, first=first, should_stop=should_stop, lengths=self.sample_lengths,
+                                        stats=self._decode)
             stopping = False
         except GenerationInterrupted:
             samples, stopping = [], True
@@ -349,6 +364,7 @@ class RLObjective:
             "completion": s.text, "verifier": prompts[s.prompt].verifier, "score": s.score, "reward": s.reward,
             "reason": s.error or s.detail, "advantage": s.advantage, "finish": s.finish, "length": len(s.tokens),
             "logprob_mean": sum(s.logprobs) / max(len(s.logprobs), 1), "dropped": s.dropped,
+            "versions": list(s.versions) if s.versions is not None else [step - 1, step - 1],
             "trained": s.dropped is None and s.trained, "update": update_of(s, k),
             "order": (*self._global_place(s.prompt, per_draw), s.index)} for s in samples]
         parts = [None] * (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
@@ -391,6 +407,14 @@ class RLObjective:
         old = ("old_logprobs",) if any("old_logprobs" in r.get("time", {}) for r in rollouts) else ()
         for phase in ("gather", "generation", "reward", *old):
             out[f"time/{phase}_s"] = max(r.get("time", {}).get(phase, 0.0) for r in rollouts)
+        decode = lambda k: sum(r.get("decode", {}).get(k, 0) for r in rollouts)  # noqa: E731
+        if decode("slot_steps"):
+            out["rollout/occupancy"] = decode("decode_rows") / decode("slot_steps")  # the slots' mean share in use
+        if decode("staleness_n"):  # in-flight rollouts (rl.async_steps)
+            out.update({"rollout/stale_dropped": decode("stale_dropped"), "rollout/staleness_mean": decode("staleness_sum") / decode("staleness_n"),
+                        "rollout/staleness_max": max(r.get("decode", {}).get("staleness_max", 0) for r in rollouts)})
+        # what the learner waited for its samples (colocated: its own decoding), and actor ranks for weights (none yet)
+        out["time/learner_wait_s"], out["time/actor_wait_s"] = out["time/generation_s"], 0.0
         out["time/training_s"] = max(r.get("train_s", 0.0) for r in rollouts)
         return out
 
@@ -405,7 +429,14 @@ class RLObjective:
                 "train/rows": m.get("global_batch_size")}
 
     def state_dict(self) -> dict:
-        return {"rl_samples_seen": self.samples_seen}
+        """What train_state.json holds (with samples in flight: their async_steps and world size, for `restore_inflight`)."""
+        inflight = {"rl_inflight": {"async_steps": self.rl.async_steps, "world_size": self.world_size}} if self.inflight and self.inflight.holds else {}
+        return {"rl_samples_seen": self.samples_seen, **inflight}
+
+    def rank_files(self) -> dict[str, dict]:
+        """This rank's files of a checkpoint beyond the engine's: the samples in flight (`olmo_ds.train.rl.inflight`)."""
+        state = self.inflight.state_dict() if self.inflight is not None else None
+        return {inflight_file(self.rank): state} if state is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
         self.samples_seen = state.get("rl_samples_seen", 0)
@@ -428,8 +459,19 @@ def rl_objective(plan, *, sp: SequenceParallel | None, device: torch.device) -> 
                                        decode_bytes=2 if dtype == torch.bfloat16 else 4)
     log.info("rl: a rollout's peak per rank ~%s; %d samples of %d prompts a step, up to %d new tokens each",
              estimate.describe(), rl.samples_per_prompt * cfg.batch.global_batch_size, cfg.batch.global_batch_size, rl.max_new_tokens)
-    return RLObjective(rl, seq_len=cfg.batch.seq_len, micro_batch=cfg.batch.micro_batch_size, world_size=plan.world_size,
-                       vocab_size=plan.model.vocab_size, device=device, tokenizer=plan.tokenizer,
-                       stop_ids=stop_ids(plan.tokenizer), reference=reference, decode_dtype=dtype, sp=sp,
-                       draw_prompts=plan.loader.prompt_draw if rl.active_sampling_draws else None,
-                       samples=SamplesPlace(plan.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every))
+    saved = restore_inflight(plan.resume_dir, plan.resume_state, rank=plan.rank, world_size=plan.world_size, async_steps=rl.async_steps)
+    if rl.async_steps:
+        log.info("rl.async_steps %d: each rank keeps its decode copy and cache across steps; prompts enter up to %d steps ahead of "
+                 "training%s", rl.async_steps, rl.async_steps, "" if rl.cap else " (rl.tis_cap is off: nothing corrects their staleness)")
+    objective = RLObjective(rl, seq_len=cfg.batch.seq_len, micro_batch=cfg.batch.micro_batch_size, world_size=plan.world_size,
+                            vocab_size=plan.model.vocab_size, device=device, tokenizer=plan.tokenizer,
+                            stop_ids=stop_ids(plan.tokenizer), reference=reference, decode_dtype=dtype, sp=sp,
+                            draw_prompts=plan.loader.prompt_draw if rl.active_sampling_draws else None,
+                            samples=SamplesPlace(plan.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
+                            prompts_at=plan.loader.prompts_at if rl.async_steps else None)
+    if saved is not None:
+        objective.inflight.load_state_dict(saved)
+        log.info("rl.async_steps: the samples in flight at %s restored (%d waiting or decoding, %d finished, prompts submitted "
+                 "up to step %d)", plan.resume_dir, len(saved["decoder"]["waiting"]) + len(saved["decoder"]["active"]),
+                 len(saved["done"]), saved["submitted"])
+    return objective

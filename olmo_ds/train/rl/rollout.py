@@ -75,8 +75,9 @@ class Sample:
     detail: str | None = None  # the verifier's reason for its score, where it gives one
     advantage: float = 0.0
     dropped: str | None = None  # why its group trains nothing: "no signal" (equal rewards), "surplus" (active sampling),
-    # "non-finite log-probabilities"
+    # "non-finite log-probabilities", "stale" (in-flight rollouts: started more than rl.async_steps versions ago)
     trained: bool = True  # False: a truncated sample with rl.truncated mask (counted in its group, never trained)
+    versions: tuple[int, int] | None = None  # the policy versions (steps) of its first and last token (in-flight rollouts)
 
 
 @dataclass
@@ -85,7 +86,7 @@ class Groups:
 
     kept: list[Sample]
     all: list[Sample]
-    dropped: int  # groups whose rewards were all equal
+    dropped: int  # groups that train nothing: their rewards were all equal (or see `Sample.dropped`)
     groups: int
     reward_errors: int = 0
     by_verifier: dict[str, list[float]] = field(default_factory=dict)
@@ -97,20 +98,23 @@ def sample_key(seed: int, step: int, prompt_index: int, sample: int) -> int:
     return stream_key(seed, step, prompt_index, sample)
 
 
-@contextlib.contextmanager
-def gathered_policy(module: OLMo, dtype: torch.dtype, timings: dict | None = None):
-    """A plain `OLMo` holding `module`'s whole weights in `dtype` on its device, for generation; freed on exit.
+def empty_policy(module: OLMo, dtype: torch.dtype) -> OLMo:
+    """A plain `OLMo` of `module`'s shape in `dtype` on its device, in eval mode, its weights not yet set
+    (`gather_into` fills them)."""
+    with torch.device("meta"):
+        policy = OLMo(module.cfg)
+    return policy.to_empty(device=next(module.parameters()).device).to(dtype).eval()
 
-    Under ZeRO-3 each parameter is gathered (collective: every rank calls this together), one module at a time,
-    copied, and released; without partitioned parameters it is a plain copy. `timings["gather"]`: seconds taken."""
+
+@torch.no_grad()
+def gather_into(policy: OLMo, module: OLMo, dtype: torch.dtype, timings: dict | None = None) -> None:
+    """Copy `module`'s whole weights into `policy`'s, in place (so a decode engine holding `policy`, its CUDA graphs
+    too, runs the new weights). Under ZeRO-3 each parameter is gathered (collective: every rank calls this together),
+    one module at a time, copied, and released; without partitioned parameters it is a plain copy.
+    `timings["gather"]`: seconds taken, added."""
     import deepspeed
 
     t0 = time.perf_counter()
-    first = next(module.parameters())
-    device = first.device
-    with torch.device("meta"):
-        policy = OLMo(module.cfg)
-    policy = policy.to_empty(device=device).to(dtype)
     targets = dict(policy.named_parameters())
     for name, sub in module.named_modules():
         params = [(f"{name}.{n}" if name else n, p) for n, p in sub.named_parameters(recurse=False)]
@@ -118,17 +122,27 @@ def gathered_policy(module: OLMo, dtype: torch.dtype, timings: dict | None = Non
             continue
         partitioned = [p for _, p in params if hasattr(p, "ds_id")]
         with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None, enabled=bool(partitioned)):
-            with torch.no_grad():
-                for full, p in params:
-                    if full in targets:
-                        targets[full].copy_(p.data.to(dtype))
-    policy.eval()
+            for full, p in params:
+                if full in targets:
+                    targets[full].copy_(p.data.to(dtype))
+    if timings is not None:
+        timings["gather"] = timings.get("gather", 0.0) + time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def gathered_policy(module: OLMo, dtype: torch.dtype, timings: dict | None = None):
+    """A plain `OLMo` holding `module`'s whole weights in `dtype` on its device, for generation; freed on exit
+    (`gather_into`). `timings["gather"]`: seconds taken."""
+    t0 = time.perf_counter()
+    policy = empty_policy(module, dtype)
+    device = next(policy.parameters()).device
+    gather_into(policy, module, dtype)
     if timings is not None:
         timings["gather"] = timings.get("gather", 0.0) + time.perf_counter() - t0
     try:
         yield policy
     finally:
-        del policy, targets
+        del policy
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -136,22 +150,37 @@ def gathered_policy(module: OLMo, dtype: torch.dtype, timings: dict | None = Non
 def sample_groups(policy: OLMo, prompts: Sequence[Prompt], *, samples_per_prompt: int, max_new_tokens: int,
                   temperature: float, seed: int, step: int, stop_ids: Sequence[int], tokenizer,
                   batch_size: int, pairs: range | None = None, top_p: float = 1.0, stop: Sequence[str] = (),
-                  first: int = 0, should_stop: Callable[[], bool] | None = None) -> list[Sample]:
+                  first: int = 0, should_stop: Callable[[], bool] | None = None, lengths: Callable | None = None,
+                  stats: dict | None = None) -> list[Sample]:
     """G samples of prompts `first`, `first` + 1, ... (prompt-major: that prompt's G samples, then the next one's ...),
     or only the (prompt, sample) pairs `pairs` of that order (a rank's share of its sequence group's, `group_share`):
     pair k is sample k % G of prompt `first` + k // G, keyed as it would be wherever it is drawn. `stop`: strings that
-    end a sample; `should_stop`: checked between the decode engine's forwards (`generate`'s `interrupt`)."""
+    end a sample; `should_stop`: checked between the decode engine's forwards (`generate`'s `interrupt`). `lengths`
+    (benchmarks only, `sample_requests`): each sample's own limit. `stats`: the decode steps' rows and slots are added
+    to its "decode_rows" and "slot_steps" (the decode occupancy)."""
     g = samples_per_prompt
     pairs = range((len(prompts) - first) * g) if pairs is None else pairs
     at = lambda k: prompts[first + k // g]  # noqa: E731
-    requests = [Request(list(at(k).ids), max_new_tokens, stop=tuple(stop), seed=sample_key(seed, step, at(k).index, k % g))
-                for k in pairs]
+    requests = sample_requests([(at(k), k % g) for k in pairs], step=step, seed=seed, max_new_tokens=max_new_tokens, stop=stop,
+                               lengths=lengths)
     if not requests:
         return []
     done = generate(policy, requests, batch_size=batch_size, sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed),
                     stop_ids=stop_ids, tokenizer=tokenizer, interrupt=should_stop)
+    if stats is not None:
+        stats["decode_rows"] = stats.get("decode_rows", 0) + done.stats["decode_rows"]
+        stats["slot_steps"] = stats.get("slot_steps", 0) + done.stats["decode_forwards"] * done.stats["batch_size"]
     return [Sample(prompt=first + k // g, index=k % g, tokens=list(c.tokens), logprobs=[float(x) for x in c.logprobs],
                    finish=c.finish, text=c.text or "") for k, c in zip(pairs, done.completions)]
+
+
+def sample_requests(pairs: Sequence[tuple[Prompt, int]], *, step: int, seed: int, max_new_tokens: int, stop: Sequence[str] = (),
+                    lengths: Callable[[int, int, int], int] | None = None) -> list[Request]:
+    """The decode requests of (prompt, sample number) `pairs` at step `step`, each keyed by `sample_key`. `lengths(step,
+    prompt_index, sample)` -> that sample's max_new_tokens, for benchmarks whose random model never ends a sample
+    itself (olmo_ds/tools/bench_rl.py `--lengths realistic`); None: `max_new_tokens` for every one."""
+    return [Request(list(p.ids), lengths(step, p.index, j) if lengths is not None else max_new_tokens, stop=tuple(stop),
+                    seed=sample_key(seed, step, p.index, j)) for p, j in pairs]
 
 
 def group_share(pairs: int, size: int, rank: int) -> range:
@@ -203,6 +232,9 @@ def group_advantages(samples: list[Sample], prompts: Sequence[Prompt], *, sample
     kept, dropped, nonfinite = [], 0, 0
     for g in range(0, len(samples), samples_per_prompt):
         group = samples[g:g + samples_per_prompt]
+        if group[0].dropped == "stale":  # in-flight rollouts: too old to train (`olmo_ds.train.rl.inflight`)
+            dropped += 1
+            continue
         rewards = torch.tensor([s.reward for s in group], dtype=torch.float64)
         mean, std = rewards.mean(), rewards.std(unbiased=False)
         # a non-finite sampled log-probability (a decode gone wrong) would make the importance weight and loss NaN
