@@ -37,13 +37,14 @@ def rl_data(tmp_path_factory):
     return rl_inputs(tmp_path_factory.mktemp("rl-faults"), count=40, max_tokens=128, model=MODEL)
 
 
-def rl_config(tmp: Path, data: Path, init: Path, max_steps: int) -> Path:
+def rl_config(tmp: Path, data: Path, init: Path, max_steps: int, async_steps: int = 0, run_dir: str = "run") -> Path:
     # long rollouts (8 x 2 samples of up to 96 tokens a rank), so that a signal lands in one
-    cfg = tiny_config(tmp, data, run_dir=str(tmp / "run"), max_steps=max_steps, model=MODEL, init_from={"path": str(init)},
+    cfg = tiny_config(tmp, data, run_dir=str(tmp / run_dir), max_steps=max_steps, model=MODEL, init_from={"path": str(init)},
                       tokenizer=TOKENIZER, batch={"global_batch_size": 4, "micro_batch_size": 2, "seq_len": 256},
-                      rl={"samples_per_prompt": 8, "max_new_tokens": 96, "samples_every": 1},
+                      rl={"samples_per_prompt": 8, "max_new_tokens": 96, "samples_every": 1,
+                          **({"async_steps": async_steps, "generation_batch_size": 8} if async_steps else {})},
                       checkpoint={"every": 1, "keep_last": 3}, logging={"every": 1, "tensorboard": False})
-    return write_config(tmp / "rl.yaml", cfg)
+    return write_config(tmp / f"{run_dir}.yaml", cfg)
 
 
 def steps_logged(run_dir: Path) -> int:
@@ -62,9 +63,12 @@ def trained_prompts(run_dir: Path, step: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_a_rollout_stops_it_saves_the_step_before_and_resumes_on_the_same_prompts(tmp_path, rl_data):
+@pytest.mark.parametrize("async_steps", [0, 1], ids=["sync", "in-flight"])
+def test_ctrl_c_during_a_rollout_stops_it_saves_the_step_before_and_resumes_on_the_same_prompts(tmp_path, rl_data, async_steps):
+    """In-flight (rl.async_steps 1): the samples in flight saved at the stop go on in the resumed run, whose samples
+    are an uninterrupted run's, bit for bit."""
     data, init = rl_data
-    config, run_dir = rl_config(tmp_path, data, init, max_steps=3), tmp_path / "run"
+    config, run_dir = rl_config(tmp_path, data, init, max_steps=3, async_steps=async_steps), tmp_path / "run"
     ranks = Ranks(config, tmp_path / "logs", args=())
     assert wait_for(lambda: in_rollout(ranks, 2), 300, poll=0.02, procs=ranks.procs), ranks.tail()
     t0 = time.monotonic()
@@ -84,6 +88,13 @@ def test_ctrl_c_during_a_rollout_stops_it_saves_the_step_before_and_resumes_on_t
                         dp_rank=0, dp_world_size=1)
     for step in (1, 2, 3):  # every step trained the prompts the data order gives it: the abandoned one's came back
         assert trained_prompts(run_dir, step) == loader.next_batch()["prompt_index"].tolist(), step
+    if async_steps:
+        assert "samples in flight at" in resumed.log(0)
+        straight = Ranks(rl_config(tmp_path, data, init, max_steps=3, async_steps=1, run_dir="straight"), tmp_path / "logs3", args=())
+        assert straight.wait(600) == [0, 0], straight.tail()
+        for step in (1, 2, 3):
+            name = f"samples/step-{step:07d}.jsonl"
+            assert (run_dir / name).read_text() == (tmp_path / "straight" / name).read_text(), step
 
 
 @pytest.mark.skipif(MODE != "full", reason="2-rank launches killed mid-rollout: make test-faults")

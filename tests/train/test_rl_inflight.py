@@ -108,7 +108,8 @@ def test_samples_run_ahead_by_at_most_async_steps_and_record_their_versions():
     assert any(step - v for step, v in zip([s for s in range(4) for _ in range(PROMPTS * G)], started))  # some ran ahead
     assert any(v[0] != v[1] for step in range(1, 4) for *_, v, _ in ahead[step])  # weights swapped under a sample in flight
     # the queue never drains: every decode step after the first rollout's start fills the slots, which A = 0's tail does not
-    assert min(ahead[step, "metrics"]["rollout/occupancy"] for step in range(3)) > max(sync[step, "metrics"]["rollout/occupancy"] for step in range(3))
+    occupancy = {run: [steps[s, "metrics"]["rollout/occupancy"] for s in range(3)] for run, steps in (("sync", sync), ("ahead", ahead))}
+    assert min(occupancy["ahead"]) > max(occupancy["sync"])
     # a run resumed with a lower async_steps drops the groups started too long ago, and counts them (20 slots: step s + 2
     # starts while step s decodes)
     two = objective(2, slots=20)
@@ -128,11 +129,22 @@ def test_a_stop_mid_rollout_and_a_resume_from_the_saved_state_draw_what_an_unint
     assert sorted(k for k in got if isinstance(k, int)) == [0, 1]
     state = saved(first)
     assert state["submitted"] == 3 and state["done"] and state["decoder"]["active"]
+    for a in state["decoder"]["active"]:  # the cache entries each sequence wrote, not its whole slot
+        assert {t.shape[1] for t in a["keys"] + a["values"]} == {len(a["request"][0]) + len(a["tokens"]) - 1}
     resumed = objective(1)  # a new process: its own decode copy and decoder, the state restored into them
     resumed.inflight.load_state_dict(state)
     got = steps(resumed, policy, 2, 5, got)
     for step in range(5):
         assert got[step] == straight[step], step
+    # another rank's stop: this rank had all of step 2's samples when the step was abandoned; they stay queued
+    other, policy = objective(1), model()
+    steps(other, policy, 0, 2, {})
+    with other.inflight.policy_at(policy, torch.float32, 2, {}):
+        assert len(other.inflight.collect(2, other._prompts(batch(2)), None, {})) == PROMPTS * G
+    resumed = objective(1)
+    resumed.inflight.load_state_dict(saved(other))
+    got = steps(resumed, policy, 2, 5, {})
+    assert [got[step] for step in (2, 3, 4)] == [straight[step] for step in (2, 3, 4)]
     with pytest.raises(ConfigError, match="the checkpoint's samples in flight do not fit this run's decoder"):
         other = RLObjective(RLConfig(samples_per_prompt=G, max_new_tokens=12, generation_batch_size=6, async_steps=1), seq_len=24,
                             micro_batch=2, world_size=1, vocab_size=128, device=torch.device("cpu"), tokenizer=IdsAsText(),

@@ -108,7 +108,8 @@ class RLObjective:
     def rollout(self, engine, batch: dict, *, step: int, should_stop: Callable[[], bool] | None = None) -> dict[str, torch.Tensor] | None:
         """This rank's prompts -> its training rows for this step (collective: the gathering, each draw's agreement, the
         row count). None when `should_stop()` turned True during the rollout on any rank: the step is abandoned on
-        every rank alike (its samples are keyed by step, so a resumed run draws them again)."""
+        every rank alike (its samples are keyed by step, so a resumed run draws them again; with rl.async_steps they stay
+        queued, saved with the checkpoint, and the resumed run decodes on from them)."""
         rl = self.rl
         prompts = self._prompts(batch)
         per_draw = len(prompts)
@@ -130,6 +131,8 @@ class RLObjective:
                     torch.distributed.all_reduce(agree)
                 if agree[1].item():
                     return None
+                if self.inflight is not None:
+                    self.inflight.commit(step)
                 draws += 1
                 if draws > rl.active_sampling_draws or agree[0].item() / self.sp_size >= target:
                     break
@@ -430,8 +433,10 @@ class RLObjective:
 
     def state_dict(self) -> dict:
         """What train_state.json holds (with samples in flight: their async_steps and world size, for `restore_inflight`)."""
-        inflight = {"rl_inflight": {"async_steps": self.rl.async_steps, "world_size": self.world_size}} if self.inflight and self.inflight.holds else {}
-        return {"rl_samples_seen": self.samples_seen, **inflight}
+        state = {"rl_samples_seen": self.samples_seen}
+        if self.inflight is not None and self.inflight.holds:
+            state["rl_inflight"] = {"async_steps": self.rl.async_steps, "world_size": self.world_size}
+        return state
 
     def rank_files(self) -> dict[str, dict]:
         """This rank's files of a checkpoint beyond the engine's: the samples in flight (`olmo_ds.train.rl.inflight`)."""

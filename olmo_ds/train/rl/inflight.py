@@ -52,7 +52,7 @@ import torch
 
 from olmo_ds.checkpoint.safe_load import load_file
 from olmo_ds.data.dataset import Prompt
-from olmo_ds.model.decode import Decoder, GenerationInterrupted, Sampling
+from olmo_ds.model.decode import Decoder, Sampling
 from olmo_ds.model.decode.engine import Completion
 from olmo_ds.train.config import ConfigError, RLConfig
 from olmo_ds.train.rl.rollout import Sample, empty_policy, gather_into, sample_requests
@@ -98,7 +98,7 @@ class InflightRollouts:
                                    stop_ids=self.stop_ids, tokenizer=self.tokenizer)
             if self._restored is not None:
                 try:
-                    self.decoder.load_state_dict(self._restored)
+                    self.decoder.load_state_dict(self._whole(self._restored))
                 except ValueError as e:
                     raise ConfigError(f"rl.async_steps: the checkpoint's samples in flight do not fit this run's decoder ({e}); "
                                       f"resume with the checkpoint's rl.generation_batch_size and batch.seq_len") from None
@@ -111,7 +111,8 @@ class InflightRollouts:
 
     def collect(self, step: int, prompts: list[Prompt], should_stop: Callable[[], bool] | None, stats: dict) -> list[Sample]:
         """Step `step`'s samples (prompt-major, as `rollout.sample_groups` returns them), each with its `versions`,
-        stale groups marked (module docstring, 2). Adds the step's decode rows, slots and staleness to `stats`.
+        stale groups marked (module docstring, 2); they stay queued until `commit`. Adds the step's decode rows, slots
+        and staleness to `stats`.
         Raises `GenerationInterrupted` when `should_stop()` turned True (the decoder stays consistent)."""
         rl, g, ahead = self.rl, self.rl.samples_per_prompt, self.rl.async_steps
         mine = [p.index for p in prompts]
@@ -140,10 +141,9 @@ class InflightRollouts:
         finally:
             stats["decode_rows"] = stats.get("decode_rows", 0) + dec.stats["decode_rows"] - rows
             stats["slot_steps"] = stats.get("slot_steps", 0) + dec.stats["slot_steps"] - slots
-        del self.finished[step], self.indices[step]
         samples = []
         for j in range(len(prompts)):
-            group = [self._sample(self.done.pop((step, j, i)), j, i) for i in range(g)]
+            group = [self._sample(self.done[step, j, i], j, i) for i in range(g)]
             if max(step - s.versions[0] for s in group) > ahead:
                 for s in group:
                     s.dropped = STALE
@@ -153,6 +153,14 @@ class InflightRollouts:
                      staleness_sum=stats.get("staleness_sum", 0) + sum(staleness), staleness_n=stats.get("staleness_n", 0) + len(samples),
                      staleness_max=max([stats.get("staleness_max", 0), *staleness]))
         return samples
+
+    def commit(self, step: int) -> None:
+        """Step `step` trains (every rank agreed): its samples leave the queue. Until then they stay, so that a step
+        abandoned on another rank's stop request after this rank had all its samples keeps them for the resume."""
+        for key in [k for k in self.done if k[0] == step]:
+            del self.done[key]
+        self.finished.pop(step, None)
+        self.indices.pop(step, None)
 
     @staticmethod
     def _sample(c: Completion, prompt: int, index: int) -> Sample:
@@ -174,13 +182,33 @@ class InflightRollouts:
 
     def state_dict(self) -> dict | None:
         """Everything in flight on this rank, as tensors and plain data (loads with weights_only=True); None before any
-        rollout."""
-        decoder = self.decoder.state_dict() if self.decoder is not None else self._restored
+        rollout. Each sequence's cache entries are cut to the positions it has written (`_cut`)."""
+        decoder = self._cut(self.decoder.state_dict()) if self.decoder is not None else self._restored
         if decoder is None:
             return None
         return {"format": FORMAT, "async_steps": self.rl.async_steps, "submitted": self.submitted, "decoder": decoder,
                 "indices": [[t, list(v)] for t, v in sorted(self.indices.items())],
                 "done": [[list(k), list(c.tokens), list(c.logprobs), c.finish, c.text, list(c.versions)] for k, c in self.done.items()]}
+
+    @staticmethod
+    def _cut(state: dict) -> dict:
+        """The decoder's state with each active sequence's cache entries ([kv_heads, length, head_dim] a layer) cut to the
+        positions it has written (its prompt and all but its last token; a sliding layer's ring stays whole when the
+        sequence has filled it): the file holds what is in flight, not slots x max_len. The positions cut are never
+        attended (each sequence reads its own first positions only), so zeros restored there change nothing."""
+        for a in state["active"]:
+            n = len(a["request"][0]) + len(a["tokens"]) - 1
+            a["keys"], a["values"] = [[t[:, :n].clone() for t in a[k]] for k in ("keys", "values")]
+        return state
+
+    def _whole(self, state: dict) -> dict:
+        """`_cut`'s entries zero-padded back to this decoder's cache lengths (what `Decoder.load_state_dict` copies)."""
+        cache = self.decoder.cache
+        for a in state["active"]:
+            for k, layers in (("keys", cache.keys), ("values", cache.values)):
+                a[k] = [torch.cat([t, t.new_zeros(t.shape[0], layer.shape[2] - t.shape[1], t.shape[2])], 1) if t.shape[1] < layer.shape[2]
+                        else t for t, layer in zip(a[k], layers)]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("format") != FORMAT:

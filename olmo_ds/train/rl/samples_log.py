@@ -13,9 +13,12 @@ A line holds:
 - `advantage`, `finish` (eos, stop or length), `length` (generated tokens), `logprob_mean` (the mean sampled
   log-probability of its tokens, as the decode engine drew them);
 - `dropped` (null, or why its group trained nothing: "no signal" when every reward was equal, "surplus" when active
-  sampling had filled the step already, "non-finite log-probabilities"), `trained` (whether its tokens had a gradient: false for a dropped group
-  and for a truncated sample with `rl.truncated: mask`), `update` (which of the step's `rl.updates_per_rollout`
-  optimizer updates trained it, 0-based).
+  sampling had filled the step already, "non-finite log-probabilities", "stale" when in-flight rollouts started it
+  more than `rl.async_steps` versions before this step), `trained` (whether its tokens had a gradient: false for a
+  dropped group and for a truncated sample with `rl.truncated: mask`), `update` (which of the step's
+  `rl.updates_per_rollout` optimizer updates trained it, 0-based);
+- `versions` ([first, last]: the policy versions, optimizer steps taken, its first and last token were drawn under;
+  both `step` - 1 in a synchronous run, older with in-flight rollouts: `olmo_ds.train.rl.inflight`).
 
 Files are written atomically (a reader never sees half of one) and never read by training. They rotate with the
 checkpoints: once the run holds `checkpoint.keep_last` checkpoints, a file of a step before the oldest of them goes,
