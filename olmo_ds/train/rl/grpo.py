@@ -93,6 +93,8 @@ class RLObjective:
         self.samples = samples  # where the samples files go (None: not written)
         self.sample_lengths = sample_lengths  # benchmarks only: each sample's own limit (`rollout.sample_requests`)
         # rl.async_steps >= 1: the decode copy, decoder and queue kept across steps (`olmo_ds.train.rl.inflight`)
+        if rl.async_steps and prompts_at is None:
+            raise ValueError("rl.async_steps needs prompts_at (the loader's prompts of any step): it decodes steps ahead of training")
         self.inflight = InflightRollouts(rl, max_len=seq_len, stop_ids=self.stop_ids, tokenizer=tokenizer, lengths=sample_lengths,
                                          prompts_at=lambda step: self._prompts(prompts_at(step))) if rl.async_steps else None
         self.samples_seen = 0

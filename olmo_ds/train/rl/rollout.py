@@ -9,7 +9,8 @@
 Generation needs whole weights, which ZeRO-3 keeps partitioned over the ranks. `gathered_policy` gathers them once
 per rollout, one module's parameters at a time (`deepspeed.zero.GatheredParameters`), into a plain `OLMo` in the
 decode dtype (bf16 on a GPU, the training dtype on CPU), and frees it when the rollout ends: the peak is the copy
-(2 bytes a parameter) plus one gathered module. Each rank then generates for its own prompts with the project's
+(2 bytes a parameter) plus one gathered module. In-flight rollouts (`rl.async_steps`, `olmo_ds.train.rl.inflight`)
+keep the copy instead and gather each step's weights into it in place (`gather_into`). Each rank then generates for its own prompts with the project's
 decode engine (`olmo_ds.model.decode.generate`), G samples each (`rl.samples_per_prompt`), so a prompt's group
 stays on its rank and its statistics need no communication.
 
