@@ -204,6 +204,7 @@ class RLConfig:
     active_sampling_draws: int = 0  # 0: off; N: up to N more draws of prompts a step until it holds a full batch of groups with signal
     verifier_timeout: float = 30.0  # seconds a verifier may take on one sample before it scores 0 (reason "timeout")
     samples_every: int = 10  # write RUN/samples/step-N.jsonl at steps 1-5, then every this many steps; 0: never
+    actor_ranks: int = 0  # the launch's last N ranks only generate (olmo_ds/train/rl/actors.py); 0: every rank learns and generates
 
     def validate(self, where: str) -> None:
         def bad(key: str, why: str) -> ConfigError:
@@ -239,12 +240,15 @@ class RLConfig:
             raise bad("stop", f"must be a list of non-empty strings, got {self.stop!r}")
         if self.truncated not in TRUNCATED:
             raise bad("truncated", f"{self.truncated!r} is not one of {', '.join(TRUNCATED)} (what a sample cut at max_new_tokens trains as)")
-        for key in ("active_sampling_draws", "samples_every"):
+        for key in ("active_sampling_draws", "samples_every", "actor_ranks"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise bad(key, f"must be an integer >= 0 (0: off), got {value!r}")
         if not self.verifier_timeout > 0:
             raise bad("verifier_timeout", f"must be > 0 seconds, got {self.verifier_timeout}")
+        if self.actor_ranks and self.active_sampling_draws:
+            raise bad("actor_ranks", f"{self.actor_ranks} with rl.active_sampling_draws {self.active_sampling_draws}: actor ranks draw "
+                      "a step's prompts once; set one of them to 0")
 
     @property
     def cap(self) -> float | None:

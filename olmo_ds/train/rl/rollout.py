@@ -98,20 +98,24 @@ def sample_key(seed: int, step: int, prompt_index: int, sample: int) -> int:
 
 
 @contextlib.contextmanager
-def gathered_policy(module: OLMo, dtype: torch.dtype, timings: dict | None = None):
+def gathered_policy(module: OLMo, dtype: torch.dtype, timings: dict | None = None, keep: bool = True):
     """A plain `OLMo` holding `module`'s whole weights in `dtype` on its device, for generation; freed on exit.
 
     Under ZeRO-3 each parameter is gathered (collective: every rank calls this together), one module at a time,
-    copied, and released; without partitioned parameters it is a plain copy. `timings["gather"]`: seconds taken."""
+    copied, and released; without partitioned parameters it is a plain copy. `timings["gather"]`: seconds taken.
+    `keep` False: this rank only takes part in the gathering and gets None (with actor ranks, learners other than
+    the first hold no decode copy)."""
     import deepspeed
 
     t0 = time.perf_counter()
     first = next(module.parameters())
     device = first.device
-    with torch.device("meta"):
-        policy = OLMo(module.cfg)
-    policy = policy.to_empty(device=device).to(dtype)
-    targets = dict(policy.named_parameters())
+    policy = None
+    if keep:
+        with torch.device("meta"):
+            policy = OLMo(module.cfg)
+        policy = policy.to_empty(device=device).to(dtype)
+    targets = dict(policy.named_parameters()) if keep else {}
     for name, sub in module.named_modules():
         params = [(f"{name}.{n}" if name else n, p) for n, p in sub.named_parameters(recurse=False)]
         if not params:
@@ -122,7 +126,8 @@ def gathered_policy(module: OLMo, dtype: torch.dtype, timings: dict | None = Non
                 for full, p in params:
                     if full in targets:
                         targets[full].copy_(p.data.to(dtype))
-    policy.eval()
+    if policy is not None:
+        policy.eval()
     if timings is not None:
         timings["gather"] = timings.get("gather", 0.0) + time.perf_counter() - t0
     try:
