@@ -88,6 +88,9 @@ def _main() -> int:
         return 2
     watch_launcher()  # before anything slow: a rank whose launcher is gone must not start, or train on, alone
     try:
+        actor = actor_role(args)
+        if actor is not None:  # rl.actor_ranks: this rank only generates (olmo_ds/train/rl/actors.py)
+            return actor()
         trainer = start(args)
         status = trainer.fit()
     except (ConfigError, DataError, LaunchError, NonFiniteLossError, CheckpointSaveError) as e:
@@ -104,19 +107,33 @@ def _main() -> int:
               f"({str(e).splitlines()[0][:200]}); stopping. Restart the run with --resume auto", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(3)  # a normal exit tears down the process group, which can block on the dead rank's sockets
+    if hasattr(trainer.objective, "close"):  # rl.actor_ranks: the actors stop with the learners
+        trainer.objective.close()
     trainer.close()
     return 130 if status == "interrupted" else 0
+
+
+def config_of(args: argparse.Namespace):
+    from olmo_ds.train.config import load_config
+
+    return load_config(args.config, args.overrides + ([f"init_from.path={json.dumps(args.init_from)}"] if args.init_from else []))
+
+
+def actor_role(args: argparse.Namespace):
+    """With rl.actor_ranks: an actor rank's work (`olmo_ds.train.objective.actor_role`), else None (a learner's launch
+    now counts the learners only)."""
+    from olmo_ds.train.objective import actor_role as role_of
+
+    return role_of(config_of(args))
 
 
 def start(args: argparse.Namespace):
     """The run's plan and its trainer (engine built, weights loaded, DPO's reference computed). A start that ends in
     between, by an error or Ctrl-C, gives the run dir up (`RunPlan.abandon`) before the error goes on."""
-    from olmo_ds.train.config import load_config
     from olmo_ds.train.plan import plan_run
     from olmo_ds.train.trainer import Trainer
 
-    overrides = args.overrides + ([f"init_from.path={json.dumps(args.init_from)}"] if args.init_from else [])
-    plan = plan_run(load_config(args.config, overrides), resume=args.resume, start_over=args.start_over)
+    plan = plan_run(config_of(args), resume=args.resume, start_over=args.start_over)
     try:
         return Trainer(plan)
     except BaseException:

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import math
 from typing import NamedTuple
 
@@ -71,6 +72,8 @@ from olmo_ds.model.config import ModelConfig, YarnConfig
 from olmo_ds.model.loss import CHUNK_SIZE, document_logprobs, fused_linear_cross_entropy
 from olmo_ds.model.masking import document_ids
 from olmo_ds.model.sequence_parallel import SequenceParallel, ulysses_attention
+
+log = logging.getLogger("olmo_ds")
 
 
 class ModelOutput(NamedTuple):
@@ -328,20 +331,38 @@ class _RowShapedCompile:
     parameters). So a function holds at most 3 graphs per kind of call (attention backend, mask kind, FP8 recipe,
     sequence parallelism), and a run makes at most 2 kinds (full and sliding-window layers): 6, under dynamo's
     `recompile_limit` of 8, whatever the rows' shapes. Left to itself (`dynamic=None`), dynamo would mark a
-    dimension dynamic only once it changed: the length first, then the batch, one graph each."""
+    dimension dynamic only once it changed: the length first, then the batch, one graph each.
+
+    Should dynamo still reach its recompile limit (a kind of call this class does not foresee), it is told to fail
+    instead of silently running the frame eagerly behind a compiled name: the function is then called eagerly from
+    here on, counted as such in `BLOCK_CALLS` ("eager", and "compile_fallbacks" once), with one warning."""
 
     def __init__(self, fn):
-        self.fn = torch.compile(fn, dynamic=None)
+        self.eager_fn, self.fn = fn, torch.compile(fn, dynamic=None)
         self.first_shape: tuple[int, int] | None = None
+        self.exhausted = False  # dynamo hit its recompile limit: eager from then on
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.exhausted:
+            BLOCK_CALLS["eager"] += 1
+            return self.eager_fn(x, *args, **kwargs)
         shape = tuple(x.shape[:2])
         if self.first_shape is None:
             self.first_shape = shape
         elif shape != self.first_shape:
             torch._dynamo.maybe_mark_dynamic(x, 0)
             torch._dynamo.maybe_mark_dynamic(x, 1)
-        return self.fn(x, *args, **kwargs)
+        BLOCK_CALLS["compiled"] += 1  # before the call: a recomputation under activation checkpointing may end inside it
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                return self.fn(x, *args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            self.exhausted = True
+            BLOCK_CALLS["compiled"] -= 1
+            BLOCK_CALLS["compile_fallbacks"] += 1
+            log.warning("compiled blocks: torch.compile reached its recompile limit (%d graphs of %s); the blocks run eagerly "
+                        "from here on (TORCH_LOGS=recompiles says why)", torch._dynamo.config.recompile_limit, self.eager_fn.__name__)
+            return self(x, *args, **kwargs)
 
 
 @functools.cache
@@ -458,9 +479,9 @@ class Block(nn.Module):
         if cache is not None or mask is None:
             return None
         if not torch.is_grad_enabled() and not mask.static_shapes:
-            # Other no-grad forwards (the exact-length scoring path, a transformers-style call for logits,
-            # RL's old-policy and reference log-probs) stay eager; scoring and per-document forwards
-            # (evaluation, DPO's reference) opt in through the mask. Generation has a KV cache.
+            # Other no-grad forwards (the exact-length scoring path, a transformers-style call for logits) stay
+            # eager; scoring, per-document and packed-row forwards (evaluation, DPO's reference, RL's old-policy
+            # and reference log-probabilities) opt in through the mask. Generation has a KV cache.
             return None
         if not self.cfg.compiles_blocks(x.device.type):
             return None
@@ -473,8 +494,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, mask: AttentionMask | None, cache: KVCache | None = None,
                 sp: SequenceParallel | None = None) -> torch.Tensor:
         route = self._compiled_attention(x, mask, cache)
-        if route is not None:
-            BLOCK_CALLS["compiled"] += 1
+        if route is not None:  # counted in BLOCK_CALLS by the compiled function (`_RowShapedCompile`)
             backend, kernel_mask = route
             recipe = self.cfg.float8 if torch.is_grad_enabled() else "off"
             if recipe != "off":
@@ -610,10 +630,11 @@ class OLMo(nn.Module):
             tables = {kind: (cos[mine], sin[mine]) for kind, (cos, sin) in full.items()}
         mask = None
         if cache is None:
-            # Scoring and per-document forwards keep to a few batch shapes (the loader's rows), so their no-grad
-            # forwards (evaluation, DPO's reference pass) may run compiled blocks too.
+            # Scoring, per-document and packed-row forwards keep to a few batch shapes (the loader's rows, RL's packed
+            # samples), so their no-grad forwards (evaluation, DPO's reference pass, RL's old-policy and reference
+            # log-probabilities) may run compiled blocks too.
             mask = AttentionMask(b, row, input_ids.device, doc_lens, branches, positions,
-                                 static_shapes=score is not None or per_document)
+                                 static_shapes=score is not None or per_document or doc_lens is not None)
         checkpointing = torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.blocks):
             cos, sin = tables[self.cfg.layer_is_sliding(i)]

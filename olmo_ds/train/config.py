@@ -204,6 +204,7 @@ class RLConfig:
     active_sampling_draws: int = 0  # 0: off; N: up to N more draws of prompts a step until it holds a full batch of groups with signal
     verifier_timeout: float = 30.0  # seconds a verifier may take on one sample before it scores 0 (reason "timeout")
     samples_every: int = 10  # write RUN/samples/step-N.jsonl at steps 1-5, then every this many steps; 0: never
+    actor_ranks: int = 0  # the launch's last N ranks only generate (olmo_ds/train/rl/actors.py); 0: every rank learns and generates
     async_steps: int = 0  # 0: synchronous steps; A: in-flight rollouts, prompts decoded up to A steps ahead of training
 
     def validate(self, where: str) -> None:
@@ -240,16 +241,23 @@ class RLConfig:
             raise bad("stop", f"must be a list of non-empty strings, got {self.stop!r}")
         if self.truncated not in TRUNCATED:
             raise bad("truncated", f"{self.truncated!r} is not one of {', '.join(TRUNCATED)} (what a sample cut at max_new_tokens trains as)")
-        for key in ("active_sampling_draws", "samples_every", "async_steps"):
+        for key in ("active_sampling_draws", "samples_every", "actor_ranks", "async_steps"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise bad(key, f"must be an integer >= 0 (0: off), got {value!r}")
         if not self.verifier_timeout > 0:
             raise bad("verifier_timeout", f"must be > 0 seconds, got {self.verifier_timeout}")
+        if self.actor_ranks and self.active_sampling_draws:
+            raise bad("actor_ranks", f"{self.actor_ranks} with rl.active_sampling_draws {self.active_sampling_draws}: actor ranks draw "
+                      "a step's prompts once; set one of them to 0")
         if self.async_steps and self.active_sampling_draws:
             raise bad("async_steps", f"{self.async_steps} with rl.active_sampling_draws {self.active_sampling_draws}: an extra draw "
                       f"decides its prompts from the step's rewards, after its samples are in, which samples decoded ahead of "
                       f"training cannot wait for; set one of them to 0")
+        if self.async_steps and self.actor_ranks:
+            raise bad("async_steps", f"{self.async_steps} with rl.actor_ranks {self.actor_ranks}: actor ranks decode each step's "
+                      f"samples after its weights arrive (synchronously); in-flight rollouts run on ranks that also train. "
+                      f"Set one of them to 0")
 
     @property
     def cap(self) -> float | None:

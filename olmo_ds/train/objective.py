@@ -34,7 +34,9 @@ import torch
 
 from olmo_ds.model.loss import count_targets, token_mean_divisor
 from olmo_ds.model.sequence_parallel import SequenceParallel
+from olmo_ds.train.config import ConfigError
 from olmo_ds.train.rl import RLEvaluator, rl_objective
+from olmo_ds.train.rl.actors import actor_loop, split_roles
 from olmo_ds.train.parallel import ParallelLayout, local_rows
 from olmo_ds.train.preference import PreferenceLoss
 
@@ -48,6 +50,19 @@ def build_objective(plan, *, sp: SequenceParallel | None, device: torch.device):
         return rl_objective(plan, sp=sp, device=device)
     return NextTokenLoss(masked=bool(getattr(plan.loader, "masked", False)), sp=sp, layout=plan.layout,
                          z_loss_coef=cfg.optim.z_loss, device=device)
+
+
+def actor_role(cfg):
+    """Before anything else of a run starts: with `rl.actor_ranks`, an actor rank's work as a function (call it: it runs
+    the actor until the learners stop, and returns the exit status); None on a learner, whose launch now counts only
+    the learners (`olmo_ds.train.rl.actors.split_roles`), and on every rank of a run without actors."""
+    if cfg.rl is None or not cfg.rl.actor_ranks:
+        return None
+    if cfg.parallel.sequence_parallel_size > 1:
+        raise ConfigError(f"{cfg.source}: rl.actor_ranks {cfg.rl.actor_ranks} with parallel.sequence_parallel_size "
+                          f"{cfg.parallel.sequence_parallel_size}: actor ranks are not built for sequence parallelism; set one of them off")
+    role = split_roles(cfg.rl.actor_ranks, where=f"{cfg.source}: rl.actor_ranks")
+    return (lambda: actor_loop(cfg, role)) if role.actor else None
 
 
 def build_evaluator(cfg, tokenizer, rank: int, world_size: int):

@@ -7,6 +7,8 @@ shapes, same grad mode). Tolerances are fp32 rounding: inductor fuses and reorde
 
 from __future__ import annotations
 
+import collections
+
 import dataclasses
 import warnings
 from unittest import mock
@@ -218,6 +220,25 @@ def test_row_shaped_compile_holds_three_graphs_for_any_number_of_row_shapes():
         x = torch.randn(b, t, 8)
         torch.testing.assert_close(fn(x, w), rows_times(x, w), rtol=1e-5, atol=1e-5)
     assert len(_debug_get_cache_entry_list(rows_times.__code__)) == 3
+
+
+def test_a_recompile_limit_reached_is_counted_as_eager_not_compiled(caplog):
+    """Past dynamo's recompile limit the function runs eagerly and says so (`BLOCK_CALLS`, one warning), instead of
+    dynamo's silent eager frames counted as compiled calls. Each new `mode` (a string constant) is a new graph."""
+    from olmo_ds.model.model import BLOCK_CALLS
+
+    def scaled(x: torch.Tensor, mode: str) -> torch.Tensor:
+        return torch.nn.functional.silu(x) * len(mode)
+
+    fn, x = _RowShapedCompile(scaled), torch.randn(2, 4, 8)
+    before = collections.Counter(BLOCK_CALLS)
+    with torch._dynamo.config.patch(recompile_limit=2), caplog.at_level("WARNING", logger="olmo_ds"):
+        for mode in ("a", "bb", "ccc", "dddd", "eeeee"):
+            torch.testing.assert_close(fn(x, mode), scaled(x, mode))
+    calls = collections.Counter(BLOCK_CALLS)
+    calls.subtract(before)
+    assert (calls["compiled"], calls["eager"], calls["compile_fallbacks"]) == (2, 3, 1) and fn.exhausted
+    assert sum("reached its recompile limit" in r.message for r in caplog.records) == 1
 
 
 def test_compile_mode_must_be_known():

@@ -64,3 +64,23 @@ def test_one_rank_and_two_train_the_same_samples_losses_and_weights(tmp_path, pr
     for name, w in one[2].items():
         assert torch.allclose(w, two[2][name], atol=1e-5, rtol=0), name
     assert any((one[2][n] - w0).abs().max() > 1e-4 for n, w0 in load_weights(init).state_dict.items())  # the steps moved it
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_one_actor_and_two_learners_train_what_two_colocated_ranks_train(tmp_path, prompts_and_model):
+    """`rl.actor_ranks 1` on 3 ranks: the third rank only generates (weights broadcast to it each step), the two
+    learners train; samples, rewards, losses, gradient norms and the final weights are the 2-rank colocated run's,
+    exactly (samples are keyed by step, prompt and sample; decoding on CPU is batch-invariant)."""
+    data, init = prompts_and_model
+    rl = {"beta": 0.0, "seed": 3}
+    two = train(tmp_path, data, init, "two", 2, rl)
+    actors = train(tmp_path, data, init, "actors", 3, {**rl, "actor_ranks": 1})
+    for step in range(2):
+        assert [(r["prompt_index"], r["sample"], r["completion"], r["reward"], r["logprob_mean"]) for r in two[1][step]] == \
+               [(r["prompt_index"], r["sample"], r["completion"], r["reward"], r["logprob_mean"]) for r in actors[1][step]]
+        for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "rl/generated_tokens"):
+            assert two[0][step][key] == actors[0][step][key], (step + 1, key)
+        assert actors[0][step]["time/actor_wait_s"] > 0
+    for name, w in two[2].items():
+        assert torch.equal(w, actors[2][name]), name

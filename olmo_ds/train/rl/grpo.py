@@ -59,6 +59,7 @@ from olmo_ds.model.sequence_parallel import SequenceParallel
 from olmo_ds.train.config import RLConfig
 from olmo_ds.train.memory import estimate_rollout_memory
 from olmo_ds.train.parallel import local_rows
+from olmo_ds.train.rl.actors import ActorClient, split_roles
 from olmo_ds.train.rl.inflight import InflightRollouts, inflight_file, restore_inflight
 from olmo_ds.train.rl.rollout import (Groups, Sample, gather_samples, gathered_policy, group_advantages, group_share, pack_rows,
                                    rows_needed, sample_groups, score_samples, update_of)
@@ -76,7 +77,7 @@ class RLObjective:
     def __init__(self, rl: RLConfig, *, seq_len: int, micro_batch: int, world_size: int, vocab_size: int,
                  device: torch.device, tokenizer=None, stop_ids=(), reward_fn: Callable | None = None,
                  reference=None, decode_dtype: torch.dtype | None = None, sp: SequenceParallel | None = None,
-                 draw_prompts: Callable[[int, int], dict] | None = None, samples: SamplesPlace | None = None,
+                 draw_prompts: Callable[[int, int], dict] | None = None, samples: SamplesPlace | None = None, actors=None,
                  prompts_at: Callable[[int], dict] | None = None, sample_lengths: Callable | None = None):
         self.rl, self.seq_len, self.micro, self.world_size = rl, seq_len, micro_batch, world_size
         self.vocab_size, self.device, self.tokenizer = vocab_size, device, tokenizer
@@ -91,6 +92,7 @@ class RLObjective:
         self.rank, self.dp_rank = rank, rank // self.sp_size
         self.draw_prompts = draw_prompts  # (step, draw) -> this rank's share of an extra draw (active sampling)
         self.samples = samples  # where the samples files go (None: not written)
+        self.actors = actors  # `rl.actor_ranks`: the link to the actor ranks, which draw the samples (`actors.ActorClient`)
         self.sample_lengths = sample_lengths  # benchmarks only: each sample's own limit (`rollout.sample_requests`)
         # rl.async_steps >= 1: the decode copy, decoder and queue kept across steps (`olmo_ds.train.rl.inflight`)
         if rl.async_steps and prompts_at is None:
@@ -122,7 +124,10 @@ class RLObjective:
         samples: list[Sample] = []
         draws = 0
         self._decode: dict = {}  # the step's decode rows and slots (occupancy), in-flight staleness
-        policy_at = gathered_policy(module, dtype, timings) if self.inflight is None else self.inflight.policy_at(module, dtype, step, timings)
+        # with actor ranks only learner 0 keeps the gathered copy (it sends it to the actors); the others take part in the
+        # gathering; in-flight rollouts keep theirs across steps and gather into it in place
+        policy_at = (self.inflight.policy_at(module, dtype, step, timings) if self.inflight is not None else
+                     gathered_policy(module, dtype, timings, keep=self.actors is None or self.rank == 0))
         with policy_at as policy:
             while True:
                 new, stopping = self._draw(policy, prompts, draws * per_draw, step, timings, should_stop)
@@ -158,6 +163,11 @@ class RLObjective:
                              "time": timings, "decode": self._decode}
         return rows
 
+    def close(self) -> None:
+        """The run is over: with actor ranks, tell them to stop (every learner calls it)."""
+        if self.actors is not None:
+            self.actors.close()
+
     def _prompts(self, batch: dict) -> list[Prompt]:
         return [Prompt(list(ids), v, gt, int(i)) for ids, i, v, gt in
                 zip(batch["prompt_ids"], batch["prompt_index"].tolist(), batch["verifier"], batch["ground_truth"])]
@@ -169,18 +179,14 @@ class RLObjective:
         pairs = (len(prompts) - first) * rl.samples_per_prompt
         mine = group_share(pairs, sp.size, sp.rank) if sp is not None else range(pairs)  # a sequence group splits its samples
         t0 = time.perf_counter()
-        try:
-            if self.inflight is not None:  # no sequence parallelism, no extra draws (`RLConfig.validate`): all of the step's
-                samples = self.inflight.collect(step, prompts, should_stop, self._decode)
-            else:
-                samples = sample_groups(policy, prompts, samples_per_prompt=rl.samples_per_prompt, max_new_tokens=rl.max_new_tokens,
-                                        temperature=rl.temperature, seed=rl.seed, step=step, stop_ids=self.stop_ids,
-                                        tokenizer=self.tokenizer, batch_size=rl.generation_batch_size, pairs=mine, top_p=rl.top_p,
-                                        stop=rl.stop, first=first, should_stop=should_stop, lengths=self.sample_lengths,
-                                        stats=self._decode)
+        if self.actors is not None:  # the actor ranks draw them (olmo_ds/train/rl/actors.py)
+            drawn = self.actors.draw(policy, prompts[first:], step=step, samples_per_prompt=rl.samples_per_prompt)
+            samples = [Sample(prompt=first + k // rl.samples_per_prompt, index=k % rl.samples_per_prompt, tokens=d["tokens"],
+                              logprobs=d["logprobs"], finish=d["finish"], text=d["text"]) for k, d in enumerate(drawn)]
+            timings["actor_wait"] = timings.get("actor_wait", 0.0) + self.actors.wait_s
             stopping = False
-        except GenerationInterrupted:
-            samples, stopping = [], True
+        else:
+            samples, stopping = self._generate(policy, prompts, first, mine, step, should_stop)
         timings["generation"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         score_samples(samples, prompts, self.reward_fn, timeout_s=rl.verifier_timeout, truncated=rl.truncated,
@@ -191,6 +197,22 @@ class RLObjective:
             samples = gather_samples(samples, sp.group)
             timings["generation"] += time.perf_counter() - t0
         return samples, stopping
+
+    def _generate(self, policy, prompts: list[Prompt], first: int, pairs: range, step: int, should_stop) -> tuple[list[Sample], bool]:
+        """This rank's samples `pairs` of prompts `first`.. from its decode copy (in-flight rollouts: all of the step's,
+        from the decoder running ahead; no sequence parallelism or extra draws there, `RLConfig.validate`); (samples,
+        whether a stop request interrupted the generation: then none)."""
+        rl = self.rl
+        try:
+            if self.inflight is not None:
+                return self.inflight.collect(step, prompts, should_stop, self._decode), False
+            return sample_groups(policy, prompts, samples_per_prompt=rl.samples_per_prompt, max_new_tokens=rl.max_new_tokens,
+                                 temperature=rl.temperature, seed=rl.seed, step=step, stop_ids=self.stop_ids,
+                                 tokenizer=self.tokenizer, batch_size=rl.generation_batch_size, pairs=pairs, top_p=rl.top_p,
+                                 stop=rl.stop, first=first, should_stop=should_stop, lengths=self.sample_lengths,
+                                 stats=self._decode), False
+        except GenerationInterrupted:
+            return [], True
 
     def _keep_first(self, groups: Groups, target: int, per_draw: int) -> int:
         """Active sampling: of the groups with signal on every rank, the first `target` in the step's global order
@@ -409,8 +431,8 @@ class RLObjective:
             n = max(n, 1)
             out.update({f"rollout/reward_mean/{v}": reward_sum / n, f"rollout/solve_rate/{v}": solved / n,
                         f"rollout/response_length_mean/{v}": length / n, f"rollout/truncated_fraction/{v}": truncated / n})
-        old = ("old_logprobs",) if any("old_logprobs" in r.get("time", {}) for r in rollouts) else ()
-        for phase in ("gather", "generation", "reward", *old):
+        extra = tuple(k for k in ("old_logprobs", "actor_wait") if any(k in r.get("time", {}) for r in rollouts))
+        for phase in ("gather", "generation", "reward", *extra):
             out[f"time/{phase}_s"] = max(r.get("time", {}).get(phase, 0.0) for r in rollouts)
         decode = lambda k: sum(r.get("decode", {}).get(k, 0) for r in rollouts)  # noqa: E731
         if decode("slot_steps"):
@@ -418,8 +440,10 @@ class RLObjective:
         if decode("staleness_n"):  # in-flight rollouts (rl.async_steps)
             out.update({"rollout/stale_dropped": decode("stale_dropped"), "rollout/staleness_mean": decode("staleness_sum") / decode("staleness_n"),
                         "rollout/staleness_max": max(r.get("decode", {}).get("staleness_max", 0) for r in rollouts)})
-        # what the learner waited for its samples (colocated: its own decoding), and actor ranks for weights (none yet)
-        out["time/learner_wait_s"], out["time/actor_wait_s"] = out["time/generation_s"], 0.0
+        # what the learner waited for its samples (colocated: its own decoding; with actor ranks also `time/actor_wait_s`,
+        # the share spent waiting on the actors), 0 when no rank only generates
+        out["time/learner_wait_s"] = out["time/generation_s"]
+        out.setdefault("time/actor_wait_s", 0.0)
         out["time/training_s"] = max(r.get("train_s", 0.0) for r in rollouts)
         return out
 
@@ -475,6 +499,7 @@ def rl_objective(plan, *, sp: SequenceParallel | None, device: torch.device) -> 
                             stop_ids=stop_ids(plan.tokenizer), reference=reference, decode_dtype=dtype, sp=sp,
                             draw_prompts=plan.loader.prompt_draw if rl.active_sampling_draws else None,
                             samples=SamplesPlace(plan.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
+                            actors=ActorClient(split_roles(rl.actor_ranks), device) if rl.actor_ranks else None,
                             prompts_at=plan.loader.prompts_at if rl.async_steps else None)
     if saved is not None:
         objective.inflight.load_state_dict(saved)

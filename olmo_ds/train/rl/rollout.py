@@ -108,15 +108,15 @@ def empty_policy(module: OLMo, dtype: torch.dtype) -> OLMo:
 
 
 @torch.no_grad()
-def gather_into(policy: OLMo, module: OLMo, dtype: torch.dtype, timings: dict | None = None) -> None:
+def gather_into(policy: OLMo | None, module: OLMo, dtype: torch.dtype, timings: dict | None = None) -> None:
     """Copy `module`'s whole weights into `policy`'s, in place (so a decode engine holding `policy`, its CUDA graphs
     too, runs the new weights). Under ZeRO-3 each parameter is gathered (collective: every rank calls this together),
-    one module at a time, copied, and released; without partitioned parameters it is a plain copy.
-    `timings["gather"]`: seconds taken, added."""
+    one module at a time, copied, and released; without partitioned parameters it is a plain copy. `policy` None:
+    this rank only takes part in the gathering. `timings["gather"]`: seconds taken, added."""
     import deepspeed
 
     t0 = time.perf_counter()
-    targets = dict(policy.named_parameters())
+    targets = dict(policy.named_parameters()) if policy is not None else {}
     for name, sub in module.named_modules():
         params = [(f"{name}.{n}" if name else n, p) for n, p in sub.named_parameters(recurse=False)]
         if not params:
@@ -131,12 +131,13 @@ def gather_into(policy: OLMo, module: OLMo, dtype: torch.dtype, timings: dict | 
 
 
 @contextlib.contextmanager
-def gathered_policy(module: OLMo, dtype: torch.dtype, timings: dict | None = None):
+def gathered_policy(module: OLMo, dtype: torch.dtype, timings: dict | None = None, keep: bool = True):
     """A plain `OLMo` holding `module`'s whole weights in `dtype` on its device, for generation; freed on exit
-    (`gather_into`). `timings["gather"]`: seconds taken."""
+    (`gather_into`). `timings["gather"]`: seconds taken. `keep` False: this rank only takes part in the gathering and
+    gets None (with actor ranks, learners other than the first hold no decode copy)."""
     t0 = time.perf_counter()
-    policy = empty_policy(module, dtype)
-    device = next(policy.parameters()).device
+    device = next(module.parameters()).device
+    policy = empty_policy(module, dtype) if keep else None
     gather_into(policy, module, dtype)
     if timings is not None:
         timings["gather"] = timings.get("gather", 0.0) + time.perf_counter() - t0
