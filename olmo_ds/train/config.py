@@ -254,10 +254,6 @@ class RLConfig:
             raise bad("async_steps", f"{self.async_steps} with rl.active_sampling_draws {self.active_sampling_draws}: an extra draw "
                       f"decides its prompts from the step's rewards, after its samples are in, which samples decoded ahead of "
                       f"training cannot wait for; set one of them to 0")
-        if self.async_steps and self.actor_ranks:
-            raise bad("async_steps", f"{self.async_steps} with rl.actor_ranks {self.actor_ranks}: actor ranks decode each step's "
-                      f"samples after its weights arrive (synchronously); in-flight rollouts run on ranks that also train. "
-                      f"Set one of them to 0")
 
     @property
     def cap(self) -> float | None:

@@ -9,7 +9,7 @@ import torch
 
 from olmo_ds.model import OLMo, preset
 from olmo_ds.train.config import ConfigError, RLConfig
-from olmo_ds.train.rl.actors import LINK_ENV, flat_weights, load_flat, split_roles
+from olmo_ds.train.rl.actors import LINK_ENV, flat_weights, split_roles, unflat
 
 
 def test_the_last_ranks_act_and_a_learners_launch_counts_only_learners():
@@ -36,5 +36,5 @@ def test_weights_travel_as_one_flat_buffer_and_land_bit_for_bit():
     a, b = OLMo(preset("tiny")), OLMo(preset("tiny"))
     flat = flat_weights(a)
     assert flat.numel() == sum(p.numel() for p in a.parameters())
-    load_flat(b, flat)
+    b.load_state_dict(unflat(b, flat))
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))

@@ -156,7 +156,6 @@ def test_a_stop_mid_rollout_and_a_resume_from_the_saved_state_draw_what_an_unint
 @pytest.mark.parametrize("rl,message", [
     ({"async_steps": -1}, r"rl.async_steps must be an integer >= 0 \(0: off\), got -1"),
     ({"async_steps": 1, "active_sampling_draws": 2}, r"rl.async_steps 1 with rl.active_sampling_draws 2: an extra draw"),
-    ({"async_steps": 1, "actor_ranks": 1}, r"rl.async_steps 1 with rl.actor_ranks 1: actor ranks decode each step's"),
 ])
 def test_bad_async_steps_are_refused_naming_the_key(tmp_path, rl, message):
     with pytest.raises(ConfigError, match=message):

@@ -84,3 +84,18 @@ def test_one_actor_and_two_learners_train_what_two_colocated_ranks_train(tmp_pat
         assert actors[0][step]["time/actor_wait_s"] > 0
     for name, w in two[2].items():
         assert torch.equal(w, actors[2][name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_an_actor_decodes_ahead_of_two_learners_with_async_steps(tmp_path, prompts_and_model):
+    """`rl.actor_ranks 1` with `rl.async_steps 1`: the actor decodes step 2's samples while the learners train step 1,
+    under step 1's weights, and swaps in step 2's when they come; no sample trains more than one version after it
+    started, and some of step 2's did start a version early (its first samples take slots freed during step 1)."""
+    data, init = prompts_and_model
+    metrics, samples, _ = train(tmp_path, data, init, "async", 3, {"beta": 0.0, "seed": 3, "actor_ranks": 1, "async_steps": 1})
+    staleness = [[r["step"] - 1 - r["versions"][0] for r in step] for step in samples]  # a step trains version step - 1
+    assert all(0 <= x <= 1 for step in staleness for x in step), staleness
+    assert max(staleness[1]) == 1 and metrics[1]["rollout/staleness_max"] == 1
+    for m in metrics:
+        assert 0 < m["rollout/occupancy"] <= 1 and m["time/actor_wait_s"] >= 0 and m["train/loss"] == m["train/loss"]

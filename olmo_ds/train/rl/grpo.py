@@ -98,7 +98,9 @@ class RLObjective:
         if rl.async_steps and prompts_at is None:
             raise ValueError("rl.async_steps needs prompts_at (the loader's prompts of any step): it decodes steps ahead of training")
         self.inflight = InflightRollouts(rl, max_len=seq_len, stop_ids=self.stop_ids, tokenizer=tokenizer, lengths=sample_lengths,
-                                         prompts_at=lambda step: self._prompts(prompts_at(step))) if rl.async_steps else None
+                                         prompts_at=lambda step: self._prompts(prompts_at(step))) if rl.async_steps and actors is None else None
+        if actors is not None:  # the actors decode the steps ahead; the learners post those steps' prompts
+            actors.prompts_at = lambda step: self._prompts(prompts_at(step)) if prompts_at is not None else None
         self.samples_seen = 0
         self.idle_steps = 0  # steps in a row that trained nothing (every group dropped)
         self._divisor = None
@@ -182,8 +184,10 @@ class RLObjective:
         if self.actors is not None:  # the actor ranks draw them (olmo_ds/train/rl/actors.py)
             drawn = self.actors.draw(policy, prompts[first:], step=step, samples_per_prompt=rl.samples_per_prompt)
             samples = [Sample(prompt=first + k // rl.samples_per_prompt, index=k % rl.samples_per_prompt, tokens=d["tokens"],
-                              logprobs=d["logprobs"], finish=d["finish"], text=d["text"]) for k, d in enumerate(drawn)]
-            timings["actor_wait"] = timings.get("actor_wait", 0.0) + self.actors.wait_s
+                              logprobs=d["logprobs"], finish=d["finish"], text=d["text"], versions=tuple(d["versions"]))
+                       for k, d in enumerate(drawn)]
+            self._actor_stats(step, samples)
+            timings["actor_wait"] = timings.get("actor_wait", 0.0) + self.actors.stats["weights_wait"]
             stopping = False
         else:
             samples, stopping = self._generate(policy, prompts, first, mine, step, should_stop)
@@ -197,6 +201,15 @@ class RLObjective:
             samples = gather_samples(samples, sp.group)
             timings["generation"] += time.perf_counter() - t0
         return samples, stopping
+
+    def _actor_stats(self, step: int, samples: list[Sample]) -> None:
+        """The actors' decode rows and slots since their last step (occupancy), and the step's staleness (each sample's
+        first version against the step's: at most rl.async_steps, as the actors submit no prompt earlier)."""
+        stats, staleness = self.actors.stats, [step - s.versions[0] for s in samples]
+        d = self._decode
+        if self.rank == 0:  # every learner gets the same actors' counts; one counts them
+            d["decode_rows"], d["slot_steps"] = stats["decode_rows"], stats["slot_steps"]
+        d.update(stale_dropped=0, staleness_sum=sum(staleness), staleness_n=len(staleness), staleness_max=max(staleness, default=0))
 
     def _generate(self, policy, prompts: list[Prompt], first: int, pairs: range, step: int, should_stop) -> tuple[list[Sample], bool]:
         """This rank's samples `pairs` of prompts `first`.. from its decode copy (in-flight rollouts: all of the step's,
@@ -440,8 +453,8 @@ class RLObjective:
         if decode("staleness_n"):  # in-flight rollouts (rl.async_steps)
             out.update({"rollout/stale_dropped": decode("stale_dropped"), "rollout/staleness_mean": decode("staleness_sum") / decode("staleness_n"),
                         "rollout/staleness_max": max(r.get("decode", {}).get("staleness_max", 0) for r in rollouts)})
-        # what the learner waited for its samples (colocated: its own decoding; with actor ranks also `time/actor_wait_s`,
-        # the share spent waiting on the actors), 0 when no rank only generates
+        # what the learner waited for its samples (colocated: its own decoding; with actor ranks: the actors), and with
+        # actor ranks `time/actor_wait_s`, the time the actors sat idle for the learners' next weights (0 without actors)
         out["time/learner_wait_s"] = out["time/generation_s"]
         out.setdefault("time/actor_wait_s", 0.0)
         out["time/training_s"] = max(r.get("train_s", 0.0) for r in rollouts)
@@ -499,7 +512,7 @@ def rl_objective(plan, *, sp: SequenceParallel | None, device: torch.device) -> 
                             stop_ids=stop_ids(plan.tokenizer), reference=reference, decode_dtype=dtype, sp=sp,
                             draw_prompts=plan.loader.prompt_draw if rl.active_sampling_draws else None,
                             samples=SamplesPlace(plan.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
-                            actors=ActorClient(split_roles(rl.actor_ranks), device) if rl.actor_ranks else None,
+                            actors=ActorClient(split_roles(rl.actor_ranks), device, ahead=rl.async_steps) if rl.actor_ranks else None,
                             prompts_at=plan.loader.prompts_at if rl.async_steps else None)
     if saved is not None:
         objective.inflight.load_state_dict(saved)
