@@ -39,7 +39,7 @@ if DEVICE == "cpu":
 SLOW_TESTS = os.environ.get("OLMO_DS_SLOW_TESTS", "sample")
 if SLOW_TESTS not in ("sample", "all"):
     raise pytest.UsageError(f"OLMO_DS_SLOW_TESTS={SLOW_TESTS!r}: expected 'sample' or 'all'")
-SLOW_SHARE = 4  # 37 tests, ~30-130 s each: ~10 of them a run
+SLOW_SHARE = 5  # 50 tests, ~30-130 s each: ~10 of them a run
 # pytest-xdist's workers collect separately: they share the run's id, so they draw the same sample.
 _RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")
 SLOW_SEED = int(os.environ.get("OLMO_DS_SLOW_SEED") or (int(_RUN_ID[:8], 16) if _RUN_ID else random.SystemRandom().randrange(2**31)))
