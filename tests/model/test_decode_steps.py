@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from olmo_ds.model import ModelConfig
 from olmo_ds.model.decode import Request, generate
@@ -150,3 +149,50 @@ def test_the_compiled_step_is_the_eager_step_up_to_rounding():
         fast = generate(model, requests, batch_size=4, cuda_graphs=graphs)
         assert fast.stats["compiled"] and not plain.stats["compiled"]
         assert [c.tokens for c in fast.completions] == [c.tokens for c in plain.completions]
+
+
+def test_a_flash_prefill_that_cannot_run_falls_back_to_the_per_prompt_path(capfd):
+    """Where the variable-length flash kernel fails on its first call (here: it has no CPU kernel), the wave is
+    prefilled a prompt at a time, with the same numbers, after one line on stderr; later waves do not try again."""
+    model = random_model(CFG, seed=4)
+    plain, plain_logits = prefilled(model, False, None)
+    cache = SlotCache(CFG, slots=6, max_len=40, device="cpu", dtype=torch.float32, scratch=True)
+    cache.varlen = None  # as on a GPU in bf16: try the flash kernel first
+    lengths = [len(p) for p in PROMPTS.values()]
+    for _ in range(2):
+        cache.prefill(list(PROMPTS), lengths)
+        with torch.no_grad():
+            tried_logits = forward_logits(model, torch.tensor([[t for p in PROMPTS.values() for t in p]]),
+                                          torch.tensor([[i for n in lengths for i in range(n)]]), cache, torch.tensor(lengths).cumsum(0) - 1)
+    assert cache.varlen is False and torch.equal(tried_logits, plain_logits)
+    assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, plain.keys + plain.values))
+    err = capfd.readouterr().err
+    assert err.count("the variable-length flash prefill failed") == 1 and "prefilling a prompt at a time" in err
+
+
+def test_a_compiled_step_that_fails_on_its_first_call_falls_back_to_the_eager_step(monkeypatch, capfd):
+    """A compiled decode step whose compile fails (injected here: a compiler error on the first call) turns itself off
+    after one line on stderr, and the step's logits are the eager forward's; once it has run, a failure is an error."""
+    from olmo_ds.model.decode import compiled
+
+    model = random_model(CFG, seed=4)
+    cache = SlotCache(CFG, slots=6, max_len=40, device="cpu", dtype=torch.float32, scratch=True)
+    step = compiled.CompiledStep(model)
+
+    def broken():
+        raise RuntimeError("inductor: no C++ compiler found")
+
+    monkeypatch.setattr(compiled, "_compiled", broken)
+    rows = torch.tensor([3, 0]), torch.tensor([4, 2]), torch.tensor([[5], [6]])
+    out = []
+    for s in (step, None):
+        cache.decode(rows[0], rows[1], 256, contiguous=False, host=list(zip(rows[0].tolist(), rows[1].tolist())))
+        with torch.no_grad():
+            out.append(forward_logits(model, rows[2], rows[1][:, None], cache, torch.arange(2), s))
+    assert not step.enabled and torch.equal(out[0], out[1])
+    assert step.forward(rows[2], rows[1][:, None], cache) is None
+    assert capfd.readouterr().err.count("the compiled decode step failed (RuntimeError: inductor: no C++ compiler found)") == 1
+    proven = compiled.CompiledStep(model)
+    proven.proven = True
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        proven.forward(rows[2], rows[1][:, None], cache)
