@@ -17,6 +17,7 @@ On a GPU a decode step's rows are the active sequences padded to a bucket (`cach
 compiled (`compiled.CompiledStep`, `compile=`) and it replays a CUDA graph per (rows, span) (`graphs.DecodeGraphs`,
 `cuda_graphs=`), one step ahead of the host whenever no prompt waits for a slot; a prefill wave is one
 variable-length attention forward (`cache`).
+
 Everything a request could get wrong is refused before the first forward (`check_requests`).
 """
 
