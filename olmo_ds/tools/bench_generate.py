@@ -18,7 +18,9 @@ Rows, each timed after a short warm-up of its engine, with the number of prompts
 - `transformers`: `generate(do_sample=False)` at the same batch sizes, left-padded batches in prompt order
   (batch 1 on `--batch1-prompts`).
 
-Output tokens/s = new tokens / seconds. The table comes last; `--out` writes the rows as JSON. Greedy outputs of
+Output tokens/s = new tokens / seconds. On a GPU each olmo-ds row also gives its decode steps' mean time against their
+bytes bound (the weights every step, and each row's own cache entries: `Generation.stats['decode_cache_reads']`, over
+the measured copy bandwidth), the host's bookkeeping between steps included. The table comes last; `--out` writes the rows as JSON. Greedy outputs of
 olmo-ds and transformers are compared on the prompts both ran at batch 1 (identical in fp32; bf16 may differ).
 A row that fails is reported as failed (its error on stderr) and the others still run.
 """
@@ -312,8 +314,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{bytes_per_sequence(cfg, args.max_len + args.new_tokens, dtype) / 2**20:.1f} MiB per sequence", flush=True)
 
     rows, outputs = [], {}
+    decode = {}  # the last olmo-ds run's decode step time and bytes bound, for its row
+    bandwidth = copy_bandwidth(device) if gpu else None
+    if gpu:
+        print(f"copy bandwidth (read + write of a 2 GiB device copy): {bandwidth / 1e12:.2f} TB/s; weights read per step "
+              f"{weight_bytes(model) / 1e9:.2f} GB", flush=True)
 
     def row(engine: str, batch: int, count: int, fn) -> None:
+        decode.clear()
         try:
             out, seconds = timed(fn)
         except (RuntimeError, ValueError) as e:  # a CUDA error, out of memory: the other rows still say something
@@ -322,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             return
         tokens = sum(map(len, out))
         rows.append({"engine": engine, "batch": batch, "prompts": count, "new_tokens": tokens, "seconds": seconds,
-                     "tokens_per_second": tokens / seconds})
+                     "tokens_per_second": tokens / seconds, **decode})
         outputs[(engine, batch)] = out
         print(f"  {engine} batch {batch}: {count} prompts, {tokens:,} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s", flush=True)
 
@@ -333,14 +341,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{', varlen prefill' if st['varlen_prefill'] else ''}): {st['prefill_forwards']} prefill forwards in {st['prefill_seconds']:.2f} s, "
               f"{st['decode_forwards']} decode steps in {st['decode_seconds']:.2f} s "
               f"({st['decode_seconds'] / max(st['decode_forwards'], 1) * 1e3:.2f} ms a step, {st['graph_forwards']} replayed)", flush=True)
+        if bandwidth and st["decode_forwards"]:  # the steps' bytes: the weights each, and each row's own cache entries
+            entry = 2 * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize
+            bound = (st["decode_forwards"] * weight_bytes(model) + st["decode_cache_reads"] * entry) / bandwidth
+            decode.update(decode_ms=st["decode_seconds"] / st["decode_forwards"] * 1e3, decode_bound_ms=bound / st["decode_forwards"] * 1e3,
+                          decode_over_bound=st["decode_seconds"] / bound)
+            print(f"    decode steps against their bytes bound: {decode['decode_ms']:.2f} ms a step, bound {decode['decode_bound_ms']:.2f} ms "
+                  f"({decode['decode_over_bound']:.2f}x; the host's bookkeeping and padded rows included)", flush=True)
         return [c.tokens for c in result.completions]
 
     max_len = args.max_len + args.new_tokens
     steps = []
     if step_sizes:
-        bandwidth = copy_bandwidth(device)
-        print(f"copy bandwidth (read + write of a 2 GiB device copy): {bandwidth / 1e12:.2f} TB/s; weights read per step "
-              f"{weight_bytes(model) / 1e9:.2f} GB", flush=True)
         for k in args.kernels.split(","):
             try:
                 steps += step_rows(model, max_len, step_sizes, bandwidth, kernel=k, compiled=args.compile)
@@ -412,16 +424,17 @@ def main(argv: list[str] | None = None) -> int:
         for r in steps:
             print(f"| {r['kernel']}{'' if r['compiled'] else ' (not compiled)'} | {r['batch']} | {r['span']} | {r['mean_length']:.0f} | {(r['weight_bytes'] + r['kv_bytes']) / 1e9:.2f} | "
                   f"{r['bound_ms']:.2f} | {r['graph_ms']:.2f} | {r['step_ms']:.2f} | {r['step_over_bound']:.2f}x | {r['tokens_per_second']:,.0f} |")
-    print("\n| engine | batch | prompts | new tokens | seconds | output tokens/s | vs olmo-ds before #46 | vs transformers, same batch "
-          "| vs transformers static, same batch |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| engine | batch | prompts | new tokens | seconds | output tokens/s | decode step / bytes bound | vs olmo-ds before #46 "
+          "| vs transformers, same batch | vs transformers static, same batch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mine = not r["engine"].startswith("transformers")
         vs_hf = f"{r['tokens_per_second'] / hf_at[r['batch']]:.2f}x" if mine and r["batch"] in hf_at else "–"
         vs_static = f"{r['tokens_per_second'] / static_at[r['batch']]:.2f}x" if mine and r["batch"] in static_at else "–"
         vs_base = f"{r['tokens_per_second'] / base:.1f}x" if base else "–"
+        vs_bound = f"{r['decode_ms']:.2f} / {r['decode_bound_ms']:.2f} ms = {r['decode_over_bound']:.2f}x" if "decode_ms" in r else "–"
         print(f"| {r['engine']} | {r['batch']} | {r['prompts']} | {r['new_tokens']:,} | {r['seconds']:.2f} | {r['tokens_per_second']:,.0f} | "
-              f"{vs_base} | {vs_hf} | {vs_static} |")
+              f"{vs_bound} | {vs_base} | {vs_hf} | {vs_static} |")
     kernel_rows = {r["engine"]: r["tokens_per_second"] for r in rows if r["engine"] in ("olmo-ds, sdpa attention", "olmo-ds, triton attention")}
     if kernel_rows and main_batch in ours_at:
         best = max(kernel_rows, key=kernel_rows.get)
@@ -430,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     if 64 in ours_at and max(sizes) > 64:
         print(f"olmo-ds batch {max(sizes)}: {ours_at[max(sizes)] / ours_at[64]:.2f}x the tokens/s of batch 64")
     for r in failed:
-        print(f"| {r['engine']} | {r['batch']} | {r['prompts']} | failed | | | | | |")
+        print(f"| {r['engine']} | {r['batch']} | {r['prompts']} | failed | | | | | | |")
     return 1 if failed else 0
 
 

@@ -111,6 +111,13 @@ def test_finished_sequences_leave_the_batch():
     # Each sequence is in exactly (max_new_tokens - 1) decode forwards; the third takes the first's slot.
     assert stats["decode_rows"] == sum(r.max_new_tokens - 1 for r in requests)
     assert stats["new_tokens"] == sum(r.max_new_tokens for r in requests)
+    # The cache entries the decode steps' attention must read: a step at position p reads p + 1 in a full layer, at most
+    # the window (6) in a sliding one (bench_generate's bytes bound)
+    cfg = model.cfg
+    sliding = sum(cfg.layer_is_sliding(i) for i in range(cfg.n_layers))
+    assert 0 < sliding < cfg.n_layers
+    assert stats["decode_cache_reads"] == sum((cfg.n_layers - sliding) * n + sliding * min(n, 6) for r in requests
+                                              for n in range(len(r.prompt) + 1, len(r.prompt) + r.max_new_tokens))
 
 
 def test_sampling_is_seeded_per_prompt_whatever_the_batch_size():

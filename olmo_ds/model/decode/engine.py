@@ -188,7 +188,7 @@ class Decoder:
         self.active: dict[int, _Sequence] = {}
         self.version = 0  # weights swapped in so far (`load_weights`)
         self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "decode_rows": 0, "prompt_tokens": 0, "new_tokens": 0,
-                      "prefill_seconds": 0.0, "decode_seconds": 0.0, "slot_steps": 0}
+                      "prefill_seconds": 0.0, "decode_seconds": 0.0, "slot_steps": 0, "decode_cache_reads": 0}
         self._count = 0  # requests submitted: the default key of the next one
         pinned = self.device.type == "cuda"
         self._buffers = [(torch.empty(slots, dtype=torch.long, pin_memory=pinned), torch.empty(slots, dtype=torch.float32, pin_memory=pinned),
@@ -317,10 +317,21 @@ class Decoder:
         cache.decode(torch.tensor(slot_ids, device=device), positions, span, contiguous=contiguous,
                      host=[(slot, p) for _, p, slot in rows] if cache.invariant else None)
         logits = forward_logits(self.model, ids, positions[:, None], cache, torch.arange(len(rows), device=device), self.step)[:len(seqs)]
+        self._count_step(seqs, 0)
         self._keep(seqs, next_tokens(logits, self.cfg.vocab_size, self.sampling, [s.generator for s in seqs]), finished)
-        self.stats["decode_forwards"] += 1
-        self.stats["decode_rows"] += len(seqs)
-        self.stats["slot_steps"] += self.slots
+
+    def _count_step(self, seqs: list[_Sequence], ahead: int) -> None:
+        """Count a decode step of `seqs`, each `ahead` tokens past its last kept one (pipelined steps). `decode_cache_reads`:
+        the cache entries its attention must read, summed over rows and layers (a row at position p reads p + 1 in a
+        full layer, at most the window in a sliding one): with the weights, the bytes bound of the step (bench_generate)."""
+        cfg, stats = self.cfg, self.stats
+        sliding = sum(cfg.layer_is_sliding(i) for i in range(cfg.n_layers))
+        lengths = [s.position + ahead + 1 for s in seqs]
+        stats["decode_cache_reads"] += (cfg.n_layers - sliding) * sum(lengths) + (
+            sliding * sum(min(n, cfg.sliding_window) for n in lengths) if sliding else 0)
+        stats["decode_forwards"] += 1
+        stats["decode_rows"] += len(seqs)
+        stats["slot_steps"] += self.slots
 
     def _graph_steps(self, seqs: list[_Sequence], finished: list, total: int, progress) -> bool:
         """Decode steps of the active sequences `seqs` (any number of them: `DecodeGraphs` pads them to a bucket) as
@@ -353,11 +364,9 @@ class Decoder:
                 host_logp.copy_(chosen[1], non_blocking=True)
                 event.record()
                 in_flight.append((host_ids, host_logp, event))
+                self._count_step(seqs, len(in_flight) - 1)
                 ids, positions = chosen[0][:, None], positions + 1
                 launched += 1
-                self.stats["decode_forwards"] += 1
-                self.stats["decode_rows"] += len(seqs)
-                self.stats["slot_steps"] += self.slots
                 if len(in_flight) < 2:
                     continue
             host_ids, host_logp, event = in_flight.pop(0)
