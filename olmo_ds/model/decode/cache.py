@@ -12,9 +12,9 @@ The cache owns attention (`attend`, called by `olmo_ds.model.model.Attention` fo
   sliding layer: the last `window` of them) go into its slot. On a GPU in bf16/fp16 the whole row is one
   variable-length flash attention forward (`varlen_attention`: the prompts' boundaries as cumulative lengths,
   sliding windows as the kernel's window, GQA native) and a layer's cache writes are one indexed copy for the
-  whole wave. Per-prompt SDPA calls would be a new shape per prompt length, and on Hopper SDPA's cuDNN backend
-  builds an execution plan per new shape (seconds per wave of new lengths, issue #59); the flash kernel has no
-  such plan. Elsewhere (CPU, fp32, a flash kernel that fails on its first call) each prompt is one SDPA call,
+  whole wave. Per-prompt SDPA calls are a new shape per prompt length, and on Hopper SDPA's cuDNN backend builds
+  an execution plan per new shape (issue #59 measured seconds per wave of new lengths; this is its likely cause);
+  the flash kernel has no such plan. Elsewhere (CPU, fp32, a flash kernel that fails on its first call) each prompt is one SDPA call,
   never cuDNN's on a GPU;
 - a decode step is one new token for each of `A` slots, `[A, 1]`: its key and value are written at the
   slot's length, and attention reads that slot's first `length + 1` positions (or ring entries), through the
