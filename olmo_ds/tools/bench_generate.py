@@ -12,11 +12,15 @@ Rows, each timed after a short warm-up of its engine, with the number of prompts
 - `olmo-ds before #46`: the loop `generate.py` ran before batching (one prompt at a time, a batch-1
   `KVCache`, a whole `OLMo.forward` per token), on `--batch1-prompts` of the prompts;
 - `olmo-ds`: `olmo_ds.model.decode.generate` at each of `--batch-sizes` (batch 1 on `--batch1-prompts`), with
-  CUDA graphs on a GPU (its default), and on a GPU once more without them (`olmo-ds, eager`) at the largest;
+  CUDA graphs and the compiled step on a GPU (its defaults), and on a GPU at batch 64 (else the largest) once more
+  without graphs (`olmo-ds, eager`), without the compiled step (`olmo-ds, not compiled`) and with each single
+  decode kernel (`olmo-ds, sdpa attention`, `olmo-ds, triton attention`): `auto` must not be slower than the best;
 - `transformers`: `generate(do_sample=False)` at the same batch sizes, left-padded batches in prompt order
   (batch 1 on `--batch1-prompts`).
 
-Output tokens/s = new tokens / seconds. The table comes last; `--out` writes the rows as JSON. Greedy outputs of
+Output tokens/s = new tokens / seconds. On a GPU each olmo-ds row also gives its decode steps' mean time against their
+bytes bound (the weights every step, and each row's own cache entries: `Generation.stats['decode_cache_reads']`, over
+the measured copy bandwidth), the host's bookkeeping between steps included. The table comes last; `--out` writes the rows as JSON. Greedy outputs of
 olmo-ds and transformers are compared on the prompts both ran at batch 1 (identical in fp32; bf16 may differ).
 A row that fails is reported as failed (its error on stderr) and the others still run.
 """
@@ -33,6 +37,7 @@ import torch
 
 from olmo_ds.model import KVCache, OLMo, preset
 from olmo_ds.model.decode import Request, bytes_per_sequence, generate
+from olmo_ds.model.decode.attention import triton_available
 from olmo_ds.model.hf import to_hf_config, to_hf_state_dict
 from olmo_ds.tools.harness import current_device, environment, timed
 
@@ -140,12 +145,14 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
 
 
 @torch.no_grad()
-def step_rows(model: OLMo, max_len: int, batches: list[int], bandwidth: float, repeats: int = 20, kernel: str = "auto") -> list[dict]:
+def step_rows(model: OLMo, max_len: int, batches: list[int], bandwidth: float, repeats: int = 20, kernel: str = "auto",
+              compiled: bool = True) -> list[dict]:
     """A decode step with every slot busy, per batch size and span bucket: slots hold random keys and values and
     sequences of random lengths inside the bucket; the step as the engine runs it (one graph replay, the next
     tokens chosen, read back to the host) against the bytes it must read (`weight_bytes` + `kv_bytes`) over the
-    measured copy bandwidth."""
+    measured copy bandwidth. `compiled`: the step's arithmetic compiled (`decode.compiled`), as the engine runs it."""
     from olmo_ds.model.decode.cache import SPAN_BUCKET, SlotCache
+    from olmo_ds.model.decode.compiled import CompiledStep
     from olmo_ds.model.decode.graphs import DecodeGraphs
     from olmo_ds.model.decode.sampling import Sampling, next_tokens
 
@@ -153,10 +160,11 @@ def step_rows(model: OLMo, max_len: int, batches: list[int], bandwidth: float, r
     weights, rows = weight_bytes(model), []
     g = torch.Generator().manual_seed(0)
     for batch in batches:
-        cache = SlotCache(cfg, batch, max_len, param.device, param.dtype, kernel)
+        cache = SlotCache(cfg, batch, max_len, param.device, param.dtype, kernel, scratch=True)
         for t in cache.keys + cache.values:
             t.normal_()
-        graphs = DecodeGraphs(model, cache)
+        graphs = DecodeGraphs(model, cache, CompiledStep(model) if compiled else None)
+        slots = list(range(batch))
         for span in range(SPAN_BUCKET, max_len + SPAN_BUCKET, SPAN_BUCKET):
             span = min(span, max_len)
             low = span - SPAN_BUCKET if span % SPAN_BUCKET == 0 else span // SPAN_BUCKET * SPAN_BUCKET
@@ -165,19 +173,19 @@ def step_rows(model: OLMo, max_len: int, batches: list[int], bandwidth: float, r
             pos = positions.to(param.device)
 
             def step():
-                logits = graphs.logits(ids, pos, span)
+                logits = graphs.logits(ids, pos, slots, span)
                 return next_tokens(logits, cfg.vocab_size, Sampling(), [None] * batch)[0].tolist()
 
             step()  # the capture
-            graph_ms = median_ms(lambda: graphs.graphs[span][0].replay(), repeats)
+            graph_ms = median_ms(lambda: graphs.graphs[(batch, span, cache.kernel == "sdpa")][0].replay(), repeats)
             step_ms = median_ms(step, repeats)
             kv = kv_bytes(cfg, positions.tolist(), param.element_size())
             bound_ms = (weights + kv) / bandwidth * 1e3
-            rows.append({"kernel": cache.kernel, "batch": batch, "span": span, "mean_length": float(positions.float().mean()) + 1,
+            rows.append({"kernel": cache.kernel, "compiled": bool(graphs.step and graphs.step.enabled), "batch": batch, "span": span, "mean_length": float(positions.float().mean()) + 1,
                          "weight_bytes": weights, "kv_bytes": kv, "bound_ms": bound_ms, "graph_ms": graph_ms,
                          "step_ms": step_ms, "step_over_bound": step_ms / bound_ms,
                          "tokens_per_second": batch / step_ms * 1e3})
-            print(f"  step {cache.kernel} batch {batch} span {span}: bound {bound_ms:.2f} ms, graph {graph_ms:.2f} ms, step {step_ms:.2f} ms "
+            print(f"  step {cache.kernel}{'' if graphs.step and graphs.step.enabled else ' (not compiled)'} batch {batch} span {span}: bound {bound_ms:.2f} ms, graph {graph_ms:.2f} ms, step {step_ms:.2f} ms "
                   f"({step_ms / bound_ms:.2f}x)", flush=True)
         del cache, graphs
         torch.cuda.empty_cache()
@@ -192,6 +200,7 @@ def profile(model: OLMo, max_len: int, batch: int, prompts: list[list[int]], out
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     from olmo_ds.model.decode.cache import SlotCache, decode_span
+    from olmo_ds.model.decode.compiled import CompiledStep
     from olmo_ds.model.decode.forward import forward_logits
     from olmo_ds.model.decode.graphs import DecodeGraphs
     from olmo_ds.model.decode.sampling import Sampling, next_tokens
@@ -199,7 +208,8 @@ def profile(model: OLMo, max_len: int, batch: int, prompts: list[list[int]], out
     cfg, param = model.cfg, next(model.parameters())
     device = param.device
     out_dir.mkdir(parents=True, exist_ok=True)
-    cache = SlotCache(cfg, batch, max_len, device, param.dtype, kernel)
+    cache = SlotCache(cfg, batch, max_len, device, param.dtype, kernel, scratch=True)
+    step = CompiledStep(model)
     wave, total = [], 0
     for q in prompts:
         if len(wave) == batch or total + len(q) > 32768:
@@ -223,17 +233,17 @@ def profile(model: OLMo, max_len: int, batch: int, prompts: list[list[int]], out
     span = decode_span(max_len - 1, max_len)
 
     def eager_step():
-        cache.decode(slots, pos, span, contiguous=True)
-        logits = forward_logits(model, dec_ids, pos[:, None], cache, slots)
+        cache.decode(slots, pos, span, contiguous=cache.kernel == "sdpa")
+        logits = forward_logits(model, dec_ids, pos[:, None], cache, slots, step)
         return next_tokens(logits, cfg.vocab_size, Sampling(), [None] * batch)[0].tolist()
 
-    graphs = DecodeGraphs(model, cache)
+    graphs = DecodeGraphs(model, cache, step)
 
     def graph_step():
-        return next_tokens(graphs.logits(dec_ids, pos, span), cfg.vocab_size, Sampling(), [None] * batch)[0].tolist()
+        return next_tokens(graphs.logits(dec_ids, pos, list(range(batch)), span), cfg.vocab_size, Sampling(), [None] * batch)[0].tolist()
 
     for name, fn, times in ((f"prefill wave of {len(wave)} prompts, {total} tokens, {cache.kernel}", prefill, 2),
-                            (f"eager decode step, batch {batch}, span {span}, {cache.kernel}", eager_step, 5),
+                            (f"eager decode step (compiled arithmetic), batch {batch}, span {span}, {cache.kernel}", eager_step, 5),
                             (f"graph decode step, batch {batch}, span {span}, {cache.kernel}", graph_step, 5)):
         wall = median_ms(fn, repeats=5, warmup=2)
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -269,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-transformers", dest="transformers", action="store_false", help="only olmo-ds's rows")
     p.add_argument("--no-before-46", dest="before_46", action="store_false", help="leave out the loop before #46 (slow)")
     p.add_argument("--no-eager", dest="eager", action="store_false", help="leave out olmo-ds without CUDA graphs")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="GPU: time the step table without the compiled step, and leave out the 'not compiled' row")
     p.add_argument("--no-static", dest="static", action="store_false",
                    help="leave out transformers with its static cache (compiled by transformers on a GPU; a minute of compiling)")
     p.add_argument("--steps", default="1,64,256" if gpu else "",
@@ -302,8 +314,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{bytes_per_sequence(cfg, args.max_len + args.new_tokens, dtype) / 2**20:.1f} MiB per sequence", flush=True)
 
     rows, outputs = [], {}
+    decode = {}  # the last olmo-ds run's decode step time and bytes bound, for its row
+    bandwidth = copy_bandwidth(device) if gpu else None
+    if gpu:
+        print(f"copy bandwidth (read + write of a 2 GiB device copy): {bandwidth / 1e12:.2f} TB/s; weights read per step "
+              f"{weight_bytes(model) / 1e9:.2f} GB", flush=True)
 
     def row(engine: str, batch: int, count: int, fn) -> None:
+        decode.clear()
         try:
             out, seconds = timed(fn)
         except (RuntimeError, ValueError) as e:  # a CUDA error, out of memory: the other rows still say something
@@ -312,27 +330,32 @@ def main(argv: list[str] | None = None) -> int:
             return
         tokens = sum(map(len, out))
         rows.append({"engine": engine, "batch": batch, "prompts": count, "new_tokens": tokens, "seconds": seconds,
-                     "tokens_per_second": tokens / seconds})
+                     "tokens_per_second": tokens / seconds, **decode})
         outputs[(engine, batch)] = out
         print(f"  {engine} batch {batch}: {count} prompts, {tokens:,} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s", flush=True)
 
-    def ours(subset, b, n, graphs=None, attention="auto"):
-        result = generate(model, [Request(q, n) for q in subset], batch_size=b, cuda_graphs=graphs, attention=attention)
+    def ours(subset, b, n, graphs=None, attention="auto", compile=None):
+        result = generate(model, [Request(q, n) for q in subset], batch_size=b, cuda_graphs=graphs, attention=attention, compile=compile)
         st = result.stats
-        print(f"    olmo-ds batch {b} ({st['attention']} attention): {st['prefill_forwards']} prefill forwards in {st['prefill_seconds']:.2f} s, "
+        print(f"    olmo-ds batch {b} ({st['attention']} attention{', compiled' if st['compiled'] else ''}"
+              f"{', varlen prefill' if st['varlen_prefill'] else ''}): {st['prefill_forwards']} prefill forwards in {st['prefill_seconds']:.2f} s, "
               f"{st['decode_forwards']} decode steps in {st['decode_seconds']:.2f} s "
               f"({st['decode_seconds'] / max(st['decode_forwards'], 1) * 1e3:.2f} ms a step, {st['graph_forwards']} replayed)", flush=True)
+        if bandwidth and st["decode_forwards"]:  # the steps' bytes: the weights each, and each row's own cache entries
+            entry = 2 * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize
+            bound = (st["decode_forwards"] * weight_bytes(model) + st["decode_cache_reads"] * entry) / bandwidth
+            decode.update(decode_ms=st["decode_seconds"] / st["decode_forwards"] * 1e3, decode_bound_ms=bound / st["decode_forwards"] * 1e3,
+                          decode_over_bound=st["decode_seconds"] / bound)
+            print(f"    decode steps against their bytes bound: {decode['decode_ms']:.2f} ms a step, bound {decode['decode_bound_ms']:.2f} ms "
+                  f"({decode['decode_over_bound']:.2f}x; the host's bookkeeping and padded rows included)", flush=True)
         return [c.tokens for c in result.completions]
 
     max_len = args.max_len + args.new_tokens
     steps = []
     if step_sizes:
-        bandwidth = copy_bandwidth(device)
-        print(f"copy bandwidth (read + write of a 2 GiB device copy): {bandwidth / 1e12:.2f} TB/s; weights read per step "
-              f"{weight_bytes(model) / 1e9:.2f} GB", flush=True)
         for k in args.kernels.split(","):
             try:
-                steps += step_rows(model, max_len, step_sizes, bandwidth, kernel=k)
+                steps += step_rows(model, max_len, step_sizes, bandwidth, kernel=k, compiled=args.compile)
             except (RuntimeError, ValueError) as e:  # a kernel that fails to build: the other rows still say something
                 print(f"  step {k}: failed: {e}", file=sys.stderr, flush=True)
                 torch.cuda.empty_cache()
@@ -347,7 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.before_46:
         before_46(model, warm[:1], 2)
         row("olmo-ds before #46", 1, len(few), lambda: before_46(model, few, args.new_tokens))
-    ours(warm, 2, 2)
+    ours(warm, 2, 2)  # the compiled step's compiles (rows marked dynamic) and the kernels' builds, outside the timed rows
+    ours(warm[:1], 1, 2)  # a single row is a graph of its own
+    if gpu:
+        ours(warm, 2, 2, attention="sdpa")
     for b in sizes:
         subset = few if b == 1 else prompts
         row("olmo-ds", b, len(subset), lambda: ours(subset, b, args.new_tokens))
@@ -355,7 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     if gpu:
         if args.eager:
             row("olmo-ds, eager", main_batch, len(prompts), lambda: ours(prompts, main_batch, args.new_tokens, graphs=False))
-        row("olmo-ds, sdpa attention", main_batch, len(prompts), lambda: ours(prompts, main_batch, args.new_tokens, attention="sdpa"))
+        if args.compile:
+            row("olmo-ds, not compiled", main_batch, len(prompts), lambda: ours(prompts, main_batch, args.new_tokens, compile=False))
+        for k in [k for k in ("sdpa", "triton") if k != "triton" or triton_available()]:
+            row(f"olmo-ds, {k} attention", main_batch, len(prompts), lambda: ours(prompts, main_batch, args.new_tokens, attention=k))
     if args.transformers:
         hf = hf_model(model)
         hf_generate(hf, warm, 2, 2)
@@ -393,22 +422,28 @@ def main(argv: list[str] | None = None) -> int:
         print("| kernel | batch | span bucket | mean length | bytes read GB | bound ms | graph ms | step ms | step / bound | tokens/s |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in steps:
-            print(f"| {r['kernel']} | {r['batch']} | {r['span']} | {r['mean_length']:.0f} | {(r['weight_bytes'] + r['kv_bytes']) / 1e9:.2f} | "
+            print(f"| {r['kernel']}{'' if r['compiled'] else ' (not compiled)'} | {r['batch']} | {r['span']} | {r['mean_length']:.0f} | {(r['weight_bytes'] + r['kv_bytes']) / 1e9:.2f} | "
                   f"{r['bound_ms']:.2f} | {r['graph_ms']:.2f} | {r['step_ms']:.2f} | {r['step_over_bound']:.2f}x | {r['tokens_per_second']:,.0f} |")
-    print("\n| engine | batch | prompts | new tokens | seconds | output tokens/s | vs olmo-ds before #46 | vs transformers, same batch "
-          "| vs transformers static, same batch |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| engine | batch | prompts | new tokens | seconds | output tokens/s | decode step / bytes bound | vs olmo-ds before #46 "
+          "| vs transformers, same batch | vs transformers static, same batch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mine = not r["engine"].startswith("transformers")
         vs_hf = f"{r['tokens_per_second'] / hf_at[r['batch']]:.2f}x" if mine and r["batch"] in hf_at else "–"
         vs_static = f"{r['tokens_per_second'] / static_at[r['batch']]:.2f}x" if mine and r["batch"] in static_at else "–"
         vs_base = f"{r['tokens_per_second'] / base:.1f}x" if base else "–"
+        vs_bound = f"{r['decode_ms']:.2f} / {r['decode_bound_ms']:.2f} ms = {r['decode_over_bound']:.2f}x" if "decode_ms" in r else "–"
         print(f"| {r['engine']} | {r['batch']} | {r['prompts']} | {r['new_tokens']:,} | {r['seconds']:.2f} | {r['tokens_per_second']:,.0f} | "
-              f"{vs_base} | {vs_hf} | {vs_static} |")
+              f"{vs_bound} | {vs_base} | {vs_hf} | {vs_static} |")
+    kernel_rows = {r["engine"]: r["tokens_per_second"] for r in rows if r["engine"] in ("olmo-ds, sdpa attention", "olmo-ds, triton attention")}
+    if kernel_rows and main_batch in ours_at:
+        best = max(kernel_rows, key=kernel_rows.get)
+        print(f"olmo-ds auto at batch {main_batch}: {ours_at[main_batch] / kernel_rows[best]:.2f}x the best single kernel's end to end "
+              f"({best}, {kernel_rows[best]:,.0f} tokens/s)")
     if 64 in ours_at and max(sizes) > 64:
         print(f"olmo-ds batch {max(sizes)}: {ours_at[max(sizes)] / ours_at[64]:.2f}x the tokens/s of batch 64")
     for r in failed:
-        print(f"| {r['engine']} | {r['batch']} | {r['prompts']} | failed | | | | | |")
+        print(f"| {r['engine']} | {r['batch']} | {r['prompts']} | failed | | | | | | |")
     return 1 if failed else 0
 
 

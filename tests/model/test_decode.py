@@ -111,6 +111,13 @@ def test_finished_sequences_leave_the_batch():
     # Each sequence is in exactly (max_new_tokens - 1) decode forwards; the third takes the first's slot.
     assert stats["decode_rows"] == sum(r.max_new_tokens - 1 for r in requests)
     assert stats["new_tokens"] == sum(r.max_new_tokens for r in requests)
+    # The cache entries the decode steps' attention must read: a step at position p reads p + 1 in a full layer, at most
+    # the window (6) in a sliding one (bench_generate's bytes bound)
+    cfg = model.cfg
+    sliding = sum(cfg.layer_is_sliding(i) for i in range(cfg.n_layers))
+    assert 0 < sliding < cfg.n_layers
+    assert stats["decode_cache_reads"] == sum((cfg.n_layers - sliding) * n + sliding * min(n, 6) for r in requests
+                                              for n in range(len(r.prompt) + 1, len(r.prompt) + r.max_new_tokens))
 
 
 def test_sampling_is_seeded_per_prompt_whatever_the_batch_size():
@@ -208,6 +215,8 @@ def test_refusals_before_any_forward():
         generate(model, [Request([1], 0)])
     with pytest.raises(ValueError, match="cuda_graphs needs the model on a CUDA device, not cpu"):
         generate(model, [Request([1], 2)], cuda_graphs=True)
+    with pytest.raises(ValueError, match="compile \\(the compiled decode step\\) needs the model on a CUDA device, not cpu"):
+        generate(model, [Request([1], 2)], compile=True)
     per_seq = bytes_per_sequence(cfg, 60, torch.float32)
     with pytest.raises(ValueError, match=r"a batch of 8 sequences of up to 60 tokens needs .* at most 3 sequences fit; lower the batch size to 3"):
         generate(model, [Request([1] * 10, 50)] * 8, batch_size=8, cache_budget=3 * per_seq + 1)
@@ -264,8 +273,8 @@ def test_generate_script_writes_a_prompts_file_as_json_lines(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_steps_decode_what_eager_steps_decode(dtype):
-    """GPU tier: steps with every slot busy replay CUDA graphs (one per span bucket; these prompts cross one)
-    and give the eager steps' tokens; the tail, with free slots, runs eagerly."""
+    """GPU tier: every decode step replays a CUDA graph (one per row bucket and span bucket; these prompts cross a span
+    bucket, and the tail runs 2 and 1 sequences) and gives the eager steps' tokens."""
     cfg = ModelConfig(**dict(OLMO3_TINY, vocab_size=384, max_seq_len=600))
     model = random_model(cfg, seed=3).to(device="cuda", dtype=dtype)
     g = torch.Generator().manual_seed(2)
@@ -273,7 +282,8 @@ def test_cuda_graph_steps_decode_what_eager_steps_decode(dtype):
                 for n, m in zip([300, 20, 270, 5, 40, 260, 8, 100, 3, 250], [30, 12, 25, 40, 30, 20, 3, 16, 30, 11])]
     eager = generate(model, requests, batch_size=4, cuda_graphs=False)
     graphed = generate(model, requests, batch_size=4)
-    assert eager.stats["graph_forwards"] == 0 and 0 < graphed.stats["graph_forwards"] < graphed.stats["decode_forwards"]
+    # Every step replays a graph, the tail's too (its rows padded to a bucket: 4, 2, 1 sequences)
+    assert eager.stats["graph_forwards"] == 0 and graphed.stats["graph_forwards"] == graphed.stats["decode_forwards"] > 0
     assert [c.tokens for c in graphed.completions] == [c.tokens for c in eager.completions]
 
 

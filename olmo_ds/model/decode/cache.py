@@ -8,12 +8,20 @@ finished sequence is refilled by the next prompt (continuous batching, `olmo_ds.
 
 The cache owns attention (`attend`, called by `olmo_ds.model.model.Attention` for the layer's new q, k, v):
 - a prefill is one row of several whole prompts laid end to end (ragged, no padding); each prompt's
-  queries attend causally within that prompt only (per prompt SDPA, so no compute crosses prompts), and its
-  keys and values (a sliding layer: the last `window` of them) go into its slot;
+  queries attend causally within that prompt only (no compute crosses prompts), and its keys and values (a
+  sliding layer: the last `window` of them) go into its slot. On a GPU in bf16/fp16 the whole row is one
+  variable-length flash attention forward (`varlen_attention`: the prompts' boundaries as cumulative lengths,
+  sliding windows as the kernel's window, GQA native) and a layer's cache writes are one indexed copy for the
+  whole wave. Per-prompt SDPA calls are a new shape per prompt length, and on Hopper SDPA's cuDNN backend builds
+  an execution plan per new shape (issue #59 measured seconds per wave of new lengths; this is its likely cause);
+  the flash kernel has no such plan. Elsewhere (CPU, fp32, a flash kernel that fails on its first call) each prompt is one SDPA call,
+  never cuDNN's on a GPU;
 - a decode step is one new token for each of `A` slots, `[A, 1]`: its key and value are written at the
   slot's length, and attention reads that slot's first `length + 1` positions (or ring entries), through the
   kernel `olmo_ds.model.decode.attention` chooses (`triton`: each slot's own length straight from the cache;
-  `sdpa`: a shared span behind a mask).
+  `sdpa`: a shared span behind a mask). On a GPU a step's rows are padded to a bucket (`row_bucket`), so a few
+  shapes serve any number of active sequences (`olmo_ds.model.decode.graphs`): a padding row is slot
+  `scratch`, an extra slot no sequence ever holds, at position 0, so its writes land where nothing reads them.
 
 **Batch-invariant on CPU.** There a sample's numbers do not depend on which other sequences share its forwards
 (RL's promise that 1 rank and 2 ranks draw the same samples: each rank decodes another mix of them). Two things
@@ -22,7 +30,7 @@ takes another kernel for small M (M = 1-3, and 5-7, 9-11 with 2 threads: other r
 SDPA's CPU kernels round a row differently with another batch size or span. So on CPU (`SlotCache.invariant`) every
 forward's rows are padded to a multiple of `ROW_MULTIPLE` (the engine repeats a row; a padded prefill position is
 attended by nothing and writes nothing), and a decode step's attention runs per slot over exactly that slot's own
-entries. On a GPU the shared-span and split-K kernels, CUDA graphs of a full batch and bf16 keep their speed and
+entries. On a GPU the shared-span and split-K kernels, CUDA graphs, compiled steps and bf16 keep their speed and
 the promise stops there: a sample's tokens can depend on its batch.
 """
 
@@ -48,6 +56,12 @@ SPAN_BUCKET = 256
 # On CPU (`SlotCache.invariant`) every forward's rows are padded to a multiple of this (module docstring): every
 # multiple of 4 rows took the same matmul kernel for a row as 700 rows did, with 1 or 2 threads.
 ROW_MULTIPLE = 8
+
+
+def row_bucket(rows: int, slots: int) -> int:
+    """The rows a GPU decode step of `rows` active sequences runs: the next power of two, at most `slots` (a handful
+    of shapes, each a CUDA graph; decoding is bound by the weights' bytes, so a padded row costs little)."""
+    return min(1 << max(0, rows - 1).bit_length(), slots)
 
 
 def padded_rows(rows: int, invariant: bool) -> int:
@@ -105,6 +119,7 @@ class _Prefill:
     slots: list[int]
     lengths: list[int]
     width: int  # positions in the row: the prompts' total, or more when padded (`padded_rows`)
+    index: dict = field(default_factory=dict)  # the wave's device index tensors (`SlotCache._wave`), built once, not per layer
 
 
 @dataclass
@@ -122,14 +137,18 @@ class SlotCache:
     """Per-slot keys and values (see the module docstring). `prefill(...)` or `decode(...)` says what the
     next forward holds; the model's attention layers then call `attend` once each."""
 
-    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device, dtype, attention: str = "auto"):
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device, dtype, attention: str = "auto", scratch: bool = False):
         self.cfg, self.slots, self.max_len = cfg, slots, max_len
         self.kernel = choose(torch.device(device), attention)
         self.invariant = torch.device(device).type == "cpu"  # batch-invariant numbers (module docstring)
         self._kernel_ran = False
+        # `scratch`: one slot more, which no sequence holds: the padding rows of bucketed steps write there (`row_bucket`)
+        self.scratch = slots if scratch else None
+        # The variable-length flash prefill: None until its first call tells whether it runs here, then True or False
+        self.varlen: bool | None = None if torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16) else False
         self.windows = [cfg.sliding_window if cfg.layer_is_sliding(i) else None for i in range(cfg.n_layers)]
         lengths = layer_lengths(cfg, max_len)
-        shape = lambda n: (slots, cfg.n_kv_heads, n, cfg.head_dim)  # noqa: E731
+        shape = lambda n: (slots + int(scratch), cfg.n_kv_heads, n, cfg.head_dim)  # noqa: E731
         self.keys = [torch.zeros(shape(n), device=device, dtype=dtype) for n in lengths]
         self.values = [torch.zeros(shape(n), device=device, dtype=dtype) for n in lengths]
         self._step: _Prefill | _Decode | None = None
@@ -152,6 +171,58 @@ class SlotCache:
         return self._attend_decode(layer, q, k, v, scale)
 
     def _attend_prefill(self, layer, q, k, v, window, scale) -> torch.Tensor:
+        if self.varlen is not False and q.shape[0] == 1:
+            try:
+                out = self._attend_wave(layer, q, k, v, window, scale)
+                self.varlen = True
+                return out
+            except Exception as e:  # noqa: BLE001 - a kernel missing from this build, or one that refuses these shapes
+                if self.varlen:
+                    raise
+                self.varlen = False  # its first call failed before writing anything: the per-prompt path does it all
+                print(f"generate: the variable-length flash prefill failed ({type(e).__name__}: {e}); prefilling a prompt "
+                      f"at a time", file=sys.stderr, flush=True)
+        if q.is_cuda:  # never cuDNN: it builds a plan per prompt length (module docstring)
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                return self._attend_prompts(layer, q, k, v, window, scale)
+        return self._attend_prompts(layer, q, k, v, window, scale)
+
+    def _wave(self, device) -> dict:
+        """The prefill's index tensors, built on the first layer and shared by the others: cumulative prompt lengths
+        (int32, the flash kernel's), each token's slot and position, and per ring size the tokens a ring keeps."""
+        step = self._step
+        if not step.index:
+            lengths = torch.tensor(step.lengths)
+            slots = torch.repeat_interleave(torch.tensor(step.slots), lengths)
+            starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+            positions = torch.arange(int(lengths.sum())) - starts
+            ends = torch.repeat_interleave(lengths, lengths)
+            step.index.update(cu=torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()]).to(device),
+                              longest=max(step.lengths), slots=slots.to(device), positions=positions.to(device))
+            for ring in {t.shape[2] for t, w in zip(self.keys, self.windows) if w is not None}:
+                kept = (positions >= ends - ring).nonzero()[:, 0]  # the last `ring` positions of each prompt
+                step.index[ring] = (kept.to(device), slots[kept].to(device), (positions[kept] % ring).to(device))
+        return step.index
+
+    def _attend_wave(self, layer, q, k, v, window, scale) -> torch.Tensor:
+        """The whole prefill row as one variable-length attention forward, and its cache writes as one indexed copy."""
+        index = self._wave(q.device)
+        q0, k0, v0 = q[0], k[0], v[0]  # [N, H, D]: the row's tokens, prompts laid end to end
+        out = varlen_attention(q0, k0, v0, index["cu"], index["longest"], window, scale)
+        keys, values = self.keys[layer], self.values[layer]
+        if window is None:
+            keys[index["slots"], :, index["positions"]] = k0
+            values[index["slots"], :, index["positions"]] = v0
+        else:  # a ring keeps each prompt's last `ring` positions, at p % ring
+            kept, slots, where = index[keys.shape[2]]
+            keys[slots, :, where] = k0.index_select(0, kept)
+            values[slots, :, where] = v0.index_select(0, kept)
+        return out[None]
+
+    def _attend_prompts(self, layer, q, k, v, window, scale) -> torch.Tensor:
+        """One SDPA call per prompt (CPU, where it keeps a sample's numbers independent of its wave; fp32 on a GPU)."""
         step, outs, start = self._step, [], 0
         keys, values = self.keys[layer], self.values[layer]
         gqa = q.shape[2] != k.shape[2]
@@ -220,3 +291,15 @@ class SlotCache:
             out[a] = F.scaled_dot_product_attention(q[a:a + 1].transpose(1, 2), keys[slot:slot + 1, :, :n], values[slot:slot + 1, :, :n],
                                                     scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
         return out
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, window: int | None,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of sequences laid end to end: q [N, H, D], k and v [N, H_kv, D] (GQA: H_kv divides H), sequence
+    i its tokens cu[i]..cu[i+1] (int32 cumulative lengths), `longest` the longest; `window`: a query at p sees
+    p - window < j <= p. PyTorch's flash attention forward (the FlashAttention-2 kernels SDPA's flash backend runs, here
+    in their variable-length form, which `torch.nn.attention.varlen` wraps in newer releases): CUDA, fp16/bf16."""
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale,
+                                                  window_size_left=window - 1 if window is not None else -1,
+                                                  window_size_right=0 if window is not None else -1)
+    return out[0]

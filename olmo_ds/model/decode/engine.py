@@ -12,6 +12,12 @@ same keys, head on the last position), so the outputs are the same tokens at any
 (tests/model/test_decode.py, fp32 on CPU, OLMo 2 and OLMo 3 with windows shorter than prompt + output). On CPU
 a sample's tokens and log-probabilities are also the same bits whatever shares its batch (`cache`'s module
 docstring says how; on a GPU they are not).
+
+On a GPU a decode step's rows are the active sequences padded to a bucket (`cache.row_bucket`), its arithmetic is
+compiled (`compiled.CompiledStep`, `compile=`) and it replays a CUDA graph per (rows, span) (`graphs.DecodeGraphs`,
+`cuda_graphs=`), one step ahead of the host whenever no prompt waits for a slot; a prefill wave is one
+variable-length attention forward (`cache`).
+
 Everything a request could get wrong is refused before the first forward (`check_requests`).
 """
 
@@ -25,7 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from olmo_ds.model.decode.cache import SlotCache, check_fits, decode_span, padded_rows
+from olmo_ds.model.decode.cache import SlotCache, check_fits, decode_span, padded_rows, row_bucket
+from olmo_ds.model.decode.compiled import CompiledStep
 from olmo_ds.model.decode.forward import forward_logits
 from olmo_ds.model.decode.graphs import DecodeGraphs
 from olmo_ds.model.decode.sampling import Sampling, next_tokens
@@ -157,7 +164,7 @@ class Decoder:
 
     def __init__(self, model: OLMo, *, slots: int, max_len: int, sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (),
                  tokenizer=None, cache_budget: int | None = None, prefill_tokens: int | None = None, cuda_graphs: bool | None = None,
-                 attention: str = "auto"):
+                 attention: str = "auto", compile: bool | None = None):
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {slots!r}")
         self.model, self.cfg, self.sampling, self.tokenizer = model, model.cfg, sampling, tokenizer
@@ -165,18 +172,23 @@ class Decoder:
         self.device, self.dtype = param.device, param.dtype
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {self.device}")
+        if compile and self.device.type != "cuda":
+            raise ValueError(f"compile (the compiled decode step) needs the model on a CUDA device, not {self.device}")
         self.slots, self.max_len = slots, max_len
         self.per_sequence = check_fits(self.cfg, slots, max_len, self.dtype, self.device, cache_budget)
         self.prefill_tokens = prefill_tokens or (32768 if self.device.type == "cuda" else 8192)
         self.stop_ids = frozenset(stop_ids)
-        self.cache = SlotCache(self.cfg, slots, max_len, self.device, self.dtype, attention)
-        self.graphs = DecodeGraphs(model, self.cache) if self.device.type == "cuda" and cuda_graphs is not False else None
+        gpu = self.device.type == "cuda"
+        # On a GPU one slot more, the padding rows' scratch (`cache.row_bucket`): within the budget's margin (GPU_SHARE)
+        self.cache = SlotCache(self.cfg, slots, max_len, self.device, self.dtype, attention, scratch=gpu)
+        self.step = CompiledStep(model) if gpu and compile is not False else None
+        self.graphs = DecodeGraphs(model, self.cache, self.step) if gpu and cuda_graphs is not False else None
         self.waiting: deque[tuple[object, Request]] = deque()
         self.free = list(range(slots))  # a heap: the lowest free slot first keeps the active ones contiguous
         self.active: dict[int, _Sequence] = {}
         self.version = 0  # weights swapped in so far (`load_weights`)
         self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "decode_rows": 0, "prompt_tokens": 0, "new_tokens": 0,
-                      "prefill_seconds": 0.0, "decode_seconds": 0.0, "slot_steps": 0}
+                      "prefill_seconds": 0.0, "decode_seconds": 0.0, "slot_steps": 0, "decode_cache_reads": 0}
         self._count = 0  # requests submitted: the default key of the next one
         pinned = self.device.type == "cuda"
         self._buffers = [(torch.empty(slots, dtype=torch.long, pin_memory=pinned), torch.empty(slots, dtype=torch.float32, pin_memory=pinned),
@@ -235,7 +247,7 @@ class Decoder:
                 if self.waiting and self.free:
                     self._prefill(finished)
                     self.stats["prefill_seconds"] += time.perf_counter() - began
-                elif self.graphs is not None and self.graphs.enabled and len(self.active) == self.slots and self._graph_steps(
+                elif self.graphs is not None and self.graphs.enabled and self._graph_steps(
                         [self.active[slot] for slot in sorted(self.active)], finished, total, progress):
                     self.stats["decode_seconds"] += time.perf_counter() - began
                 else:
@@ -287,35 +299,51 @@ class Decoder:
         self.stats["prompt_tokens"] += total
 
     def _decode_step(self, finished: list) -> None:
-        """One new token for every active sequence (eager, or one graph replay when every slot is busy)."""
-        cache, device, graphs = self.cache, self.device, self.graphs
+        """One new token for every active sequence, eagerly (graphs off, or a capture failed). Its rows are those a
+        graph would run: on a GPU padded to `row_bucket` with scratch rows, on CPU to whole ROW_MULTIPLEs by
+        repeating the last sequence's row (`padded_rows`)."""
+        cache, device = self.cache, self.device
         seqs = [self.active[slot] for slot in sorted(self.active)]
-        ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=device)
-        positions = torch.tensor([s.position for s in seqs], device=device)
         span = decode_span(max(s.position for s in seqs) + 1, self.max_len)
-        logits = graphs.logits(ids, positions, span) if graphs is not None and len(seqs) == self.slots else None
-        if logits is None:  # on CPU the last sequence's row is repeated up to whole ROW_MULTIPLEs (`padded_rows`)
-            rows = seqs + seqs[-1:] * (padded_rows(len(seqs), cache.invariant) - len(seqs))
-            if len(rows) > len(seqs):
-                ids = torch.tensor([[s.tokens[-1]] for s in rows], device=device)
-                positions = torch.tensor([s.position for s in rows], device=device)
-            slot_ids = [s.slot for s in rows]
-            cache.decode(torch.tensor(slot_ids, device=device), positions, span, contiguous=slot_ids == list(range(len(rows))),
-                         host=[(s.slot, s.position) for s in rows] if cache.invariant else None)
-            logits = forward_logits(self.model, ids, positions[:, None], cache, torch.arange(len(rows), device=device))[:len(seqs)]
+        rows = [(s.tokens[-1], s.position, s.slot) for s in seqs]
+        if cache.scratch is not None:
+            rows += [(0, 0, cache.scratch)] * (row_bucket(len(seqs), self.slots) - len(seqs))
+        else:
+            rows += rows[-1:] * (padded_rows(len(seqs), cache.invariant) - len(seqs))
+        ids = torch.tensor([[t] for t, _, _ in rows], device=device)
+        positions = torch.tensor([p for _, p, _ in rows], device=device)
+        slot_ids = [slot for _, _, slot in rows]
+        contiguous = cache.kernel == "sdpa" and slot_ids == list(range(len(rows)))  # as `DecodeGraphs.logits` decides
+        cache.decode(torch.tensor(slot_ids, device=device), positions, span, contiguous=contiguous,
+                     host=[(slot, p) for _, p, slot in rows] if cache.invariant else None)
+        logits = forward_logits(self.model, ids, positions[:, None], cache, torch.arange(len(rows), device=device), self.step)[:len(seqs)]
+        self._count_step(seqs, 0)
         self._keep(seqs, next_tokens(logits, self.cfg.vocab_size, self.sampling, [s.generator for s in seqs]), finished)
-        self.stats["decode_forwards"] += 1
-        self.stats["decode_rows"] += len(seqs)
-        self.stats["slot_steps"] += self.slots
+
+    def _count_step(self, seqs: list[_Sequence], ahead: int) -> None:
+        """Count a decode step of `seqs`, each `ahead` tokens past its last kept one (pipelined steps). `decode_cache_reads`:
+        the cache entries its attention must read, summed over rows and layers (a row at position p reads p + 1 in a
+        full layer, at most the window in a sliding one): with the weights, the bytes bound of the step (bench_generate)."""
+        cfg, stats = self.cfg, self.stats
+        sliding = sum(cfg.layer_is_sliding(i) for i in range(cfg.n_layers))
+        lengths = [s.position + ahead + 1 for s in seqs]
+        stats["decode_cache_reads"] += (cfg.n_layers - sliding) * sum(lengths) + (
+            sliding * sum(min(n, cfg.sliding_window) for n in lengths) if sliding else 0)
+        stats["decode_forwards"] += 1
+        stats["decode_rows"] += len(seqs)
+        stats["slot_steps"] += self.slots
 
     def _graph_steps(self, seqs: list[_Sequence], finished: list, total: int, progress) -> bool:
-        """Decode steps of a full batch as graph replays, one step ahead of the host: step k+1 is launched with the
-        tokens step k left on the device before the host reads step k's tokens back (through pinned buffers), so
-        the GPU never waits for the host's bookkeeping. A step is launched only while no sequence can have reached
-        its max_new_tokens, so no position passes the cache; once a sequence finishes, the step in flight is read
-        (its tokens for the others are theirs, the finished one's is dropped) and the run returns. False when
-        graphs are off (a capture failed): the caller steps eagerly."""
+        """Decode steps of the active sequences `seqs` (any number of them: `DecodeGraphs` pads them to a bucket) as
+        graph replays, one step ahead of the host: step k+1 is launched with the tokens step k left on the device
+        before the host reads step k's tokens back (through pinned buffers), so the GPU never waits for the host's
+        bookkeeping. The run calls this only when no waiting prompt has a free slot to take, so the sequences stay
+        the same until one finishes. A step is launched only while no sequence can have reached its max_new_tokens,
+        so no position passes the cache; once a sequence finishes, the step in flight is read (its tokens for the
+        others are theirs, the finished one's is dropped) and the run returns. False when graphs are off (a capture
+        failed): the caller steps eagerly."""
         device, graphs = self.device, self.graphs
+        slots = [s.slot for s in seqs]
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=device)
         positions = torch.tensor([s.position for s in seqs], device=device)
         in_flight: list[tuple] = []
@@ -323,7 +351,7 @@ class Decoder:
         while True:
             if all(len(s.tokens) + len(in_flight) < s.request.max_new_tokens for s in seqs):
                 span = decode_span(max(s.position for s in seqs) + len(in_flight) + 1, self.max_len)
-                logits = graphs.logits(ids, positions, span)
+                logits = graphs.logits(ids, positions, slots, span)
                 if logits is None:  # a capture failed and turned graphs off: read what is in flight, then step eagerly
                     for host_ids, host_logp, event in in_flight:
                         event.synchronize()
@@ -331,15 +359,14 @@ class Decoder:
                     return launched > 0
                 chosen = next_tokens(logits, self.cfg.vocab_size, self.sampling, [s.generator for s in seqs])
                 host_ids, host_logp, event = self._buffers[launched % 2]
+                host_ids, host_logp = host_ids[:len(seqs)], host_logp[:len(seqs)]
                 host_ids.copy_(chosen[0], non_blocking=True)
                 host_logp.copy_(chosen[1], non_blocking=True)
                 event.record()
                 in_flight.append((host_ids, host_logp, event))
+                self._count_step(seqs, len(in_flight) - 1)
                 ids, positions = chosen[0][:, None], positions + 1
                 launched += 1
-                self.stats["decode_forwards"] += 1
-                self.stats["decode_rows"] += len(seqs)
-                self.stats["slot_steps"] += self.slots
                 if len(in_flight) < 2:
                     continue
             host_ids, host_logp, event = in_flight.pop(0)
@@ -403,13 +430,14 @@ def generate(model: OLMo, requests: Sequence[Request], *, batch_size: int = 8, s
              stop_ids: Sequence[int] = (), tokenizer=None, cache_budget: int | None = None,
              prefill_tokens: int | None = None, cuda_graphs: bool | None = None,
              progress: Callable[[int, int, int], None] | None = None, attention: str = "auto",
-             interrupt: Callable[[], bool] | None = None) -> Generation:
+             interrupt: Callable[[], bool] | None = None, compile: bool | None = None) -> Generation:
     """Complete every request (see the module docstring); completions come back in the requests' order.
 
     `stop_ids`: ids that end a sequence (the EOS, a chat model's turn end). `tokenizer`: needed for stop
     strings and `Completion.text`. `cache_budget`: bytes the KV cache may take (default: 80% of the GPU's
     free memory, or 4 GiB on CPU); a batch that cannot fit is refused, saying how many sequences would.
-    `cuda_graphs` (default: on a GPU): steps with every slot busy replay CUDA graphs (`graphs.DecodeGraphs`).
+    `cuda_graphs` (default: on a GPU): decode steps replay CUDA graphs (`graphs.DecodeGraphs`). `compile` (default: on
+    a GPU): the decode step's arithmetic runs compiled (`compiled.CompiledStep`).
     `progress(finished, total, new_tokens)` is called after every forward. `attention`: the decode step's kernel
     (`olmo_ds.model.decode.attention`: auto, sdpa or triton). `interrupt()` is asked before every forward: True
     stops the generation with `GenerationInterrupted` (a training run's stop request during an RL rollout)."""
@@ -419,13 +447,14 @@ def generate(model: OLMo, requests: Sequence[Request], *, batch_size: int = 8, s
     start = time.perf_counter()
     decoder = Decoder(model, slots=min(batch_size, len(requests)), max_len=max(len(r.prompt) + r.max_new_tokens for r in requests),
                       sampling=sampling, stop_ids=stop_ids, tokenizer=tokenizer, cache_budget=cache_budget,
-                      prefill_tokens=prefill_tokens, cuda_graphs=cuda_graphs, attention=attention)
+                      prefill_tokens=prefill_tokens, cuda_graphs=cuda_graphs, attention=attention, compile=compile)
     decoder.submit(requests)
     done = dict(decoder.run(interrupt=interrupt, progress=progress))
     seconds = time.perf_counter() - start
     stats = {k: v for k, v in decoder.stats.items() if k != "slot_steps"}
     graphs = decoder.graphs
     stats.update(requests=len(requests), batch_size=decoder.slots, attention=decoder.cache.kernel,
+                 compiled=decoder.step is not None and decoder.step.enabled, varlen_prefill=decoder.cache.varlen is True,
                  graph_forwards=graphs.replays if graphs is not None else 0, max_len=decoder.max_len,
                  cache_bytes_per_sequence=decoder.per_sequence, cache_bytes=decoder.per_sequence * decoder.slots, seconds=seconds,
                  new_tokens_per_second=stats["new_tokens"] / max(seconds, 1e-9), occupancy=decoder.occupancy())
