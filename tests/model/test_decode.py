@@ -313,7 +313,8 @@ def test_triton_decode_on_the_gpu_matches_sdpa():
             assert graphed.stats["graph_forwards"] > 0
             assert [c.tokens for c in graphed.completions] == [c.tokens for c in eager.completions]
             assert [c.finish for c in graphed.completions] == [c.finish for c in eager.completions]
-    assert "eos" in {c.finish for c in eager.completions}
+        if sampling.greedy:  # the stop ids are greedy tokens: there some sequences end one step before the others
+            assert "eos" in {c.finish for c in eager.completions}
     q = torch.randn(64, 16, 128, device="cuda", dtype=torch.bfloat16)
     keys, values = (torch.randn(80, 16, 1280, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     slots = torch.randperm(80, device="cuda")[:64]
