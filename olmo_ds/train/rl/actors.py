@@ -100,7 +100,7 @@ class Link:
         world = role.learners + role.actors
         self.store = torch.distributed.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]) + 1, world, role.rank == 0,
                                                 timeout=TIMEOUT)
-        self.role, self.device = role, device
+        self.role = role
         self.messages = torch.distributed.PrefixStore("messages", self.store)
         self.objects = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("objects", self.store), role.rank, world, TIMEOUT)
         self.weights = None  # learner 0 is its rank 0, actor a its rank 1 + a; other learners are not in it

@@ -97,10 +97,11 @@ class RLObjective:
         # rl.async_steps >= 1: the decode copy, decoder and queue kept across steps (`olmo_ds.train.rl.inflight`)
         if rl.async_steps and prompts_at is None:
             raise ValueError("rl.async_steps needs prompts_at (the loader's prompts of any step): it decodes steps ahead of training")
+        steps_ahead = (lambda step: self._prompts(prompts_at(step))) if prompts_at is not None else None  # noqa: E731
         self.inflight = InflightRollouts(rl, max_len=seq_len, stop_ids=self.stop_ids, tokenizer=tokenizer, lengths=sample_lengths,
-                                         prompts_at=lambda step: self._prompts(prompts_at(step))) if rl.async_steps and actors is None else None
+                                         prompts_at=steps_ahead) if rl.async_steps and actors is None else None
         if actors is not None:  # the actors decode the steps ahead; the learners post those steps' prompts
-            actors.prompts_at = lambda step: self._prompts(prompts_at(step)) if prompts_at is not None else None
+            actors.prompts_at = steps_ahead
         self.samples_seen = 0
         self.idle_steps = 0  # steps in a row that trained nothing (every group dropped)
         self._divisor = None
