@@ -196,3 +196,56 @@ def test_a_compiled_step_that_fails_on_its_first_call_falls_back_to_the_eager_st
     proven.proven = True
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         proven.forward(rows[2], rows[1][:, None], cache)
+
+
+def test_the_compiled_step_multiplies_by_fused_weights_that_are_the_models_own(monkeypatch):
+    """q/k/v and gate/up as one weight each (`compiled.fused`): the model's parameters become views of them, values
+    unchanged; a write into a parameter in place (as `load_weights` and RL's `gather_into` do) is a write into the
+    fused weight; a second step on the same model views the same memory. The step's arithmetic over the fused weights
+    (its functions run uncompiled here) gives the eager forward's logits."""
+    from olmo_ds.model.decode import compiled
+
+    model = random_model(CFG, seed=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = compiled.CompiledStep(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    a, m = model.blocks[1].attn, model.blocks[1].mlp
+    w_qkv, w_gate_up = step.weights[1]
+    assert torch.equal(w_qkv, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+    assert torch.equal(w_gate_up, torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+    with torch.no_grad():
+        a.v_proj.weight.copy_(torch.full_like(a.v_proj.weight, 0.5))
+    assert (w_qkv[-a.v_proj.weight.shape[0]:] == 0.5).all()
+    model.load_state_dict(before)
+    assert torch.equal(w_qkv[-a.v_proj.weight.shape[0]:], before["blocks.1.attn.v_proj.weight"])
+    again = compiled.CompiledStep(model)
+    assert all(x.data_ptr() == y.data_ptr() for pair, other in zip(step.weights, again.weights) for x, y in zip(pair, other))
+
+    cache = SlotCache(CFG, slots=6, max_len=40, device="cpu", dtype=torch.float32, scratch=True)
+    for t in cache.keys + cache.values:
+        t.normal_()
+    slots, positions, ids = torch.tensor([3, 0, 5]), torch.tensor([8, 3, 14]), torch.tensor([[11], [12], [13]])
+    plain = {f.__name__: f for f in (compiled._qkv, compiled._rest, compiled._logits, compiled.rope_cos_sin)}
+    monkeypatch.setattr(compiled, "_compiled", lambda: plain)
+    out = []
+    for s in (None, step):
+        cache.decode(slots, positions, 256, contiguous=False, host=list(zip(slots.tolist(), positions.tolist())))
+        with torch.no_grad():
+            out.append(forward_logits(model, ids, positions[:, None], cache, torch.arange(3), s))
+    assert step.enabled and torch.allclose(out[0], out[1], atol=1e-5, rtol=1e-5)
+
+    # Parameters that are views of memory laid out by someone else (an optimizer's flat buffer: here v, k, q in that
+    # order) stay where they are; the step joins them per call, to the same logits
+    with torch.no_grad():
+        for b in model.blocks:
+            ps = [b.attn.v_proj.weight, b.attn.k_proj.weight, b.attn.q_proj.weight]
+            flat, at = torch.cat([p.detach().clone() for p in ps]), 0
+            for p in ps:
+                p.data = flat[at:at + p.shape[0]]
+                at += p.shape[0]
+    where = [b.attn.q_proj.weight.data_ptr() for b in model.blocks]
+    foreign = compiled.CompiledStep(model)
+    assert all(w is None for w, _ in foreign.weights) and where == [b.attn.q_proj.weight.data_ptr() for b in model.blocks]
+    cache.decode(slots, positions, 256, contiguous=False, host=list(zip(slots.tolist(), positions.tolist())))
+    with torch.no_grad():
+        assert torch.allclose(forward_logits(model, ids, positions[:, None], cache, torch.arange(3), foreign), out[0], atol=1e-5, rtol=1e-5)

@@ -8,7 +8,9 @@ attention:
 - `qkv`: the q/k/v projections, QK-norm and RoPE (`model.block_math`'s first half);
 - `rest`: the output projection, its norm and residual, SwiGLU, its norm and residual (the second half);
 and the step's RoPE tables and the final norm and head are compiled too. The matmuls stay cuBLAS's (inductor's
-default); what fuses is everything between them.
+default); what fuses is everything between them. q/k/v are one matmul, and gate/up another (`fused`: the model's
+parameters become views of one weight each, so nothing is copied or refreshed): at a batch of one a step is
+~15 small kernels a layer, each paying a few microseconds on top of its bytes, and these two take away three.
 
 Attention stays outside the compiled functions (`SlotCache.attend`, eager, its cache writes and the Triton decode
 kernel), which is what makes one compile serve every step: the compiled functions' shapes depend only on the
@@ -37,18 +39,19 @@ import torch.nn.functional as F
 from olmo_ds.model.model import OLMo, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 
 
-def _qkv(x, cos, sin, wq, wk, wv, gq, gk, *, eps: float, n_heads: int, n_kv_heads: int):
+def _qkv(x, cos, sin, w_qkv, gq, gk, *, eps: float, n_heads: int, n_kv_heads: int):
     b, t, _ = x.shape
-    head_dim = wq.shape[0] // n_heads
-    q = rms_norm(F.linear(x, wq), gq, eps).view(b, t, n_heads, head_dim)
-    k = rms_norm(F.linear(x, wk), gk, eps).view(b, t, n_kv_heads, head_dim)
-    v = F.linear(x, wv).view(b, t, n_kv_heads, head_dim)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    head_dim = w_qkv.shape[0] // (n_heads + 2 * n_kv_heads)
+    q, k, v = F.linear(x, w_qkv).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    q = rms_norm(q, gq, eps).view(b, t, n_heads, head_dim)
+    k = rms_norm(k, gk, eps).view(b, t, n_kv_heads, head_dim)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.reshape(b, t, n_kv_heads, head_dim)
 
 
-def _rest(x, out, wo, g_attn, w_gate, w_up, w_down, g_mlp, *, eps: float):
+def _rest(x, out, wo, g_attn, w_gate_up, w_down, g_mlp, *, eps: float):
     x = x + rms_norm(F.linear(out.reshape(*x.shape[:2], -1), wo), g_attn, eps)
-    return x + rms_norm(F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down), g_mlp, eps)
+    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+    return x + rms_norm(F.linear(F.silu(gate) * up, w_down), g_mlp, eps)
 
 
 def _logits(x, g, w, *, eps: float):
@@ -59,6 +62,32 @@ def _logits(x, g, w, *, eps: float):
 def _compiled() -> dict:
     """The compiled functions, one set per process: every decoder and every layer share their graphs."""
     return {f.__name__: torch.compile(f, dynamic=None) for f in (_qkv, _rest, _logits, rope_cos_sin)}
+
+
+@torch.no_grad()
+def fused(*params: torch.nn.Parameter) -> torch.Tensor | None:
+    """One weight holding `params` end to end along their output rows, each parameter now a view of its own rows:
+    a decode step multiplies by all of them at once (q/k/v, gate/up), one matmul where there were several, and
+    whatever writes a parameter in place (`Decoder.load_weights`, RL's `gather_into`, a `load_state_dict`) writes the
+    fused weight too: no copy to keep fresh, no memory spent. Parameters already laid out so (a decoder built on this
+    model before) are viewed as they are. None for parameters that are views of memory someone else lays out (an
+    optimizer's flat buffer, a ZeRO partition): those are left alone, and the step joins them per call."""
+    first, rows = params[0], sum(p.shape[0] for p in params)
+    at, adjacent = first.storage_offset(), True
+    for p in params:
+        adjacent = adjacent and p.is_contiguous() and p.storage_offset() == at and \
+            p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        at += p.numel()
+    if adjacent:
+        return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+    if any(hasattr(p, "ds_id") or p.storage_offset() or p.untyped_storage().nbytes() != p.numel() * p.element_size() for p in params):
+        return None  # not each parameter's own memory
+    weight = torch.cat([p.detach() for p in params])
+    at = 0
+    for p in params:
+        p.data = weight[at:at + p.shape[0]]
+        at += p.shape[0]
+    return weight
 
 
 def _dynamic_rows(*tensors: torch.Tensor) -> None:
@@ -75,6 +104,9 @@ class CompiledStep:
         self.model = model
         self.enabled, self.proven = True, False
         cfg = model.cfg
+        # Per block, q/k/v and gate/up as one weight each (`fused`: the model's parameters become views of them)
+        self.weights = [(fused(b.attn.q_proj.weight, b.attn.k_proj.weight, b.attn.v_proj.weight),
+                         fused(b.mlp.gate_proj.weight, b.mlp.up_proj.weight)) for b in model.blocks]
         # RoPE's inverse frequencies per layer kind, computed once (the eager forward recomputes them every step)
         self.rope = {}
         for sliding in {cfg.layer_is_sliding(i) for i in range(cfg.n_layers)}:
@@ -112,12 +144,17 @@ class CompiledStep:
             a, m = block.attn, block.mlp
             cos, sin = tables[cfg.layer_is_sliding(i)]
             _dynamic_rows(x)
-            q, k, v = fn["_qkv"](x, cos, sin, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.q_norm.weight, a.k_norm.weight,
-                                 eps=a.q_norm.eps, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads)
+            w_qkv, w_gate_up = self.weights[i]
+            if w_qkv is None:  # parameters in someone else's layout (`fused`)
+                w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            if w_gate_up is None:
+                w_gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+            q, k, v = fn["_qkv"](x, cos, sin, w_qkv, a.q_norm.weight, a.k_norm.weight, eps=a.q_norm.eps, n_heads=a.n_heads,
+                                 n_kv_heads=a.n_kv_heads)
             out = cache.attend(i, q, k, v, a.window, a.head_dim ** -0.5)
             _dynamic_rows(x, out)
-            x = fn["_rest"](x, out, a.o_proj.weight, block.attn_norm.weight, m.gate_proj.weight, m.up_proj.weight,
-                            m.down_proj.weight, block.mlp_norm.weight, eps=block.attn_norm.eps)
+            x = fn["_rest"](x, out, a.o_proj.weight, block.attn_norm.weight, w_gate_up, m.down_proj.weight, block.mlp_norm.weight,
+                            eps=block.attn_norm.eps)
         hidden = x.reshape(-1, x.shape[-1])
         _dynamic_rows(hidden)
         return fn["_logits"](hidden, model.norm.weight, model.head.weight, eps=model.norm.eps)
