@@ -60,8 +60,9 @@ def test_swapped_weights_decode_on_in_place_and_completions_record_their_version
     policy = random_model(model.cfg, seed=3)  # the same weights as `model`, swapped later
     decoder = Decoder(policy, slots=3, max_len=64, sampling=SAMPLING)
     decoder.submit(reqs)
-    with pytest.raises(GenerationInterrupted):
+    with pytest.raises(GenerationInterrupted) as stopped:
         decoder.run(interrupt=_after(5))
+    assert stopped.value.finished == []  # nothing finishes in 5 forwards of 40 new tokens
     decoder.load_weights(other)
     assert decoder.version == 1
     done = dict(decoder.run())
@@ -69,6 +70,21 @@ def test_swapped_weights_decode_on_in_place_and_completions_record_their_version
         assert c.versions == (0, 1)
         assert c.tokens[:5] == plain[k].tokens[:5] and c.tokens != plain[k].tokens
     assert torch.equal(policy.embed.weight, other.embed.weight)
+
+
+def test_an_interrupted_run_hands_back_what_it_finished_before_it_stopped(model):
+    """Sequences a `run` finished before `interrupt()` stopped it come with the exception, and only there: the rest
+    decodes on, and both together are the uninterrupted run's completions."""
+    reqs = [Request(r.prompt, n, seed=r.seed) for r, n in zip(requests(model.cfg.vocab_size, 5, 4), (2, 3, 30, 30, 30))]
+    decoder = Decoder(model, slots=5, max_len=64, sampling=SAMPLING)
+    decoder.submit(reqs)
+    with pytest.raises(GenerationInterrupted) as stopped:
+        decoder.run(interrupt=_after(6))
+    early = stopped.value.finished
+    assert sorted(k for k, _ in early) == [0, 1] and decoder.pending == 3
+    reference = Decoder(model, slots=5, max_len=64, sampling=SAMPLING)
+    reference.submit(reqs)
+    assert by_key(early + decoder.run()) == by_key(reference.run())
 
 
 def _after(n: int):

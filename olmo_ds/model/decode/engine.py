@@ -75,7 +75,13 @@ class Completion:
 
 
 class GenerationInterrupted(RuntimeError):
-    """`generate`'s `interrupt()` asked it to stop; nothing it decoded is returned."""
+    """`interrupt()` asked `generate` or `Decoder.run` to stop. `finished`: the (key, completion) pairs that run had
+    finished before it stopped (out of the decoder now, so a later `run` does not return them again); `generate`
+    returns nothing of a stopped run."""
+
+    def __init__(self, message: str, finished: Sequence = ()):
+        super().__init__(message)
+        self.finished = list(finished)
 
 
 @dataclass
@@ -232,8 +238,8 @@ class Decoder:
             progress: Callable[[int, int, int], None] | None = None) -> list[tuple[object, Completion]]:
         """Decode until nothing is waiting or in flight, or until `until()` (asked after every forward that finished a
         sequence) is True; returns the (key, completion) pairs finished by this call, in the order they finished.
-        `interrupt()` is asked before every forward: True raises `GenerationInterrupted`, and the decoder stays as it
-        was before that forward (a later `run` goes on). `progress(finished, total, new_tokens)`: after every forward."""
+        `interrupt()` is asked before every forward: True raises `GenerationInterrupted` (holding what this call finished),
+        and the decoder stays as it was before that forward (a later `run` goes on). `progress(finished, total, new_tokens)`: after every forward."""
         model, was_training = self.model, self.model.training
         model.eval()
         finished: list[tuple[object, Completion]] = []
@@ -241,7 +247,7 @@ class Decoder:
         try:
             while self.waiting or self.active:
                 if interrupt is not None and interrupt():
-                    raise GenerationInterrupted(f"generation stopped on request with {len(finished)} of {total} sequences done")
+                    raise GenerationInterrupted(f"generation stopped on request with {len(finished)} of {total} sequences done", finished)
                 before = len(finished)
                 began = time.perf_counter()  # each branch ends reading its tokens back, so the host clock covers its GPU work
                 if self.waiting and self.free:
