@@ -133,6 +133,14 @@ class _Decode:
     host: list[tuple[int, int]] = field(default_factory=list)  # (slot, position) per row, read on the host (invariant)
 
 
+def write_decode(keys, values, slots, positions, ring: int | None, k, v) -> None:
+    """A decode step's new keys and values `k`, `v` [A, 1, Hkv, D] into a layer's `keys`/`values` at each row's slot
+    and position (a ring layer: position % ring). Eager in `attend`; traced into the compiled step's graph there."""
+    where = positions % ring if ring else positions
+    keys[slots, :, where] = k[:, 0]
+    values[slots, :, where] = v[:, 0]
+
+
 class SlotCache:
     """Per-slot keys and values (see the module docstring). `prefill(...)` or `decode(...)` says what the
     next forward holds; the model's attention layers then call `attend` once each."""
@@ -165,10 +173,19 @@ class SlotCache:
         `host`: the same (slot, position) pairs as Python ints, which the batch-invariant path needs."""
         self._step = _Decode(slots, positions, contiguous, span, host=host or [])
 
-    def attend(self, layer: int, q, k, v, window: int | None, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, window: int | None, scale: float, written: bool = False) -> torch.Tensor:
+        """The layer's attention output for the forward `prefill`/`decode` announced, after writing its new keys and
+        values `k`, `v` into the cache; `written`: a decode step's writer already did (`decode_writes`)."""
         if isinstance(self._step, _Prefill):
             return self._attend_prefill(layer, q, k, v, window, scale)
-        return self._attend_decode(layer, q, k, v, scale)
+        return self._attend_decode(layer, q, k, v, scale, written)
+
+    def decode_writes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int | None]:
+        """Where a decode step's new keys and values go, for a writer of its own (the compiled step writes them from
+        the kernel that makes them): the layer's keys and values, each row's slot and position, and its ring size
+        (None: a full layer; a ring layer writes position % ring). Then `attend(..., written=True)`."""
+        keys = self.keys[layer]
+        return keys, self.values[layer], self._step.slots, self._step.positions, keys.shape[2] if self.windows[layer] is not None else None
 
     def _attend_prefill(self, layer, q, k, v, window, scale) -> torch.Tensor:
         if self.varlen is not False and q.shape[0] == 1:
@@ -248,13 +265,12 @@ class SlotCache:
             outs.append(q.new_zeros(q.shape[0], step.width - start, *q.shape[2:]))
         return torch.cat(outs, dim=1)
 
-    def _attend_decode(self, layer, q, k, v, scale) -> torch.Tensor:
+    def _attend_decode(self, layer, q, k, v, scale, written: bool) -> torch.Tensor:
         step = self._step
         keys, values = self.keys[layer], self.values[layer]
         ring = keys.shape[2] if self.windows[layer] is not None else None
-        where = step.positions % ring if ring else step.positions
-        keys[step.slots, :, where] = k[:, 0]
-        values[step.slots, :, where] = v[:, 0]
+        if not written:
+            write_decode(keys, values, step.slots, step.positions, ring, k, v)
         span = min(step.span, keys.shape[2])
         if self.invariant:
             return self._attend_each(q, keys, values, ring, scale, gqa=q.shape[2] != k.shape[2])

@@ -12,14 +12,16 @@ default); what fuses is everything between them. q/k/v are one matmul, and gate/
 parameters become views of one weight each, so nothing is copied or refreshed): at a batch of one a step is
 ~15 small kernels a layer, each paying a few microseconds on top of its bytes, and these two take away three.
 
-Attention stays outside the compiled functions (`SlotCache.attend`, eager, its cache writes and the Triton decode
-kernel), which is what makes one compile serve every step: the compiled functions' shapes depend only on the
-step's rows (marked dynamic: one graph for every row bucket, and one of a single row, which dynamo specialises),
-not on the span a step reads, the cache's layout or the kernel; the weights are arguments, so every layer shares
-the graphs (as the training model's `block_math` does). Tracing the attention in (torch.compile can trace user
-Triton kernels) would bake the span's split count and the cache's in-place writes into the graph: a graph per span
-bucket and a mutation of the whole cache to functionalise, for kernels a CUDA graph already launches for free. The
-engine captures the whole step, compiled parts and attention alike, in its CUDA graphs (gpt-fast's way).
+The step's new keys and values are written into the cache from `qkv` (`cache.write_decode` traced in: an indexed
+store of the kernel that makes them, into the cache in place, as gpt-fast writes its static cache), where eagerly
+they were a few kernels of their own. Attention itself stays outside (`SlotCache.attend(written=True)`: the Triton
+decode kernel or SDPA), which is what makes one compile serve every step: the compiled functions' shapes depend only
+on the step's rows (marked dynamic: one graph for every row bucket, and one of a single row, which dynamo
+specialises) and the cache's slots and length (marked dynamic too: every decoder's cache), not on the span a step
+reads or the kernel; the weights are arguments, so every layer shares the graphs (as the training model's
+`block_math` does). Tracing the attention in (torch.compile can trace user Triton kernels) would bake the span's
+split count into the graph: a graph per span bucket, for kernels a CUDA graph already launches for free. The engine
+captures the whole step, compiled parts and attention alike, in its CUDA graphs (gpt-fast's way).
 
 Used on CUDA only (`Decoder(compile=...)`, default on). Its numbers are the eager step's up to rounding (a fused
 norm rounds once where the eager one rounds per kernel); the engine runs every GPU decode step, graphed or eager,
@@ -36,16 +38,20 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from olmo_ds.model.decode.cache import write_decode
 from olmo_ds.model.model import OLMo, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 
 
-def _qkv(x, cos, sin, w_qkv, gq, gk, *, eps: float, n_heads: int, n_kv_heads: int):
+def _qkv(x, cos, sin, w_qkv, gq, gk, keys, values, slots, positions, *, eps: float, n_heads: int, n_kv_heads: int,
+         ring: int | None):
     b, t, _ = x.shape
     head_dim = w_qkv.shape[0] // (n_heads + 2 * n_kv_heads)
     q, k, v = F.linear(x, w_qkv).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
     q = rms_norm(q, gq, eps).view(b, t, n_heads, head_dim)
-    k = rms_norm(k, gk, eps).view(b, t, n_kv_heads, head_dim)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.reshape(b, t, n_kv_heads, head_dim)
+    k = apply_rope(rms_norm(k, gk, eps).view(b, t, n_kv_heads, head_dim), cos, sin)
+    v = v.reshape(b, t, n_kv_heads, head_dim)
+    write_decode(keys, values, slots, positions, ring, k, v)
+    return apply_rope(q, cos, sin), k, v
 
 
 def _rest(x, out, wo, g_attn, w_gate_up, w_down, g_mlp, *, eps: float):
@@ -149,9 +155,14 @@ class CompiledStep:
                 w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
             if w_gate_up is None:
                 w_gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight])
-            q, k, v = fn["_qkv"](x, cos, sin, w_qkv, a.q_norm.weight, a.k_norm.weight, eps=a.q_norm.eps, n_heads=a.n_heads,
-                                 n_kv_heads=a.n_kv_heads)
-            out = cache.attend(i, q, k, v, a.window, a.head_dim ** -0.5)
+            keys, values, slots, where, ring = cache.decode_writes(i)
+            _dynamic_rows(slots, where)
+            for t in (keys, values):  # any decoder's cache (slots, length) through one graph
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, 2)
+            q, k, v = fn["_qkv"](x, cos, sin, w_qkv, a.q_norm.weight, a.k_norm.weight, keys, values, slots, where,
+                                 eps=a.q_norm.eps, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, ring=ring)
+            out = cache.attend(i, q, k, v, a.window, a.head_dim ** -0.5, written=True)
             _dynamic_rows(x, out)
             x = fn["_rest"](x, out, a.o_proj.weight, block.attn_norm.weight, w_gate_up, m.down_proj.weight, block.mlp_norm.weight,
                             eps=block.attn_norm.eps)
