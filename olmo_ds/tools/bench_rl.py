@@ -50,7 +50,7 @@ import torch
 from olmo_ds.model import OLMo, preset
 from olmo_ds.model.decode import Sampling, generate
 from olmo_ds.model.model import make_blocks_zero3_leaves
-from olmo_ds.tools.bench_generate import make_prompts
+from olmo_ds.tools.bench_generate import copy_bandwidth, make_prompts, weight_bytes
 from olmo_ds.tools.harness import block_counts, current_device, environment, sync
 from olmo_ds.train.config import RLConfig
 from olmo_ds.train.ds_config import device_type, zero3_knobs
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-len", type=int, default=256 if gpu else 24, help="longest prompt")
     p.add_argument("--new-tokens", type=int, default=1024 if gpu else 8, help="rl.max_new_tokens")
     p.add_argument("--generation-batch", type=int, default=128 if gpu else 8, help="rl.generation_batch_size")
-    p.add_argument("--micro-batch", type=int, default=2 if gpu else 2, help="rows per micro-batch")
+    p.add_argument("--micro-batch", type=int, default=None, help="rows per micro-batch (default: on a GPU as many rows as make "
+                   "pretraining's 16,384-token micro-batch (bench_train's 4 x 4,096), 2 on CPU)")
     p.add_argument("--seq-len", type=int, default=None, help="row length (default: the longest prompt + new tokens)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--steps", type=int, default=1, help="timed steps")
@@ -160,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--async-steps: comma-separated integers >= 0, got {args.async_steps!r}")
     warmup_prompts = max(1, args.warmup_prompts or args.prompts // 4)
     seq_len = args.seq_len or args.max_len + args.new_tokens
+    # ZeRO-3 pays a fixed cost per micro-batch (its hooks, gathers and gradient partitioning: ~0.1 s for the 1B on one
+    # H100), so rows of 1,280 two at a time train at ~0.4x pretraining's tokens/s; micro-batches of pretraining's
+    # tokens pay it as pretraining does. The loss does not depend on it (the token mean's divisor is the step's).
+    args.micro_batch = args.micro_batch or (max(1, 16384 // seq_len) if gpu else 2)
     cfg = preset(args.preset, max_seq_len=max(preset(args.preset).max_seq_len, seq_len))
     device, dtype = current_device(), torch.bfloat16 if gpu else torch.float32
     torch.manual_seed(args.seed)
@@ -230,7 +235,15 @@ def main(argv: list[str] | None = None) -> int:
                         stop_ids=[cfg.vocab_size - 1], tokenizer=IdsAsText())
         sync()
         gen_s = time.perf_counter() - t0
+        weights = weight_bytes(plain)
     gen_tokens = sum(len(c.tokens) for c in done.completions)
+    # The decode steps' bytes bound (bench_generate's: the weights every step and each row's own cache entries, over the
+    # measured copy bandwidth), from the same requests' decode counts: what the rollout's generation could take at best
+    bound_s = None
+    if gpu:
+        entry = 2 * cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+        bound_s = (done.stats["decode_forwards"] * weights + done.stats["decode_cache_reads"] * entry) \
+            / copy_bandwidth(device)
 
     # SFT on the first value's last timed step's rows: the fine-tuning objective (token mean over the same generated
     # tokens), same engine
@@ -253,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         "blocks": block_counts(),  # dynamo_graphs at ~8 or more per kind of block call: recompiles, eager blocks
     }
     out["rollout_vs_generate"] = out["rollout_tokens_per_s"] / out["generate_tokens_per_s"]
+    out["decode_bound_s"] = bound_s
+    out["rollout_vs_bound"] = bound_s / last["generation_s"] if bound_s else None
+    out["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30 if gpu else None
     out["training_vs_sft"] = out["training_row_tokens_per_s"] / out["sft_row_tokens_per_s"]
     total = last["gather_s"] + last["generation_s"] + last["reward_s"] + last["training_s"]
     blocks = out["blocks"]
@@ -267,10 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     print(f"| weight gathering | {last['gather_s']:.2f} | {last['gather_s'] / total:.1%} | | target <= 1 s for the 1B |")
     print(f"| generation | {last['generation_s']:.2f} | {last['generation_s'] / total:.1%} | {out['rollout_tokens_per_s']:,.0f} | "
-          f"generate() alone: {out['generate_tokens_per_s']:,.0f} ({out['rollout_vs_generate']:.2f}x) |")
+          f"generate() alone: {out['generate_tokens_per_s']:,.0f} ({out['rollout_vs_generate']:.2f}x)"
+          + (f"; decode steps' bytes bound {bound_s:.2f} s: {out['rollout_vs_bound']:.2f} of it" if bound_s else "") + " |")
     print(f"| reward | {last['reward_s']:.3f} | {last['reward_s'] / total:.1%} | | |")
     print(f"| training | {last['training_s']:.2f} | {last['training_s'] / total:.1%} | {out['training_row_tokens_per_s']:,.0f} | "
           f"SFT on the same rows: {out['sft_row_tokens_per_s']:,.0f} ({out['training_vs_sft']:.2f}x) |")
+    if gpu:
+        print(f"\npeak GPU memory {out['peak_gib']:.1f} GiB")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "environment": environment(), **out}, indent=2))
     return 0
