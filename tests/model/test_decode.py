@@ -227,6 +227,24 @@ def test_refusals_before_any_forward():
             Sampling(**bad)
 
 
+def test_the_gpu_cache_budget_counts_what_pytorch_holds_unused(monkeypatch):
+    """On a GPU the cache's budget is 80% of the device's free memory plus what PyTorch's caching allocator reserved
+    and does not use (a training step's freed activations: RL decodes right after an update), not of the free memory
+    alone, which refused a rollout's batch that fitted (bench_rl on an H100, 2026-12-07). The device's figures here
+    are set: this checks the arithmetic, not a GPU."""
+    from olmo_ds.model.decode import cache
+
+    gib = 2 ** 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 50 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 30 * gib)
+    budget, source = cache.cache_budget(torch.device("cuda", 0))
+    assert budget == int(30 * gib * cache.GPU_SHARE) and "what PyTorch holds unused" in source
+    cfg = ModelConfig(**dict(OLMO2_TINY, max_seq_len=1280))
+    per_seq = bytes_per_sequence(cfg, 1280, torch.bfloat16)
+    assert cache.sequences_that_fit(cfg, 1280, torch.bfloat16, torch.device("cuda", 0)) == int(30 * gib * cache.GPU_SHARE) // per_seq
+
+
 def test_generate_script_writes_a_prompts_file_as_json_lines(tmp_path):
     import json
     import subprocess

@@ -90,8 +90,10 @@ def cache_budget(device: torch.device, budget: int | None = None) -> tuple[int, 
     if budget is not None:
         return budget, "the given cache budget"
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * GPU_SHARE), f"{GPU_SHARE:.0%} of the GPU's free memory"
+        # Free on the device, and what PyTorch's caching allocator holds without using (a training step's activations,
+        # freed but kept reserved): the cache's allocation takes that first
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free * GPU_SHARE), f"{GPU_SHARE:.0%} of the GPU's free memory, with what PyTorch holds unused"
     return DEFAULT_CPU_BUDGET, "the default CPU cache budget"
 
 
