@@ -72,7 +72,7 @@ test: $(SETUP) ## run the test suite on CPU, on GPU hosts too (real DeepSpeed wi
 test-fast: $(SETUP) ## the test suite without the multi-rank DeepSpeed runs
 	$(RUN) $(PY) -m pytest -q -m "not multirank" $(XDIST) $(PYTEST_ARGS) tests
 
-test-slow: $(SETUP) ## every test of the sampled slow tier (make test draws one in four of them per run)
+test-slow: $(SETUP) ## every test of the sampled slow tier (make test draws one in five of them per run)
 	$(RUN) OLMO_DS_SLOW_TESTS=all $(PY) -m pytest -q -m slow $(XDIST) $(PYTEST_ARGS) tests
 
 test-gpu: $(SETUP) ## the GPU tier (bf16 on CUDA, compiled blocks under ZeRO-3, resume, attention kernels); needs a CUDA GPU

@@ -16,11 +16,21 @@ the end so a failure can be replayed), so one file's slow tests never run in the
 `OLMO_DS_SLOW_TESTS=all` (`make test-slow`) runs them all, and so does a session that selected nothing
 but slow tests (a file or test named on the command line).
 
+DeepSpeed JIT-builds its CPU ops (shared-memory collectives, Adam) into torch's extensions cache, one directory
+per op name. A build is keyed by the paths of its sources and the ninja that ran it, so a run from another venv
+(another checkout's tests, CI beside a developer's runs) or with another ninja overwrites the build, and the next
+DeepSpeed start here compiles it again: ~30 s (shared memory) and ~60 s (Adam) on 2 cores, inside whichever test
+started it. The test session therefore keeps its own cache for this venv and ninja (TORCH_EXTENSIONS_DIR, unless
+set), which every process it starts inherits; it is built once, by the first test that starts DeepSpeed.
+
 Also the fixtures every test directory shares.
 """
 
+import hashlib
 import os
 import random
+import shutil
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -34,6 +44,11 @@ if DEVICE not in ("cpu", "cuda"):
 if DEVICE == "cpu":
     os.environ["DS_ACCELERATOR"] = "cpu"
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+if "TORCH_EXTENSIONS_DIR" not in os.environ:
+    _builder = f"{Path(sys.prefix).resolve()}\0{Path(shutil.which('ninja') or 'no ninja').resolve()}"
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+                                             / f"olmo-ds-tests-{hashlib.sha256(_builder.encode()).hexdigest()[:12]}")
 
 
 SLOW_TESTS = os.environ.get("OLMO_DS_SLOW_TESTS", "sample")

@@ -8,7 +8,10 @@ that exist.
 
 The copy gets its own `.venv` made of links into the real one with a fresh install stamp, so the
 Makefile's install rule never fires there (it would re-point the shared editable install at the
-temporary copy). "Your own text" for the README tour is the C4 sample from ../shared.
+temporary copy). Its `python` runs the real one: a venv python found through a linked `.venv` imports
+torch and DeepSpeed by the copy's path, and DeepSpeed's op build, keyed by its include paths, would
+then compile deepspeed_shm_comm again (~30 s, and again for every other test run after it).
+"Your own text" for the README tour is the C4 sample from ../shared.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -112,12 +116,21 @@ def copy_working_tree(dest: Path) -> None:
 
 
 def linked_venv(dest: Path) -> None:
-    """A .venv whose contents link to the real one, with its own up-to-date install stamp."""
+    """A .venv whose contents link to the real one, with its own up-to-date install stamp. Its pythons are scripts
+    that start the real venv's python by its own path, so every process sees the packages where the rest of the
+    suite sees them (a link would make this .venv the prefix: the same files by another path)."""
     real = Path(sys.prefix)
     dest.mkdir()
     for entry in real.iterdir():
-        if entry.name != ".installed":
+        if entry.name not in (".installed", "bin"):
             (dest / entry.name).symlink_to(entry)
+    (dest / "bin").mkdir()
+    for entry in (real / "bin").iterdir():
+        if re.fullmatch(r"python[\d.]*", entry.name):
+            (dest / "bin" / entry.name).write_text(f'#!/bin/sh\nexec {shlex.quote(str(entry))} "$@"\n')
+            (dest / "bin" / entry.name).chmod(0o755)
+        else:
+            (dest / "bin" / entry.name).symlink_to(entry)
     (dest / ".installed").touch()
 
 
@@ -145,6 +158,8 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
         HF_HUB_CACHE=str(cache),
         HF_HUB_OFFLINE="1",
     )
+    prefix = subprocess.run(["python", "-c", "import sys; print(sys.prefix)"], cwd=repo, env=env, capture_output=True, text=True)
+    assert prefix.stdout.strip() == sys.prefix, f"the copy's python runs in {prefix.stdout.strip()}, not {sys.prefix}"
     stamp = subprocess.run(["make", "-q", ".venv/.installed"], cwd=repo, env=env)
     assert stamp.returncode == 0, "the copy's install stamp is stale: make would reinstall into the shared .venv"
     return repo, env
