@@ -111,6 +111,14 @@ def weight_bytes(model: OLMo) -> int:
     return total
 
 
+def decode_bound_s(model: OLMo, stats: dict, bandwidth: float) -> float:
+    """Seconds a generation's decode steps (`Generation.stats`) take at best: the bytes they must read (the weights
+    each step, and each row's own cache entries) over `bandwidth` bytes/s."""
+    param = next(model.parameters())
+    entry = 2 * model.cfg.n_kv_heads * model.cfg.head_dim * param.element_size()
+    return (stats["decode_forwards"] * weight_bytes(model) + stats["decode_cache_reads"] * entry) / bandwidth
+
+
 def kv_bytes(cfg, positions: list[int], element_size: int) -> int:
     """Cache bytes a decode step must read: each slot's own keys and values up to its new token (position p reads
     p + 1 entries; a sliding layer at most its window), no shared span, no mask."""
@@ -341,9 +349,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{', varlen prefill' if st['varlen_prefill'] else ''}): {st['prefill_forwards']} prefill forwards in {st['prefill_seconds']:.2f} s, "
               f"{st['decode_forwards']} decode steps in {st['decode_seconds']:.2f} s "
               f"({st['decode_seconds'] / max(st['decode_forwards'], 1) * 1e3:.2f} ms a step, {st['graph_forwards']} replayed)", flush=True)
-        if bandwidth and st["decode_forwards"]:  # the steps' bytes: the weights each, and each row's own cache entries
-            entry = 2 * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize
-            bound = (st["decode_forwards"] * weight_bytes(model) + st["decode_cache_reads"] * entry) / bandwidth
+        if bandwidth and st["decode_forwards"]:
+            bound = decode_bound_s(model, st, bandwidth)
             decode.update(decode_ms=st["decode_seconds"] / st["decode_forwards"] * 1e3, decode_bound_ms=bound / st["decode_forwards"] * 1e3,
                           decode_over_bound=st["decode_seconds"] / bound)
             print(f"    decode steps against their bytes bound: {decode['decode_ms']:.2f} ms a step, bound {decode['decode_bound_ms']:.2f} ms "

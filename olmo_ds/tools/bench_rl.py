@@ -50,7 +50,7 @@ import torch
 from olmo_ds.model import OLMo, preset
 from olmo_ds.model.decode import Sampling, generate
 from olmo_ds.model.model import make_blocks_zero3_leaves
-from olmo_ds.tools.bench_generate import copy_bandwidth, make_prompts, weight_bytes
+from olmo_ds.tools.bench_generate import copy_bandwidth, decode_bound_s, make_prompts
 from olmo_ds.tools.harness import block_counts, current_device, environment, sync
 from olmo_ds.train.config import RLConfig
 from olmo_ds.train.ds_config import device_type, zero3_knobs
@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [(Prompt(list(q), "coin", None, int(i)), j) for q, i in zip(part["prompt_ids"], part["prompt_index"].tolist())
              for j in range(args.samples)]
     requests = sample_requests(pairs, step=step, seed=args.seed, max_new_tokens=args.new_tokens, lengths=lengths)
+    bandwidth = copy_bandwidth(device) if gpu else None  # before the decode copy and its cache take their memory
     with gathered_policy(engine.module, dtype) as plain:
         sync()
         t0 = time.perf_counter()
@@ -235,15 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                         stop_ids=[cfg.vocab_size - 1], tokenizer=IdsAsText())
         sync()
         gen_s = time.perf_counter() - t0
-        weights = weight_bytes(plain)
+        # The same requests' decode steps at their bytes bound (bench_generate's): what the rollout's generation could take at best
+        bound_s = decode_bound_s(plain, done.stats, bandwidth) if gpu else None
     gen_tokens = sum(len(c.tokens) for c in done.completions)
-    # The decode steps' bytes bound (bench_generate's: the weights every step and each row's own cache entries, over the
-    # measured copy bandwidth), from the same requests' decode counts: what the rollout's generation could take at best
-    bound_s = None
-    if gpu:
-        entry = 2 * cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
-        bound_s = (done.stats["decode_forwards"] * weights + done.stats["decode_cache_reads"] * entry) \
-            / copy_bandwidth(device)
 
     # SFT on the first value's last timed step's rows: the fine-tuning objective (token mean over the same generated
     # tokens), same engine
